@@ -1,0 +1,114 @@
+"""``python -m deepspeed_cpp.env_report``: versions, CPU features and the state of every op.
+
+For each op it says whether it is pre-built for this torch, can be compiled just in time, or
+cannot be built here and why. Ops that are already built are loaded and report what they say about
+themselves (the CPU ISA level in use); ``--load`` compiles the others first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+
+import torch
+
+from .ops.op_builder import ALL_OPS, OpNotAvailableError
+from .ops.op_builder.builder import jit_cache_root
+
+_CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
+                 "avx512_fp16", "amx_bf16", "asimd", "sve")  # fmt: skip
+
+
+def cpu_features() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    present = set(line.split(":", 1)[1].split())
+                    return [f for f in _CPU_FEATURES if f in present]
+    except OSError:
+        pass
+    return []
+
+
+def nvcc_version() -> str:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else shutil.which("nvcc")
+    if not nvcc or not os.path.exists(nvcc):
+        return "not found"
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"error: {error}"
+    release = [line for line in out.stdout.splitlines() if "release" in line]
+    return f"{release[-1].strip() if release else out.stdout.strip()} ({nvcc})"
+
+
+def op_status(builder) -> str:
+    compatible, why = builder.is_compatible()
+    if not compatible:
+        return f"cannot build here: {why}"
+    prebuilt = builder.prebuilt_library()
+    if prebuilt is not None:
+        return f"pre-built ({prebuilt.name})"
+    jit_ok, jit_why = builder.jit_available()
+    if not jit_ok:
+        return f"not pre-built, cannot JIT: {jit_why}"
+    cached = builder.jit_build_dir() / f"{builder.jit_build_dir().name}.so"
+    return "can JIT (already compiled in cache)" if cached.is_file() else "can JIT (not compiled)"
+
+
+def loaded_details(name: str) -> str:
+    if name == "cpu_adam":
+        from .ops.cpu_adam import cpu_adam_isa
+
+        return f"cpu isa level: {cpu_adam_isa()}"
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--load", action="store_true", help="load every available op and report on it"
+    )
+    args = parser.parse_args(argv)
+
+    from . import __version__
+
+    rows = [
+        ("deepspeed_cpp", __version__),
+        ("python", platform.python_version()),
+        ("torch", f"{torch.__version__} (CUDA build: {torch.version.cuda or 'no'})"),
+        ("cuda available", str(torch.cuda.is_available())),
+        ("nvcc", nvcc_version()),
+        ("machine", f"{platform.machine()}, {os.cpu_count()} cores"),
+        ("cpu features", " ".join(cpu_features()) or "none detected"),
+        ("torch threads", str(torch.get_num_threads())),
+        ("jit cache", str(jit_cache_root())),
+    ]
+    width = max(len(key) for key, _ in rows)
+    print("deepspeed_cpp environment report")
+    for key, value in rows:
+        print(f"  {key:<{width}} : {value}")
+    print("ops:")
+    name_width = max(len(name) for name in ALL_OPS)
+    for name, builder_class in ALL_OPS.items():
+        builder = builder_class()
+        line = f"  {name:<{name_width}} : {op_status(builder)}"
+        # Loading is cheap once built; compiling is only done when asked for with --load.
+        ready = builder.prebuilt_library() is not None or "already compiled" in line
+        if builder.is_compatible()[0] and (args.load or ready):
+            try:
+                builder.load()
+                line += f"; loaded, {loaded_details(name)}".rstrip("; ,")
+            except OpNotAvailableError as error:
+                line += f"; load failed: {error}"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

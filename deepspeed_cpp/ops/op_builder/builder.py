@@ -1,0 +1,271 @@
+"""The base class every op builder derives from: sources, flags, pre-built lookup, JIT build.
+
+A native op family is one shared library that adds kernels to the ``deepspeed_cpp`` operator
+namespace. It is found in this order:
+
+1. pre-built by ``setup.py`` (``DS_BUILD_OPS=1`` or ``DS_BUILD_<NAME>=1``) into
+   ``deepspeed_cpp/_ops/`` for the same torch version;
+2. compiled just in time with ``torch.utils.cpp_extension.load`` into a cache folder whose name is
+   a digest of the torch version, the compiler flags and every source and header, so that a change
+   of any of those builds afresh and nothing else does.
+
+The JIT build is guarded by an ``fcntl`` lock on a file beside the build folder. The kernel drops
+such a lock when its owner dies, so a killed build never blocks a later one, and the next build
+finds the mark the killed one left and starts over from an empty folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+logger = logging.getLogger("deepspeed_cpp")
+
+_PACKAGE_DIR = Path(__file__).resolve().parents[2]  # .../deepspeed_cpp
+PREBUILT_DIR = _PACKAGE_DIR / "_ops"
+BUILD_INFO_FILE = PREBUILT_DIR / "build_info.json"
+
+# The flags every C++ translation unit is compiled with. -ffp-contract=off keeps the compiler from
+# fusing a*b+c on its own, which would make ISA paths round differently (see adam_math.h);
+# -fno-math-errno lets sqrtf vectorise. No -march: one binary runs on every CPU of its arch.
+BASE_CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
+
+# Loaded libraries, by op name, for this process.
+_loaded: dict[str, Path] = {}
+
+
+class OpNotAvailableError(RuntimeError):
+    """An op can be neither found pre-built nor compiled here; the message says why."""
+
+
+def csrc_dir() -> Path:
+    """The C++ sources: shipped inside the package when installed, else the source tree's."""
+    for candidate in (_PACKAGE_DIR / "csrc", _PACKAGE_DIR.parent / "csrc"):
+        if (candidate / "registration.cpp").is_file():
+            return candidate
+    raise OpNotAvailableError(
+        f"deepspeed_cpp's C++ sources were not found in {_PACKAGE_DIR / 'csrc'} nor in "
+        f"{_PACKAGE_DIR.parent / 'csrc'}; the installation is incomplete (reinstall the package)"
+    )
+
+
+def default_max_jobs() -> int:
+    """MAX_JOBS when set, else as many jobs as cores and free memory (2 GiB each) allow."""
+    if os.environ.get("MAX_JOBS"):
+        return max(1, int(os.environ["MAX_JOBS"]))
+    jobs = os.cpu_count() or 1
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    jobs = min(jobs, int(line.split()[1]) // (2 * 1024 * 1024))
+    return max(1, jobs)
+
+
+def jit_cache_root() -> Path:
+    """Where JIT builds go: DS_CPP_EXTENSIONS_DIR, else under TORCH_EXTENSIONS_DIR or ~/.cache."""
+    import torch
+
+    explicit = os.environ.get("DS_CPP_EXTENSIONS_DIR")
+    if explicit:
+        root = Path(explicit)
+    elif os.environ.get("TORCH_EXTENSIONS_DIR"):
+        root = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "deepspeed_cpp"
+    else:
+        root = Path.home() / ".cache" / "deepspeed_cpp" / "torch_extensions"
+    cuda = "cu" + torch.version.cuda.replace(".", "") if torch.version.cuda else "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return root / f"{python}_torch{torch.__version__.split('+')[0]}_{cuda}"
+
+
+class OpBuilder:
+    """Describes one op family. Subclasses set NAME and list their sources (relative to csrc/)."""
+
+    NAME: ClassVar[str] = ""
+    # Every family but the schema library itself needs the schemas loaded first.
+    NEEDS_REGISTRY: ClassVar[bool] = True
+
+    # --- what subclasses describe -------------------------------------------------------------
+    def sources(self) -> list[str]:
+        raise NotImplementedError
+
+    def extra_cflags(self) -> list[str]:
+        return list(BASE_CXX_FLAGS)
+
+    def extra_ldflags(self) -> list[str]:
+        return []
+
+    def is_compatible(self) -> tuple[bool, str]:
+        """Whether this op can be built for this machine, and if not, what is missing."""
+        return True, ""
+
+    # --- derived ------------------------------------------------------------------------------
+    def absolute_sources(self) -> list[Path]:
+        root = csrc_dir()
+        return [root / source for source in self.sources()]
+
+    def source_digest(self) -> str:
+        """Digest of torch's version, the flags, this op's sources and every header in csrc/."""
+        import torch
+
+        root = csrc_dir()
+        digest = hashlib.sha256()
+        digest.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}".encode())
+        digest.update("|".join(self.extra_cflags() + self.extra_ldflags()).encode())
+        headers = sorted(p for p in root.rglob("*") if p.suffix in (".h", ".cuh", ".hpp"))
+        for path in self.absolute_sources() + headers:
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+        return digest.hexdigest()[:16]
+
+    def jit_build_dir(self) -> Path:
+        return jit_cache_root() / f"{self.NAME}_{self.source_digest()}"
+
+    def prebuilt_library(self) -> Path | None:
+        """The pre-built library for this torch version, or None (with one log line if stale)."""
+        matches = sorted(PREBUILT_DIR.glob(f"{self.NAME}.*so"))
+        if not matches:
+            return None
+        import torch
+
+        try:
+            info = json.loads(BUILD_INFO_FILE.read_text())
+        except (OSError, ValueError):
+            info = {}
+        built_for = info.get("torch_version")
+        if built_for != torch.__version__:
+            logger.warning(
+                "deepspeed_cpp: ignoring pre-built %s (built for torch %s, running torch %s); "
+                "compiling it just in time instead",
+                matches[0].name,
+                built_for,
+                torch.__version__,
+            )
+            return None
+        return matches[0]
+
+    def jit_available(self) -> tuple[bool, str]:
+        """Whether a JIT build can be attempted here, and if not, what is missing."""
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            return False, f"no C++ compiler: '{compiler}' is not on PATH (install g++ or set CXX)"
+        try:
+            import ninja  # noqa: F401
+        except ImportError:
+            if shutil.which("ninja") is None:
+                return False, "ninja is not installed (pip install ninja)"
+        return True, ""
+
+    # --- loading ------------------------------------------------------------------------------
+    def load(self, verbose: bool = False):
+        """Loads the op's library (pre-built first, JIT otherwise) and returns its namespace."""
+        import torch
+
+        if self.NAME not in _loaded:
+            ok, why = self.is_compatible()
+            if not ok:
+                raise OpNotAvailableError(f"op '{self.NAME}' cannot run on this machine: {why}")
+            if self.NEEDS_REGISTRY:
+                from .registry import RegistryBuilder
+
+                RegistryBuilder().load(verbose=verbose)
+            library = self.prebuilt_library() or self._jit_build(verbose)
+            if library not in _loaded.values():
+                torch.ops.load_library(str(library))
+            _loaded[self.NAME] = library
+        return torch.ops.deepspeed_cpp
+
+    def loaded_library(self) -> Path | None:
+        return _loaded.get(self.NAME)
+
+    def c_library(self) -> ctypes.CDLL:
+        """The loaded library as a ctypes handle, for the few extern "C" build descriptions."""
+        self.load()
+        return ctypes.CDLL(str(_loaded[self.NAME]))
+
+    def _jit_build(self, verbose: bool) -> Path:
+        ok, why = self.jit_available()
+        if not ok:
+            raise OpNotAvailableError(
+                f"op '{self.NAME}' is not pre-built for this torch and cannot be compiled just in "
+                f"time: {why}. Install a wheel built with DS_BUILD_OPS=1, or fix the above."
+            )
+        import torch.utils.cpp_extension as cpp_extension
+
+        build_dir = self.jit_build_dir()
+        build_dir.parent.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("MAX_JOBS", str(default_max_jobs()))
+        with _exclusive_build_lock(build_dir):
+            library = build_dir / f"{build_dir.name}.so"
+            if not library.is_file():
+                logger.warning(
+                    "deepspeed_cpp: compiling op '%s' just in time into %s (first use only)",
+                    self.NAME,
+                    build_dir,
+                )
+            build_dir.mkdir(exist_ok=True)
+            try:
+                cpp_extension.load(
+                    name=build_dir.name,
+                    sources=[str(p) for p in self.absolute_sources()],
+                    extra_cflags=self.extra_cflags(),
+                    extra_ldflags=self.extra_ldflags(),
+                    extra_include_paths=[str(csrc_dir())],
+                    build_directory=str(build_dir),
+                    is_python_module=False,
+                    verbose=verbose,
+                )
+            except (RuntimeError, OSError, SystemExit) as error:
+                raise OpNotAvailableError(
+                    f"JIT build of op '{self.NAME}' failed in {build_dir}: {error}. The "
+                    f"compiler's output is printed above."
+                ) from error
+        return library
+
+
+@contextlib.contextmanager
+def _exclusive_build_lock(build_dir: Path):
+    """Holds an flock beside `build_dir` while building; clears what a killed build left behind.
+
+    The lock file says ``building <pid>`` while a build runs and is emptied when it succeeds.
+    The kernel drops an flock when its holder dies, so finding ``building`` once we hold the
+    flock means that build was killed (or failed) mid-way: its folder may hold half-written
+    objects and, with torch < 2.14, a ``lock`` file on which torch would wait forever. The folder
+    is removed and the build starts over.
+    """
+    lock_path = build_dir.with_name(build_dir.name + ".lock")
+    with open(lock_path, "a+") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            lock_file.seek(0)
+            previous = lock_file.read().split()
+            if previous[:1] == ["building"]:
+                owner = previous[1] if len(previous) > 1 else "unknown"
+                logger.warning(
+                    "deepspeed_cpp: cleared a stale build lock on %s: the build by pid %s was "
+                    "interrupted (that process is gone); rebuilding from scratch",
+                    build_dir,
+                    owner,
+                )
+                shutil.rmtree(build_dir, ignore_errors=True)
+            _rewrite(lock_file, f"building {os.getpid()}")
+            yield
+            _rewrite(lock_file, "")
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _rewrite(lock_file, text: str) -> None:
+    lock_file.seek(0)
+    lock_file.truncate()
+    lock_file.write(text)
+    lock_file.flush()

@@ -1,0 +1,5 @@
+"""torch.optim.Optimizer subclasses over the native ops."""
+
+from .cpu_adam import DeepSpeedCPUAdam
+
+__all__ = ["DeepSpeedCPUAdam"]

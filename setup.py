@@ -1,0 +1,125 @@
+"""Build script: packages deepspeed_cpp and pre-builds the native ops that DS_BUILD_* ask for.
+
+Nothing is compiled by default; ops then compile just in time on first use. Flags (1 or 0):
+
+  DS_BUILD_OPS=1         pre-build every op that can be built on this machine
+  DS_BUILD_<OP>=1        pre-build that op, failing the install if it cannot be built here
+  DS_BUILD_<OP>=0        never pre-build that op (overrides DS_BUILD_OPS=1)
+
+MAX_JOBS (parallel compile jobs; derived from cores and free memory when unset),
+TORCH_CUDA_ARCH_LIST and CUDA_HOME are honoured. No GPU is needed to build.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).parent.resolve()
+
+
+def load_op_builder():
+    """Imports deepspeed_cpp/ops/op_builder on its own, without the rest of the package."""
+    package_dir = ROOT / "deepspeed_cpp" / "ops" / "op_builder"
+    spec = importlib.util.spec_from_file_location(
+        "_deepspeed_cpp_op_builder",
+        package_dir / "__init__.py",
+        submodule_search_locations=[str(package_dir)],
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    if value not in ("0", "1"):
+        raise SystemExit(f"deepspeed_cpp setup: {name}={value!r} is not valid; use 1 or 0")
+    return value == "1"
+
+
+def ops_to_prebuild(op_builder) -> list:
+    build_all = read_flag("DS_BUILD_OPS") or False
+    chosen = []
+    for name, builder_class in op_builder.ALL_OPS.items():
+        flag = f"DS_BUILD_{name.upper()}"
+        explicit = read_flag(flag)
+        if explicit is False or (explicit is None and not build_all):
+            continue
+        builder = builder_class()
+        compatible, why = builder.is_compatible()
+        if not compatible:
+            if explicit:
+                raise SystemExit(
+                    f"deepspeed_cpp setup: {flag}=1 asks to pre-build op '{name}', but it cannot "
+                    f"be built on this machine: {why}"
+                )
+            print(f"deepspeed_cpp setup: skipping op '{name}' (DS_BUILD_OPS=1): {why}")
+            continue
+        chosen.append(builder)
+    if chosen:
+        chosen.insert(0, op_builder.RegistryBuilder())
+    return chosen
+
+
+def extension_for(builder):
+    from torch.utils.cpp_extension import CppExtension
+
+    return CppExtension(
+        name=f"deepspeed_cpp._ops.{builder.NAME}",
+        sources=[f"csrc/{source}" for source in builder.sources()],
+        include_dirs=[str(ROOT / "csrc")],
+        extra_compile_args={"cxx": builder.extra_cflags()},
+        extra_link_args=builder.extra_ldflags(),
+    )
+
+
+class BuildPyWithSources(build_py):
+    """Ships csrc/ inside the package so that JIT builds work from a non-editable install."""
+
+    def run(self):
+        super().run()
+        target = Path(self.build_lib) / "deepspeed_cpp" / "csrc"
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(ROOT / "csrc", target, ignore=shutil.ignore_patterns("*.o", "*.so"))
+
+
+def setup_kwargs() -> dict:
+    op_builder = load_op_builder()
+    builders = ops_to_prebuild(op_builder)
+    kwargs = {"cmdclass": {"build_py": BuildPyWithSources}}
+    if not builders:
+        return kwargs
+    import torch
+    from torch.utils.cpp_extension import BuildExtension
+
+    os.environ.setdefault("MAX_JOBS", str(op_builder.builder.default_max_jobs()))
+    print("deepspeed_cpp setup: pre-building ops:", ", ".join(b.NAME for b in builders))
+
+    class BuildExtensionWithInfo(BuildExtension):
+        """Records the torch the ops were built against; the loader ignores them for another."""
+
+        def run(self):
+            super().run()
+            ops_dir = Path(self.get_ext_fullpath(self.extensions[0].name)).parent
+            info = {
+                "torch_version": torch.__version__,
+                "cuda_version": torch.version.cuda,
+                "ops": [b.NAME for b in builders],
+            }
+            (ops_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+
+    kwargs["ext_modules"] = [extension_for(b) for b in builders]
+    kwargs["cmdclass"]["build_ext"] = BuildExtensionWithInfo.with_options(use_ninja=True)
+    return kwargs
+
+
+setup(**setup_kwargs())

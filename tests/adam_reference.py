@@ -1,0 +1,31 @@
+"""Independent float64 references for the Adam tests: torch's own optimizers, or the textbook
+formula where torch has no switch (bias correction off)."""
+
+import torch
+
+
+def reference_adam_steps(param, grads, *, lr, betas, eps, weight_decay, adamw_mode,
+                         bias_correction, dtype=torch.float64):  # fmt: skip
+    """Runs len(grads) steps in `dtype` (float64 by default) and returns the final parameter."""
+    p = param.detach().to(dtype).clone()
+    if bias_correction:
+        cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+        p.requires_grad_(True)
+        opt = cls([p], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        for g in grads:
+            p.grad = g.to(dtype)
+            opt.step()
+        return p.detach()
+    beta1, beta2 = betas
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    for g in grads:
+        g = g.to(dtype)
+        if adamw_mode:
+            p.mul_(1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
+    return p

@@ -1,0 +1,27 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "tests"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    """Fresh random inputs on every run; a failure prints DS_TEST_SEED to reproduce it."""
+    seed = int(os.environ.get("DS_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    torch.manual_seed(seed)
+    request.node.user_properties.append(("seed", seed))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        for key, value in item.user_properties:
+            if key == "seed":
+                report.sections.append(("seed", f"reproduce with DS_TEST_SEED={value}"))
+    return report
