@@ -52,7 +52,9 @@ def test_matches_torch_float64(size, mode):
     assert error <= 1.5 * fp32_error + 1e-7 * scale, (
         f"max |ours - float64 reference| = {error:.3e}, torch float32: {fp32_error:.3e}"
     )
-    assert error <= 1e-5 * scale
+    # Sanity bound. Without bias correction in L2 mode the first steps divide by tiny second
+    # moments, so float32 rounding alone reaches ~2e-5 relative there; the tight check is above.
+    assert error <= 1e-4 * scale
 
 
 def test_multi_tensor_equals_single_tensor_bitwise():
