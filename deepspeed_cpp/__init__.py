@@ -3,9 +3,37 @@
 Scripts written for DeepSpeed run with ``import deepspeed_cpp as deepspeed``.
 """
 
-from . import ops, optim
+from . import comm, ops, optim
+from .comm import init_distributed
 from .utils.logging import logger
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "logger", "ops", "optim"]
+# The engine and its config stack load on first use, so that importing the package (for the ops
+# or the report command) stays light.
+_LAZY = {
+    "initialize": ".runtime.initialize",
+    "add_config_arguments": ".runtime.initialize",
+    "DeepSpeedEngine": ".runtime.engine",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'deepspeed_cpp' has no attribute '{name}'")
+
+
+__all__ = [
+    "DeepSpeedEngine",
+    "__version__",
+    "add_config_arguments",
+    "comm",
+    "init_distributed",
+    "initialize",
+    "logger",
+    "ops",
+    "optim",
+]

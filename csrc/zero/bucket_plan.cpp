@@ -1,0 +1,53 @@
+#include "bucket_plan.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace deepspeed_cpp {
+namespace {
+
+// A bucket's padded size; a bucket of only empty tensors still gets one element per shard.
+int64_t padded_size(int64_t used, int64_t multiple) {
+  const int64_t at_least_one = used > 0 ? used : 1;
+  return (at_least_one + multiple - 1) / multiple * multiple;
+}
+
+}  // namespace
+
+BucketPlan plan_buckets(const std::vector<int64_t>& numels, const std::vector<int64_t>& groups,
+                        int64_t capacity, int64_t world_size, int64_t alignment) {
+  if (numels.size() != groups.size()) {
+    throw std::invalid_argument("plan_buckets: numels has " + std::to_string(numels.size()) +
+                                " entries but groups has " + std::to_string(groups.size()));
+  }
+  if (capacity < 1 || world_size < 1 || alignment < 1) {
+    throw std::invalid_argument(
+        "plan_buckets: capacity, world_size and alignment must be >= 1, got " +
+        std::to_string(capacity) + ", " + std::to_string(world_size) + ", " +
+        std::to_string(alignment));
+  }
+  BucketPlan plan;
+  plan.slots.reserve(numels.size());
+  int64_t used = 0;  // elements in the open bucket
+  for (size_t i = 0; i < numels.size(); ++i) {
+    if (numels[i] < 0) {
+      throw std::invalid_argument("plan_buckets: numels[" + std::to_string(i) + "] is negative");
+    }
+    const bool open = !plan.bucket_groups.empty();
+    const bool fits =
+        open && plan.bucket_groups.back() == groups[i] && used + numels[i] <= capacity;
+    if (!fits) {
+      if (open) plan.bucket_sizes.push_back(padded_size(used, world_size * alignment));
+      plan.bucket_groups.push_back(groups[i]);
+      used = 0;
+    }
+    plan.slots.push_back({static_cast<int64_t>(plan.bucket_groups.size()) - 1, used});
+    used += numels[i];
+  }
+  if (!plan.bucket_groups.empty()) {
+    plan.bucket_sizes.push_back(padded_size(used, world_size * alignment));
+  }
+  return plan;
+}
+
+}  // namespace deepspeed_cpp

@@ -1,0 +1,169 @@
+#include "grad_reducer.h"
+
+#include <algorithm>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
+namespace deepspeed_cpp {
+
+GradientReducer::GradientReducer(const std::string& group_name, std::vector<int64_t> param_bucket,
+                                 std::vector<int64_t> param_offset,
+                                 std::vector<int64_t> param_numel,
+                                 std::vector<int64_t> bucket_sizes, bool scatter)
+    : group_(c10d::resolve_process_group(group_name)),
+      rank_(group_->getRank()),
+      world_size_(group_->getSize()),
+      scatter_(scatter),
+      param_bucket_(std::move(param_bucket)),
+      param_offset_(std::move(param_offset)),
+      param_numel_(std::move(param_numel)),
+      param_arrived_(param_bucket_.size(), 0),
+      buckets_(bucket_sizes.size()) {
+  const size_t num_params = param_bucket_.size();
+  TORCH_CHECK(param_offset_.size() == num_params && param_numel_.size() == num_params,
+              "GradientReducer: param_bucket, param_offset and param_numel must have equal "
+              "lengths, got ",
+              num_params, ", ", param_offset_.size(), ", ", param_numel_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    TORCH_CHECK(bucket_sizes[b] > 0 && bucket_sizes[b] % world_size_ == 0,
+                "GradientReducer: bucket ", b, " has size ", bucket_sizes[b],
+                "; expected a positive multiple of the world size ", world_size_);
+    buckets_[b].size = bucket_sizes[b];
+  }
+  for (size_t p = 0; p < num_params; ++p) {
+    const int64_t b = param_bucket_[p];
+    TORCH_CHECK(b >= 0 && b < static_cast<int64_t>(buckets_.size()), "GradientReducer: param ", p,
+                " is planned into bucket ", b, " but there are ", buckets_.size(), " buckets");
+    Bucket& bucket = buckets_[b];
+    const int64_t end = param_offset_[p] + param_numel_[p];
+    TORCH_CHECK(param_offset_[p] >= 0 && end <= bucket.size, "GradientReducer: param ", p,
+                " spans [", param_offset_[p], ", ", end, ") outside bucket ", b, " of size ",
+                bucket.size);
+    bucket.members.push_back(static_cast<int64_t>(p));
+    bucket.used = std::max(bucket.used, end);
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    TORCH_CHECK(!buckets_[b].members.empty(), "GradientReducer: bucket ", b, " has no parameter");
+  }
+  has_reduce_scatter_ = scatter_ && probe_reduce_scatter();
+}
+
+bool GradientReducer::probe_reduce_scatter() {
+  // Every rank builds its reducer at the same point, so the probe is a collective like any
+  // other. A backend without the op throws before communicating.
+  try {
+    at::Tensor input = at::ones({world_size_}, at::kFloat);
+    at::Tensor output = at::empty({1}, at::kFloat);
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    group_->_reduce_scatter_base(output, input, options)->wait();
+    return output.item<float>() == static_cast<float>(world_size_);
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+std::string GradientReducer::collective() const {
+  if (!scatter_) return "all_reduce";
+  return has_reduce_scatter_ ? "reduce_scatter" : "all_reduce+slice";
+}
+
+int64_t GradientReducer::held_bytes() const {
+  int64_t total = 0;
+  for (const Bucket& bucket : buckets_) {
+    if (bucket.buffer.defined()) total += bucket.buffer.nbytes();
+    if (bucket.shard.defined()) total += bucket.shard.nbytes();
+  }
+  return total;
+}
+
+void GradientReducer::ensure_buffer(Bucket& bucket) {
+  if (bucket.buffer.defined()) return;
+  bucket.buffer = at::empty({bucket.size}, at::kFloat);
+  if (bucket.used < bucket.size)
+    bucket.buffer.narrow(0, bucket.used, bucket.size - bucket.used).zero_();
+}
+
+void GradientReducer::add_grad(int64_t param, const at::Tensor& grad) {
+  TORCH_CHECK(param >= 0 && param < static_cast<int64_t>(param_bucket_.size()),
+              "GradientReducer.add_grad: param index ", param, " is out of range [0, ",
+              param_bucket_.size(), ")");
+  TORCH_CHECK(!param_arrived_[param], "GradientReducer.add_grad: the gradient of param ", param,
+              " was already handed over in this step");
+  TORCH_CHECK(grad.numel() == param_numel_[param], "GradientReducer.add_grad: param ", param,
+              " has ", param_numel_[param], " elements but its gradient has ", grad.numel(),
+              " (shape ", grad.sizes(), ")");
+  TORCH_CHECK(grad.device().is_cpu() || grad.device().is_cuda(),
+              "GradientReducer.add_grad: unsupported gradient device ", grad.device());
+  Bucket& bucket = buckets_[param_bucket_[param]];
+  ensure_buffer(bucket);
+  if (bucket.buffer.device() != grad.device()) bucket.buffer = bucket.buffer.to(grad.device());
+  bucket.buffer.narrow(0, param_offset_[param], param_numel_[param]).copy_(grad.reshape({-1}));
+  param_arrived_[param] = 1;
+  ++bucket.arrived;
+  ++received_;
+  launch_complete_buckets_in_order();
+}
+
+void GradientReducer::launch_complete_buckets_in_order() {
+  while (next_to_launch_ < buckets_.size()) {
+    Bucket& bucket = buckets_[next_to_launch_];
+    if (bucket.arrived < static_cast<int64_t>(bucket.members.size())) return;
+    launch(bucket);
+    ++next_to_launch_;
+  }
+}
+
+void GradientReducer::launch(Bucket& bucket) {
+  if (has_reduce_scatter_) {
+    bucket.shard = at::empty({bucket.size / world_size_}, bucket.buffer.options());
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    bucket.work = group_->_reduce_scatter_base(bucket.shard, bucket.buffer, options);
+  } else {
+    std::vector<at::Tensor> tensors{bucket.buffer};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    bucket.work = group_->allreduce(tensors, options);
+  }
+  bucket.launched = true;
+}
+
+std::vector<at::Tensor> GradientReducer::finish() {
+  // Parameters that got no gradient (unused in this step on this rank) contribute zeros.
+  for (size_t b = next_to_launch_; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    ensure_buffer(bucket);
+    for (int64_t p : bucket.members) {
+      if (param_arrived_[p]) continue;
+      bucket.buffer.narrow(0, param_offset_[p], param_numel_[p]).zero_();
+      param_arrived_[p] = 1;
+      ++bucket.arrived;
+    }
+  }
+  launch_complete_buckets_in_order();
+
+  std::vector<at::Tensor> results;
+  results.reserve(buckets_.size());
+  for (Bucket& bucket : buckets_) {
+    bucket.work->wait();
+    if (has_reduce_scatter_) {
+      results.push_back(bucket.shard);
+    } else if (scatter_) {
+      const int64_t shard = bucket.size / world_size_;
+      results.push_back(bucket.buffer.narrow(0, rank_ * shard, shard).clone());
+    } else {
+      results.push_back(bucket.buffer);
+    }
+    bucket.buffer = at::Tensor();
+    bucket.shard = at::Tensor();
+    bucket.work.reset();
+    bucket.arrived = 0;
+    bucket.launched = false;
+  }
+  std::fill(param_arrived_.begin(), param_arrived_.end(), 0);
+  next_to_launch_ = 0;
+  received_ = 0;
+  return results;
+}
+
+}  // namespace deepspeed_cpp

@@ -1,0 +1,82 @@
+// The ZeRO gradient reducer: gradients are copied into fixed, pre-planned flat buckets as autograd
+// produces them, and every complete bucket is reduced with one asynchronous collective on a c10d
+// ProcessGroup, so that communication overlaps the rest of the backward pass.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+
+#include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <vector>
+
+namespace deepspeed_cpp {
+
+class GradientReducer : public torch::CustomClassHolder {
+ public:
+  // `param_bucket`, `param_offset` and `bucket_sizes` are a plan from zero_plan_buckets (the same
+  // on every rank). With `scatter`, each rank receives only its 1/world_size shard of each reduced
+  // bucket (ZeRO 1/2); without, the whole reduced bucket (ZeRO 0). Gradients are reduced in fp32
+  // with SUM whatever their dtype: exact for every dtype and needs nothing a backend may lack
+  // (gloo has neither bf16 reductions nor AVG). The caller divides by the world size.
+  GradientReducer(const std::string& group_name, std::vector<int64_t> param_bucket,
+                  std::vector<int64_t> param_offset, std::vector<int64_t> param_numel,
+                  std::vector<int64_t> bucket_sizes, bool scatter);
+
+  // Hands over parameter `param`'s gradient for this step (copied; the caller may free it).
+  void add_grad(int64_t param, const at::Tensor& grad);
+
+  // Reduces what has not been reduced yet (parameters that got no gradient count as zeros),
+  // waits for every collective and returns one fp32 tensor per bucket: the rank's shard
+  // (scatter) or the whole bucket. Resets the reducer for the next step.
+  std::vector<at::Tensor> finish();
+
+  // Whether any gradient arrived since the last finish().
+  bool pending() const { return received_ > 0; }
+
+  // How buckets are reduced on this group: "reduce_scatter", "all_reduce+slice" (the probed
+  // fallback where the backend has no reduce-scatter) or "all_reduce".
+  std::string collective() const;
+
+  // Bytes of bucket buffers currently allocated (0 between steps: nothing full-size is kept).
+  int64_t held_bytes() const;
+
+  int64_t rank() const { return rank_; }
+  int64_t world_size() const { return world_size_; }
+  int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+
+ private:
+  struct Bucket {
+    int64_t size = 0;  // padded elements
+    int64_t used = 0;  // elements covered by parameters; the rest is zero padding
+    std::vector<int64_t> members;
+    int64_t arrived = 0;
+    bool launched = false;
+    at::Tensor buffer;  // allocated on first use, released once reduced
+    at::Tensor shard;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  void ensure_buffer(Bucket& bucket);
+  void launch_complete_buckets_in_order();
+  void launch(Bucket& bucket);
+  bool probe_reduce_scatter();
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int64_t rank_;
+  int64_t world_size_;
+  bool scatter_;
+  bool has_reduce_scatter_ = false;
+  std::vector<int64_t> param_bucket_;
+  std::vector<int64_t> param_offset_;
+  std::vector<int64_t> param_numel_;
+  std::vector<char> param_arrived_;
+  std::vector<Bucket> buckets_;
+  // Collectives must be issued in the same order on every rank, whatever order autograd hands
+  // gradients over in: buckets are launched strictly by index, each once it and all before it
+  // are complete.
+  size_t next_to_launch_ = 0;
+  int64_t received_ = 0;
+};
+
+}  // namespace deepspeed_cpp

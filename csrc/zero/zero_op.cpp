@@ -1,0 +1,90 @@
+// ATen glue for csrc/zero: flat-buffer copies, bucket planning, and the GradientReducer class.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "bucket_plan.h"
+#include "grad_reducer.h"
+
+namespace deepspeed_cpp {
+namespace {
+
+void check_flat(const at::Tensor& flat, at::TensorList tensors, at::IntArrayRef offsets,
+                const char* op) {
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), op,
+              ": flat must be a contiguous 1-D tensor, got shape ", flat.sizes(), " and strides ",
+              flat.strides());
+  TORCH_CHECK(offsets.size() == tensors.size(), op, ": got ", tensors.size(), " tensors but ",
+              offsets.size(), " offsets");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].device() == flat.device(), op, ": tensors[", i, "] is on ",
+                tensors[i].device(), " but flat is on ", flat.device());
+    const int64_t end = offsets[i] + tensors[i].numel();
+    TORCH_CHECK(offsets[i] >= 0 && end <= flat.numel(), op, ": tensors[", i, "] (",
+                tensors[i].numel(), " elements at offset ", offsets[i],
+                ") does not fit in flat of ", flat.numel(), " elements");
+  }
+}
+
+void zero_flatten_into(at::TensorList tensors, at::Tensor& flat, at::IntArrayRef offsets) {
+  check_flat(flat, tensors, offsets, "zero_flatten_into");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    flat.narrow(0, offsets[i], tensors[i].numel()).copy_(tensors[i].reshape({-1}));
+  }
+}
+
+void zero_unflatten_from(const at::Tensor& flat, at::TensorList tensors, at::IntArrayRef offsets) {
+  check_flat(flat, tensors, offsets, "zero_unflatten_from");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    // TensorList elements are const; the schema marks them written (Tensor(a!)[]).
+    at::Tensor target = tensors[i];
+    target.copy_(flat.narrow(0, offsets[i], target.numel()).view(target.sizes()));
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> zero_plan_buckets(at::IntArrayRef numels, at::IntArrayRef groups,
+                                                     int64_t capacity, int64_t world_size,
+                                                     int64_t alignment) {
+  BucketPlan plan;
+  try {
+    plan = plan_buckets(numels.vec(), groups.vec(), capacity, world_size, alignment);
+  } catch (const std::invalid_argument& error) {
+    TORCH_CHECK(false, error.what());
+  }
+  const int64_t num_params = static_cast<int64_t>(plan.slots.size());
+  at::Tensor slots = at::empty({num_params, 2}, at::kLong);
+  auto slot = slots.accessor<int64_t, 2>();
+  for (int64_t p = 0; p < num_params; ++p) {
+    slot[p][0] = plan.slots[p].bucket;
+    slot[p][1] = plan.slots[p].offset;
+  }
+  at::Tensor sizes = at::tensor(plan.bucket_sizes, at::kLong);
+  return {slots, sizes};
+}
+
+}  // namespace
+}  // namespace deepspeed_cpp
+
+TORCH_LIBRARY_IMPL(deepspeed_cpp, CompositeExplicitAutograd, m) {
+  m.impl("zero_flatten_into", &deepspeed_cpp::zero_flatten_into);
+  m.impl("zero_unflatten_from", &deepspeed_cpp::zero_unflatten_from);
+  m.impl("zero_plan_buckets", &deepspeed_cpp::zero_plan_buckets);
+}
+
+// A custom class must be registered by the library that implements it, so this is the one
+// schema-like registration outside csrc/registration.cpp.
+TORCH_LIBRARY_FRAGMENT(deepspeed_cpp, m) {
+  m.class_<deepspeed_cpp::GradientReducer>("GradientReducer")
+      .def(torch::init<std::string, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<int64_t>, std::vector<int64_t>, bool>())
+      .def("add_grad", &deepspeed_cpp::GradientReducer::add_grad)
+      .def("finish", &deepspeed_cpp::GradientReducer::finish)
+      .def("pending", &deepspeed_cpp::GradientReducer::pending)
+      .def("collective", &deepspeed_cpp::GradientReducer::collective)
+      .def("held_bytes", &deepspeed_cpp::GradientReducer::held_bytes)
+      .def("rank", &deepspeed_cpp::GradientReducer::rank)
+      .def("world_size", &deepspeed_cpp::GradientReducer::world_size)
+      .def("num_buckets", &deepspeed_cpp::GradientReducer::num_buckets);
+}

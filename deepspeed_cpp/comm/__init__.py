@@ -1,0 +1,23 @@
+"""``deepspeed_cpp.comm``: process-group set-up and the few collective helpers scripts call.
+
+Everything here is a thin layer over ``torch.distributed``; rendezvous is torchrun's (or, with no
+launcher at all, a world of one on loopback).
+"""
+
+from .distributed import (
+    barrier,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_initialized,
+)
+
+__all__ = [
+    "barrier",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_initialized",
+]

@@ -1,0 +1,101 @@
+"""Process-group initialisation from torchrun's environment, or a world of one without it."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..utils.logging import logger
+
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int | None = None,
+    verbose: bool = True,
+    timeout: timedelta | None = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config=None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """Initialises the default process group once (DeepSpeed's signature; MPI is not used).
+
+    Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) the group comes from that
+    environment. With none of them set — a notebook or a plain ``python script.py`` — a world of
+    one is created on loopback. Partly set variables are an error naming the missing ones.
+    The backend defaults to the accelerator's (gloo on CPU, nccl on CUDA).
+    """
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        return
+    present = [name for name in _LAUNCHER_VARIABLES if os.environ.get(name)]
+    if rank >= 0 and world_size > 0:
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(world_size))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(distributed_port or 29500))
+    elif not present:
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(distributed_port or _free_port()),
+        )
+        if verbose:
+            logger.info("deepspeed_cpp: no launcher environment found; using a world of one")
+    elif len(present) < len(_LAUNCHER_VARIABLES):
+        missing = [name for name in _LAUNCHER_VARIABLES if name not in present]
+        raise RuntimeError(
+            f"init_distributed: the launcher environment is incomplete: {', '.join(present)} "
+            f"set but {', '.join(missing)} missing (launch with torchrun or deepspeed-cpp)"
+        )
+    if dist_backend is None:
+        from ..accelerator import get_accelerator
+
+        dist_backend = get_accelerator().communication_backend_name()
+    kwargs = {"backend": dist_backend, "init_method": init_method or "env://"}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    dist.init_process_group(**kwargs)
+    if verbose and dist.get_rank() == 0:
+        logger.info(
+            "deepspeed_cpp: initialised %s process group, world size %d",
+            dist_backend,
+            dist.get_world_size(),
+        )
+
+
+def is_initialized() -> bool:
+    return dist.is_initialized()
+
+
+def get_rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def get_world_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group)

@@ -1,0 +1,106 @@
+"""Python entry points of csrc/zero: flat buffers, bucket plans and the gradient reducer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .op_builder import ZeroBuilder
+
+_ready = False
+
+
+def load_zero() -> None:
+    """Loads the op library (pre-built or JIT). Called before first use, outside torch.compile."""
+    global _ready
+    if not _ready:
+        ZeroBuilder().load()
+        torch.library.register_fake("deepspeed_cpp::zero_flatten_into")(_fake_nothing)
+        torch.library.register_fake("deepspeed_cpp::zero_unflatten_from")(_fake_nothing)
+        torch.library.register_fake("deepspeed_cpp::zero_plan_buckets")(_fake_plan)
+        _ready = True
+
+
+def _fake_nothing(*args) -> None:
+    return None
+
+
+def _fake_plan(numels, groups, capacity, world_size, alignment):
+    ctx = torch.library.get_ctx()
+    num_buckets = ctx.new_dynamic_size()
+    slots = torch.empty((len(numels), 2), dtype=torch.long)
+    return slots, torch.empty((num_buckets,), dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Where every parameter lives in the flat buckets; identical on every rank."""
+
+    param_bucket: list[int]
+    param_offset: list[int]
+    param_numel: list[int]
+    bucket_sizes: list[int]
+    bucket_groups: list[int]
+    world_size: int
+
+    def shard_size(self, bucket: int) -> int:
+        return self.bucket_sizes[bucket] // self.world_size
+
+    def members(self, bucket: int) -> list[int]:
+        return [p for p, b in enumerate(self.param_bucket) if b == bucket]
+
+
+def plan_buckets(
+    numels: Sequence[int],
+    groups: Sequence[int],
+    *,
+    capacity: int,
+    world_size: int,
+    alignment: int = 16,
+) -> BucketPlan:
+    """Packs parameters (in the given order) into flat buckets of at most `capacity` elements.
+
+    A bucket never mixes parameter groups; a parameter larger than `capacity` gets a bucket of
+    its own; each bucket is padded to a multiple of ``world_size * alignment`` elements so that it
+    splits into equal, aligned shards, one per rank.
+    """
+    if not _ready:
+        load_zero()
+    slots, sizes = torch.ops.deepspeed_cpp.zero_plan_buckets.default(
+        list(numels), list(groups), int(capacity), int(world_size), int(alignment)
+    )
+    param_bucket = slots[:, 0].tolist()
+    bucket_groups = [0] * sizes.numel()
+    for param, bucket in enumerate(param_bucket):
+        bucket_groups[bucket] = int(groups[param])
+    return BucketPlan(param_bucket, slots[:, 1].tolist(), list(numels), sizes.tolist(),
+                      bucket_groups, int(world_size))  # fmt: skip
+
+
+def flatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int]):
+    """Copies each tensor (any shape, any dtype) into the 1-D ``flat`` at its element offset."""
+    if not _ready:
+        load_zero()
+    torch.ops.deepspeed_cpp.zero_flatten_into.default(list(tensors), flat, list(offsets))
+
+
+def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
+    """Copies slices of the 1-D ``flat`` back into each tensor, in place (dtype converted)."""
+    if not _ready:
+        load_zero()
+    torch.ops.deepspeed_cpp.zero_unflatten_from.default(flat, list(tensors), list(offsets))
+
+
+def make_gradient_reducer(group, plan: BucketPlan, *, scatter: bool):
+    """A ``torch.classes.deepspeed_cpp.GradientReducer`` over ``group`` following ``plan``.
+
+    Built collectively: every rank of ``group`` must call this at the same point.
+    """
+    if not _ready:
+        load_zero()
+    return torch.classes.deepspeed_cpp.GradientReducer(
+        group.group_name, plan.param_bucket, plan.param_offset, plan.param_numel,
+        plan.bucket_sizes, scatter,
+    )  # fmt: skip

@@ -1,0 +1,197 @@
+"""csrc/zero: the bucket planner, flat copies and the gradient reducer on real gloo groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_pool import DistributedPool
+
+from deepspeed_cpp.ops.zero import (
+    flatten_into,
+    load_zero,
+    make_gradient_reducer,
+    plan_buckets,
+    unflatten_from,
+)
+
+
+def _check_plan(numels, groups, capacity, world, alignment):
+    plan = plan_buckets(numels, groups, capacity=capacity, world_size=world, alignment=alignment)
+    covered = {}
+    for p, (bucket, offset) in enumerate(zip(plan.param_bucket, plan.param_offset)):
+        assert plan.bucket_groups[bucket] == groups[p], "a bucket mixes parameter groups"
+        for _, start, end in covered.get(bucket, []):
+            assert offset >= end or offset + numels[p] <= start, "parameters overlap"
+        covered.setdefault(bucket, []).append((bucket, offset, offset + numels[p]))
+        assert offset + numels[p] <= plan.bucket_sizes[bucket]
+    for bucket, size in enumerate(plan.bucket_sizes):
+        assert size % (world * alignment) == 0 and size > 0
+        used = max(end for _, _, end in covered[bucket])
+        members = [p for p, b in enumerate(plan.param_bucket) if b == bucket]
+        # Never over capacity, except a single parameter larger than it.
+        assert used <= capacity or len(members) == 1
+        assert size - used < world * alignment or used == 0
+    # Buckets follow the parameter order, and close only when the next one would not fit.
+    assert plan.param_bucket == sorted(plan.param_bucket)
+    return plan
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_plan_covers_every_element_once(world):
+    numels = torch.randint(0, 5000, (300,)).tolist() + [100_000, 1, 0, 7]
+    groups = sorted(torch.randint(0, 3, (len(numels),)).tolist())
+    _check_plan(numels, groups, capacity=20_000, world=world, alignment=16)
+
+
+def test_plan_is_deterministic_and_matches_hand_computed_example():
+    plan = plan_buckets([5, 3, 100, 0, 7], [0, 0, 0, 1, 1], capacity=10, world_size=2, alignment=4)
+    assert plan.param_bucket == [0, 0, 1, 2, 2]
+    assert plan.param_offset == [0, 5, 0, 0, 0]
+    assert plan.bucket_sizes == [8, 104, 8]
+    assert plan.bucket_groups == [0, 0, 1]
+    again = plan_buckets([5, 3, 100, 0, 7], [0, 0, 0, 1, 1], capacity=10, world_size=2, alignment=4)
+    assert again == plan
+
+
+@pytest.mark.parametrize(
+    "numels, groups, kwargs, message",
+    [
+        ([1, 2], [0], dict(capacity=4, world_size=1), "numels has 2 entries but groups has 1"),
+        ([1], [0], dict(capacity=0, world_size=1), "must be >= 1, got 0, 1, 16"),
+        ([-1], [0], dict(capacity=4, world_size=2), r"numels\[0\] is negative"),
+    ],
+)
+def test_plan_rejects_bad_input(numels, groups, kwargs, message):
+    with pytest.raises(RuntimeError, match=message):
+        plan_buckets(numels, groups, **kwargs)
+
+
+def test_flatten_unflatten_round_trip_with_dtype_conversion():
+    tensors = [torch.randn(3, 5), torch.randn(7).bfloat16(), torch.randn(4, 2).t()]
+    offsets = [0, 16, 23]
+    flat = torch.full((40,), -1.0)
+    flatten_into(tensors, flat, offsets)
+    assert torch.equal(flat[:15], tensors[0].reshape(-1))
+    assert torch.equal(flat[16:23], tensors[1].float())
+    assert torch.equal(flat[23:31], tensors[2].reshape(-1))
+    assert (flat[15] == -1) and (flat[31:] == -1).all()
+    targets = [torch.empty_like(t) for t in tensors]
+    unflatten_from(flat, targets, offsets)
+    for source, target in zip(tensors, targets):
+        assert torch.equal(source, target)
+
+
+def test_flat_copy_errors_name_the_tensor():
+    with pytest.raises(
+        RuntimeError, match=r"tensors\[1\] \(7 elements at offset 30\) does not fit"
+    ):
+        flatten_into([torch.zeros(3), torch.zeros(7)], torch.zeros(32), [0, 30])
+    with pytest.raises(RuntimeError, match="got 2 tensors but 1 offsets"):
+        unflatten_from(torch.zeros(8), [torch.zeros(2), torch.zeros(2)], [0])
+    with pytest.raises(RuntimeError, match="flat must be a contiguous 1-D tensor"):
+        flatten_into([torch.zeros(2)], torch.zeros(4, 2), [0])
+
+
+def test_opcheck():
+    load_zero()
+    flat_args = ([torch.randn(3), torch.randn(2, 2)], torch.zeros(9), [0, 4])
+    torch.library.opcheck(torch.ops.deepspeed_cpp.zero_flatten_into.default, flat_args)
+    unflat_args = (torch.randn(9), [torch.zeros(3), torch.zeros(2, 2)], [1, 5])
+    torch.library.opcheck(torch.ops.deepspeed_cpp.zero_unflatten_from.default, unflat_args)
+    plan_args = ([5, 3, 100], [0, 0, 1], 10, 2, 4)
+    torch.library.opcheck(
+        torch.ops.deepspeed_cpp.zero_plan_buckets.default,
+        plan_args,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    pool = DistributedPool(3)
+    yield pool
+    pool.close()
+
+
+def reducer_job(scatter: bool, order_seed: int):
+    """Each rank hands over its gradients in its own random order; some params are skipped."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(1234)
+    numels = [int(n) for n in torch.randint(1, 300, (40,), generator=generator)]
+    plan = plan_buckets(numels, [0] * 40, capacity=700, world_size=world, alignment=4)
+    reducer = make_gradient_reducer(dist.group.WORLD, plan, scatter=scatter)
+    results = []
+    for _ in range(2):
+        grads = [
+            torch.randn(n, generator=generator) * (r + 1) for r in range(world) for n in numels
+        ]
+        grads = [grads[r * 40 : (r + 1) * 40] for r in range(world)]
+        order = torch.randperm(40, generator=torch.Generator().manual_seed(order_seed + rank))
+        skipped = {int(order[0])} if rank == 1 else set()  # an unused parameter on rank 1
+        for p in order.tolist():
+            if p not in skipped:
+                reducer.add_grad(
+                    p, grads[rank][p].bfloat16().float() if p % 5 == 0 else grads[rank][p]
+                )
+        held_during = reducer.held_bytes()
+        shards = reducer.finish()
+        expected = []
+        for p in range(40):
+            total = torch.zeros(numels[p])
+            for r in range(world):
+                if not (r == 1 and p in _skipped_on_rank1(order_seed, world)):
+                    g = grads[r][p]
+                    total += g.bfloat16().float() if p % 5 == 0 else g
+            expected.append(total)
+        results.append((shards, expected, held_during, reducer.held_bytes()))
+    return plan, results, reducer.collective()
+
+
+def _skipped_on_rank1(order_seed, world):
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(order_seed + 1))
+    return {int(order[0])}
+
+
+@pytest.mark.parametrize("scatter", [True, False])
+def test_reducer_sums_gradients_in_any_hook_order(pool3, scatter):
+    order_seed = int(torch.randint(0, 2**30, (1,)))
+    outputs = pool3.run(reducer_job, scatter, order_seed)
+    world = 3
+    for rank, (plan, steps, collective) in enumerate(outputs):
+        assert collective in (
+            ("reduce_scatter", "all_reduce+slice") if scatter else ("all_reduce",)
+        )
+        for shards, expected, held_during, held_after in steps:
+            assert held_after == 0 and held_during > 0
+            for bucket, size in enumerate(plan.bucket_sizes):
+                full = torch.zeros(size)
+                for p in plan.members(bucket):
+                    full[plan.param_offset[p] : plan.param_offset[p] + plan.param_numel[p]] = (
+                        expected[p]
+                    )
+                want = full.chunk(world)[rank] if scatter else full
+                torch.testing.assert_close(shards[bucket], want, rtol=1e-6, atol=1e-5)
+
+
+def double_hand_over_job():
+    plan = plan_buckets([4, 4], [0, 0], capacity=100, world_size=dist.get_world_size())
+    reducer = make_gradient_reducer(dist.group.WORLD, plan, scatter=True)
+    reducer.add_grad(0, torch.ones(4))
+    try:
+        reducer.add_grad(0, torch.ones(4))
+    except RuntimeError as error:
+        message = str(error)
+    try:
+        reducer.add_grad(1, torch.ones(5))
+    except RuntimeError as error:
+        message += "\n" + str(error)
+    reducer.add_grad(1, torch.ones(4))
+    reducer.finish()
+    return message
+
+
+def test_reducer_errors(pool3):
+    for message in pool3.run(double_hand_over_job):
+        assert "the gradient of param 0 was already handed over in this step" in message
+        assert "param 1 has 4 elements but its gradient has 5" in message
