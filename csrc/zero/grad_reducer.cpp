@@ -24,7 +24,8 @@ GradientReducer::GradientReducer(const std::string& group_name, std::vector<int6
               "lengths, got ",
               num_params, ", ", param_offset_.size(), ", ", param_numel_.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    TORCH_CHECK(bucket_sizes[b] > 0 && bucket_sizes[b] % world_size_ == 0,
+    // Only a scattered bucket splits into one shard per rank.
+    TORCH_CHECK(bucket_sizes[b] > 0 && (!scatter_ || bucket_sizes[b] % world_size_ == 0),
                 "GradientReducer: bucket ", b, " has size ", bucket_sizes[b],
                 "; expected a positive multiple of the world size ", world_size_);
     buckets_[b].size = bucket_sizes[b];

@@ -1,0 +1,257 @@
+"""DeepSpeedConfig: the ds_config JSON, validated and typed, as the engine reads it.
+
+Two steps, as the Hugging Face integration needs them:
+
+* ``parse`` validates a config that may still hold ``"auto"`` values;
+* ``finalize(world_size)`` resolves the batch sizes and refuses what is left unresolved or not
+  built yet. ``load`` does both.
+
+Every problem found is reported at once in one DeepSpeedConfigError (a ValueError) naming the
+key path, the value and what was expected. Accepted-but-ignored and deprecated keys are logged
+once each on the ``deepspeed_cpp`` logger (see ``key_policy.py`` for the decisions).
+(No ``from __future__ import annotations``: field types are calls such as ``integer(1)``.)
+"""
+
+import copy
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import Field, PrivateAttr, ValidationError
+
+from ...utils.logging import logger
+from .auto_values import fill_auto_values, find_auto_paths, unresolved_auto_problem
+from .batch_size import resolve_batch_sizes
+from .errors import DeepSpeedConfigError, describe_validation_error, join_path
+from .key_names import model_key_paths, model_keys, section_model_at, unknown_key_problem
+from .key_policy import (
+    apply_key_policies,
+    ignored_key_paths,
+    policies_under,
+    policy_key_paths,
+)
+from .not_built_yet import refuse_features_not_built_yet
+from .optimizer import PARAMS_BY_TYPE as OPTIMIZER_PARAMS
+from .optimizer import OptimizerConfig, validate_optimizer_params
+from .scheduler import PARAMS_BY_TYPE as SCHEDULER_PARAMS
+from .scheduler import SchedulerConfig, validate_scheduler_params
+from .sections import BF16Config, FP16Config, ZeroConfig
+from .source import choose_config, read_config
+from .values import ConfigSection, boolean, integer, is_auto, number
+
+
+class DeepSpeedConfig(ConfigSection):
+    """A DeepSpeed config (``ds_config.json``), validated; attributes are its sections.
+
+    Build one with ``DeepSpeedConfig.load(config, args, world_size)`` (finalised, what the
+    engine needs) or ``DeepSpeedConfig.parse(config)`` (may still hold ``"auto"``; then
+    ``fill_auto({...})`` and ``finalize(world_size)``). ``raw`` is the config as given (with
+    filled ``"auto"`` values), for saving in checkpoints.
+    """
+
+    train_batch_size: integer(1, optional=True) = None
+    """Samples per optimizer step over all ranks (set on every finalised config)."""
+    train_micro_batch_size_per_gpu: integer(1, optional=True) = None
+    """Samples per forward/backward on one rank (set on every finalised config)."""
+    gradient_accumulation_steps: integer(1, optional=True) = None
+    """Micro-batches per optimizer step (set on every finalised config)."""
+    steps_per_print: integer(1) = 10
+    wall_clock_breakdown: boolean() = False
+    gradient_clipping: number(minimum=0.0) = 0.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    zero_allow_untested_optimizer: boolean() = False
+    """DeepSpeed's permission to run ZeRO with an optimizer it did not build."""
+    dataloader_drop_last: boolean() = False
+    """Drop the last incomplete batch of the engine's data loader."""
+
+    _raw: dict = PrivateAttr(default_factory=dict)
+    _source: str = PrivateAttr("dict")
+    _given_batch: tuple = PrivateAttr((None, None, None))
+    _warned: set = PrivateAttr(default_factory=set)
+    _world_size: int | None = PrivateAttr(None)
+
+    # --- construction -------------------------------------------------------------------------
+    @classmethod
+    def load(cls, config: Any = None, args: Any = None, world_size: int = 1) -> "DeepSpeedConfig":
+        """The finalised config from ``config`` (a JSON file path, a dict, base64 JSON) or from
+        ``args.deepspeed_config`` (an argparse namespace), for ``world_size`` data-parallel
+        ranks. Giving both is an error; ``args.deepspeed_config`` may be None beside a dict."""
+        chosen, warnings = choose_config(config, args)
+        return cls._parse(chosen, warnings).finalize(world_size)
+
+    @classmethod
+    def parse(cls, config: Any) -> "DeepSpeedConfig":
+        """The validated config, not finalised: ``"auto"`` values are allowed."""
+        return cls._parse(config, [])
+
+    @classmethod
+    def _parse(cls, config: Any, warnings: list[str]) -> "DeepSpeedConfig":
+        if isinstance(config, DeepSpeedConfig):
+            config = config.raw
+        data, source, source_warnings = read_config(config)
+        return cls._from_dict(data, source, warnings + source_warnings, already_warned=set())
+
+    @classmethod
+    def _from_dict(
+        cls, raw: dict, source: str, warnings: list[str], already_warned: set[str]
+    ) -> "DeepSpeedConfig":
+        work = copy.deepcopy(raw)
+        policy = apply_key_policies(work)
+        problems, warnings = list(policy.problems), warnings + policy.warnings
+        # The params are checked against their type even when other keys are wrong, so that
+        # one run reports everything.
+        known = _known_key_paths()
+        optimizer_params, found, said = validate_optimizer_params(work.get("optimizer"), known)
+        problems += found
+        warnings += said
+        scheduler_params, found = validate_scheduler_params(work.get("scheduler"), known)
+        problems += found
+        try:
+            config = cls.model_validate(work)
+        except ValidationError as error:
+            problems += describe_validation_error(error, (), _unknown_key)
+        else:
+            if config.optimizer is not None and optimizer_params is not None:
+                config.optimizer.params = optimizer_params
+            if config.scheduler is not None and scheduler_params is not None:
+                config.scheduler.params = scheduler_params
+            found, said = config._check_across_sections()
+            problems += found
+            warnings += said
+        if problems:
+            raise DeepSpeedConfigError(problems, source)
+        config._raw = raw
+        config._source = source
+        config._given_batch = (
+            config.train_batch_size,
+            config.train_micro_batch_size_per_gpu,
+            config.gradient_accumulation_steps,
+        )
+        config._warned = set(already_warned)
+        config._warn_once(warnings)
+        return config
+
+    def _check_across_sections(self) -> tuple[list[str], list[str]]:
+        """Checks that involve more than one key; returns (problems, warnings)."""
+        problems, warnings = [], []
+        if self.fp16.enabled is True and self.bf16.enabled is True:
+            problems.append(
+                "fp16.enabled = true and bf16.enabled = true: expected at most one of them, "
+                "fp16 and bf16 mixed precision exclude each other"
+            )
+        zero = self.zero_optimization
+        if is_auto(zero.stage):
+            return problems, warnings  # judged once the stage is filled in
+        offload_param = zero.offload_param
+        if offload_param is not None and offload_param.device != "none" and zero.stage != 3:
+            warnings.append(
+                f"'zero_optimization.offload_param' only applies to ZeRO stage 3; it is ignored "
+                f"at stage {zero.stage}"
+            )
+        offload_optimizer = zero.offload_optimizer
+        ratio = offload_optimizer.ratio if offload_optimizer is not None else 1.0
+        if not is_auto(ratio) and ratio < 1.0 and zero.stage != 3:
+            problems.append(
+                f"zero_optimization.offload_optimizer.ratio = {offload_optimizer.ratio}: partial "
+                f"offload needs ZeRO stage 3 (stage is {zero.stage}); expected 1.0"
+            )
+        return problems, warnings
+
+    def _warn_once(self, warnings: list[str]) -> None:
+        for message in warnings:
+            if message not in self._warned:
+                self._warned.add(message)
+                logger.warning(message)
+
+    # --- the Hugging Face path: "auto" values, then finalisation --------------------------------
+    def fill_auto(self, values: Mapping[str, Any]) -> list[str]:
+        """Replaces ``"auto"`` at the given dotted key paths (``"optimizer.params.lr"``) with the
+        given values, in place, and validates again. Keys that are not ``"auto"`` are left as
+        they are. Returns the paths filled; on an invalid value nothing changes."""
+        raw = copy.deepcopy(self._raw)
+        filled = fill_auto_values(raw, values)
+        if filled:
+            refreshed = type(self)._from_dict(raw, self._source, [], self._warned)
+            for name in type(self).model_fields:
+                setattr(self, name, getattr(refreshed, name))
+            for name in ("_raw", "_given_batch", "_warned"):
+                setattr(self, name, getattr(refreshed, name))
+        return filled
+
+    def finalize(self, world_size: int = 1) -> "DeepSpeedConfig":
+        """A copy ready for the engine: no ``"auto"`` left, the three batch numbers resolved
+        for ``world_size`` data-parallel ranks, and nothing asked for that is not built yet."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise DeepSpeedConfigError(
+                [
+                    f"world_size = {world_size!r}: expected a positive integer, the number of "
+                    "data-parallel ranks"
+                ],
+                self._source,
+            )
+        auto = self.auto_paths
+        if auto:
+            raise DeepSpeedConfigError([unresolved_auto_problem(list(auto))], self._source)
+        problems = []
+        try:
+            sizes = resolve_batch_sizes(*self._given_batch, world_size)
+        except ValueError as error:
+            problems.append(str(error))
+        problems += refuse_features_not_built_yet(self.zero_optimization)
+        if problems:
+            raise DeepSpeedConfigError(problems, self._source)
+        final = self.model_copy(deep=True)
+        final.train_batch_size = sizes.train_batch_size
+        final.train_micro_batch_size_per_gpu = sizes.train_micro_batch_size_per_gpu
+        final.gradient_accumulation_steps = sizes.gradient_accumulation_steps
+        final._world_size = world_size
+        return final
+
+    # --- read-only views -----------------------------------------------------------------------
+    @property
+    def raw(self) -> dict:
+        """The config as given (``"auto"`` values filled by ``fill_auto``), as a fresh copy."""
+        return copy.deepcopy(self._raw)
+
+    @property
+    def source(self) -> str:
+        """Where the config came from: its file path, "dict" or "base64"."""
+        return self._source
+
+    @property
+    def auto_paths(self) -> tuple[str, ...]:
+        """Dotted key paths still holding ``"auto"`` (not counting ignored sections)."""
+        return tuple(find_auto_paths(self._raw, skip=ignored_key_paths()))
+
+    @property
+    def world_size(self) -> int | None:
+        """The world size the config was finalised for (None before ``finalize``)."""
+        return self._world_size
+
+    @property
+    def is_finalized(self) -> bool:
+        return self._world_size is not None
+
+
+@functools.cache
+def _known_key_paths() -> frozenset[str]:
+    """Every key path the schema knows, to say where a misplaced key belongs."""
+    paths = model_key_paths(DeepSpeedConfig) | policy_key_paths()
+    for section, by_type in (("optimizer", OPTIMIZER_PARAMS), ("scheduler", SCHEDULER_PARAMS)):
+        for model in by_type.values():
+            paths |= {f"{section}.params.{key}" for key in model_keys(model)}
+    return frozenset(paths)
+
+
+def _unknown_key(loc: tuple[str, ...], value: Any) -> str:
+    parent = loc[:-1]
+    section = section_model_at(DeepSpeedConfig, parent)
+    candidates = (model_keys(section) if section is not None else set()) | policies_under(
+        join_path(parent)
+    )
+    return unknown_key_problem(loc, value, candidates, _known_key_paths())

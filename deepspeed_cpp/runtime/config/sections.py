@@ -1,0 +1,132 @@
+"""The typed sections of the config: fp16, bf16 and zero_optimization (with its offload parts).
+
+Field names, defaults and meanings are DeepSpeed's. Keys of these sections that deepspeed_cpp
+does not model are in ``key_policy.py``. (No ``from __future__ import annotations`` here: the
+field types are built by calls such as ``integer(1)``, which pydantic must see evaluated.)
+"""
+
+import sys
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from .values import ConfigSection, boolean, choice, integer, number, text
+
+
+class FP16Config(ConfigSection):
+    """``fp16``: mixed precision with fp16 compute and fp32 master weights, with loss scaling."""
+
+    enabled: boolean() = False
+    auto_cast: boolean() = False
+    """Cast the module's floating-point inputs to fp16 in forward."""
+    loss_scale: number(minimum=0.0) = 0.0
+    """A fixed loss scale; 0 means dynamic loss scaling (the fields below)."""
+    initial_scale_power: integer(0, 127) = 16
+    """The dynamic scale starts at ``2 ** initial_scale_power``."""
+    loss_scale_window: integer(1) = 1000
+    """Steps without overflow before the dynamic scale is raised."""
+    hysteresis: integer(1) = 2
+    """Overflows tolerated before the dynamic scale is lowered (DeepSpeed's "delayed shift")."""
+    consecutive_hysteresis: boolean() = False
+    """Refill the hysteresis after every step that does not overflow."""
+    min_loss_scale: number(minimum=0.0) = 1.0
+    """The dynamic scale never drops below this."""
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scale == 0.0
+
+
+class BF16Config(ConfigSection):
+    """``bf16`` (older spelling ``bfloat16``): bf16 compute, fp32 master weights, no scaling."""
+
+    enabled: boolean() = False
+
+
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+class _OffloadConfig(ConfigSection):
+    device: choice(_OFFLOAD_DEVICES) = "none"
+    """Where the state lives: "none" (on the training device), "cpu" or "nvme"."""
+    nvme_path: text(optional=True) = None
+    """Folder on the NVMe device, required with ``device: nvme``."""
+    pin_memory: boolean() = False
+    """Page-locked host buffers (faster device transfers, counted against ``ulimit -l``)."""
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self):
+        if self.device == "nvme" and self.nvme_path is None:
+            raise ValueError('device "nvme" needs "nvme_path", the folder to offload to')
+        return self
+
+
+class OffloadOptimizerConfig(_OffloadConfig):
+    """``zero_optimization.offload_optimizer``: optimizer state and step on CPU (or NVMe)."""
+
+    buffer_count: integer(0) = 4
+    fast_init: boolean() = False
+    ratio: number(0.0, 1.0) = 1.0
+    """Share of the optimizer step run on the CPU (below 1 only with ZeRO stage 3)."""
+    pipeline_read: boolean() = False
+    pipeline_write: boolean() = False
+    super_offload: boolean() = False
+    convert_grad_on_cpu: boolean() = True
+    cpuadam_cores_perc: number(0.0, 1.0) = 0.8
+
+
+class OffloadParamConfig(_OffloadConfig):
+    """``zero_optimization.offload_param``: parameters on CPU (or NVMe); ZeRO stage 3 only."""
+
+    buffer_count: integer(0) = 5
+    buffer_size: integer(0) = 100_000_000
+    max_in_cpu: integer(0) = 1_000_000_000
+
+
+class ZeroConfig(ConfigSection):
+    """``zero_optimization``: how optimizer state, gradients and parameters are partitioned."""
+
+    stage: integer(0, 3) = 0
+    """0: plain data parallelism; 1: optimizer state; 2: + gradients; 3: + parameters."""
+    contiguous_gradients: boolean() = True
+    reduce_scatter: boolean() = True
+    reduce_bucket_size: integer(1) = 500_000_000
+    """Elements per gradient-reduction bucket."""
+    allgather_bucket_size: integer(1) = 500_000_000
+    """Elements per all-gather of updated parameters."""
+    overlap_comm: boolean(optional=True) = None
+    """Overlap gradient reduction with backward; unset means true for stage 3 only."""
+    ignore_unused_parameters: boolean() = True
+    """False: parameters that get no gradient in a step are an error instead of skipped."""
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    offload_param: OffloadParamConfig | None = None
+    sub_group_size: integer(1) = 1_000_000_000
+
+    # ZeRO stage 3 (named as DeepSpeed's attributes; the JSON keys carry the stage3_ prefix).
+    prefetch_bucket_size: integer(0) = Field(50_000_000, alias="stage3_prefetch_bucket_size")
+    param_persistence_threshold: integer(0) = Field(
+        100_000, alias="stage3_param_persistence_threshold"
+    )
+    model_persistence_threshold: integer(0) = Field(
+        sys.maxsize, alias="stage3_model_persistence_threshold"
+    )
+    max_live_parameters: integer(0) = Field(1_000_000_000, alias="stage3_max_live_parameters")
+    max_reuse_distance: integer(0) = Field(1_000_000_000, alias="stage3_max_reuse_distance")
+    gather_16bit_weights_on_model_save: boolean() = Field(
+        False, alias="stage3_gather_16bit_weights_on_model_save"
+    )
+
+    @model_validator(mode="after")
+    def _default_overlap_comm(self):
+        if self.overlap_comm is None and isinstance(self.stage, int):
+            self.overlap_comm = self.stage == 3  # DeepSpeed's default
+        return self
+
+    def offload_devices(self) -> dict[str, Any]:
+        """The configured offload device of each part that is offloaded at all."""
+        devices = {}
+        for name in ("offload_optimizer", "offload_param"):
+            part = getattr(self, name)
+            if part is not None and part.device != "none":
+                devices[name] = part.device
+        return devices

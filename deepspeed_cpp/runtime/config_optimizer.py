@@ -1,0 +1,51 @@
+"""The optimizer named by the ds_config ``optimizer`` section, built over given param groups."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..optim import DeepSpeedCPUAdam
+
+
+def config_optimizer_factory(
+    optimizer_type: str, params: dict, device: torch.device
+) -> Callable[[list[dict]], torch.optim.Optimizer]:
+    """A function building the configured optimizer over param groups (of fp32 master shards).
+
+    Adam/AdamW: DeepSpeed's ``adam_w_mode`` (default true: "Adam" with weight decay is AdamW)
+    and ``torch_adam`` are honoured. On CPU the step runs in ``cpu_adam``; on CUDA in torch's
+    fused AdamW until our fused op lands. SGD is torch's.
+    """
+    kind = optimizer_type.lower()
+    params = dict(params)
+    if kind in ("adam", "adamw"):
+        adamw_mode = kind == "adamw" or bool(params.pop("adam_w_mode", True))
+        torch_adam = bool(params.pop("torch_adam", False))
+        hyper = dict(
+            lr=params.pop("lr", 1e-3),
+            betas=tuple(params.pop("betas", (0.9, 0.999))),
+            eps=params.pop("eps", 1e-8),
+            weight_decay=params.pop("weight_decay", 0.0),
+        )
+        bias_correction = bool(params.pop("bias_correction", True))
+        if device.type == "cpu" and not torch_adam:
+            return lambda groups: DeepSpeedCPUAdam(
+                groups, adamw_mode=adamw_mode, bias_correction=bias_correction, **hyper
+            )
+        if not bias_correction:
+            raise ValueError(
+                "optimizer.params.bias_correction=false needs the CPU Adam (set torch_adam to "
+                "false on CPU); torch's Adam always corrects bias"
+            )
+        torch_class = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+        fused = device.type == "cuda"
+        return lambda groups: torch_class(groups, fused=fused or None, **hyper)
+    if kind == "sgd":
+        hyper = {k: params[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+                 if k in params}  # fmt: skip
+        return lambda groups: torch.optim.SGD(groups, **hyper)
+    raise ValueError(
+        f"optimizer.type '{optimizer_type}' is not supported yet; supported: Adam, AdamW, SGD"
+    )

@@ -1,0 +1,298 @@
+"""DeepSpeedEngine: the nn.Module a training script drives with forward, backward and step."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from ..accelerator import get_accelerator
+from ..utils.logging import logger
+from .config import DeepSpeedConfig
+from .config_optimizer import config_optimizer_factory
+from .dataloader import make_distributed_loader
+from .loss_scaler import make_loss_scaler
+from .lr_schedules import build_lr_scheduler
+from .zero.partitioned_optimizer import ZeroPartitionedOptimizer
+
+
+class DeepSpeedEngine(torch.nn.Module):
+    """Wraps the user's module; ``backward`` and ``step`` run ZeRO stage 0, 1 or 2.
+
+    ``step()`` is called after every micro-batch, as with DeepSpeed: it steps the optimizer only
+    at gradient-accumulation boundaries and otherwise just counts the micro-step.
+    """
+
+    def __init__(
+        self,
+        *,
+        args=None,
+        model: torch.nn.Module,
+        optimizer=None,
+        model_parameters=None,
+        training_data=None,
+        lr_scheduler=None,
+        config: DeepSpeedConfig,
+        collate_fn=None,
+    ):
+        super().__init__()
+        if model is None:
+            raise ValueError("deepspeed_cpp.initialize needs model=<torch.nn.Module>")
+        self.config = config
+        self.group = dist.group.WORLD
+        self.global_rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.local_rank = int(getattr(args, "local_rank", -1) or -1)
+        if self.local_rank < 0:
+            import os
+
+            self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        accelerator = get_accelerator()
+        if accelerator.device_name() != "cpu":
+            accelerator.set_device(self.local_rank)
+        self.device = torch.device(accelerator.device_name(self.local_rank))
+
+        self.module = model.to(self.device)
+        if self.fp16_enabled():
+            self.module.half()
+        elif self.bfloat16_enabled():
+            self.module.bfloat16()
+        self._broadcast_module_from_rank0()
+
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._timers: dict[str, float] = defaultdict(float)
+        self._last_log = (time.perf_counter(), 0)
+
+        self.loss_scaler = make_loss_scaler(config.fp16) if self.fp16_enabled() else None
+        self.optimizer = self._configure_zero_optimizer(optimizer, model_parameters)
+        self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
+        self.training_dataloader = (
+            make_distributed_loader(
+                training_data,
+                batch_size=self.train_micro_batch_size_per_gpu(),
+                rank=self.global_rank,
+                world_size=self.world_size,
+                collate_fn=collate_fn,
+                drop_last=bool(getattr(config, "dataloader_drop_last", False)),
+            )
+            if training_data is not None
+            else None
+        )
+        if self.global_rank == 0:
+            logger.info(
+                "deepspeed_cpp: engine ready: ZeRO stage %d, %s, world size %d, micro batch %d, "
+                "gradient accumulation %d%s",
+                self.zero_optimization_stage(),
+                "fp16" if self.fp16_enabled() else "bf16" if self.bfloat16_enabled() else "fp32",
+                self.world_size,
+                self.train_micro_batch_size_per_gpu(),
+                self.gradient_accumulation_steps(),
+                f", gradients reduced by {self.optimizer.reducer.collective()}"
+                if self.optimizer is not None
+                else "",
+            )
+
+    # --- construction -------------------------------------------------------------------------
+    def _broadcast_module_from_rank0(self) -> None:
+        """Every rank starts from rank 0's weights and buffers, as data parallelism requires."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+                dist.broadcast(tensor.data, src=0, group=self.group)
+
+    def _configure_zero_optimizer(self, client_optimizer, model_parameters):
+        config_optimizer = self.config.optimizer
+        if client_optimizer is not None and config_optimizer is not None:
+            raise ValueError(
+                "an optimizer was passed to initialize() and the config has an 'optimizer' "
+                "section too; keep one of them"
+            )
+        zero = self.config.zero_optimization
+        common = dict(
+            stage=zero.stage,
+            group=self.group,
+            reduce_bucket_size=int(zero.reduce_bucket_size),
+            gradient_clipping=self.config.gradient_clipping,
+            loss_scaler=self.loss_scaler,
+        )
+        if client_optimizer is not None:
+            if not isinstance(client_optimizer, torch.optim.Optimizer) and callable(
+                client_optimizer
+            ):
+                client_optimizer = client_optimizer(self._param_groups(model_parameters))
+            self._check_optimizer_covers_module(client_optimizer)
+            return ZeroPartitionedOptimizer(client_optimizer, **common)
+        if config_optimizer is None:
+            return None  # inference or evaluation only; step() will say so
+        factory = config_optimizer_factory(
+            config_optimizer.type, config_optimizer.params, self.device
+        )
+        return ZeroPartitionedOptimizer(
+            factory, self._param_groups(model_parameters), **common
+        )
+
+    def _param_groups(self, model_parameters) -> list[dict]:
+        if model_parameters is None:
+            model_parameters = self.module.parameters()
+        items = list(model_parameters)
+        if items and isinstance(items[0], dict):
+            return [dict(group, params=list(group["params"])) for group in items]
+        if items and isinstance(items[0], tuple):  # named_parameters()
+            items = [param for _, param in items]
+        return [{"params": items}]
+
+    def _check_optimizer_covers_module(self, optimizer: torch.optim.Optimizer) -> None:
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for name, param in self.module.named_parameters():
+            if param.requires_grad and id(param) not in in_optimizer:
+                raise ValueError(
+                    f"parameter '{name}' (shape {tuple(param.shape)}) requires grad but is not in "
+                    f"the optimizer passed to initialize(); add it or set requires_grad=False"
+                )
+
+    def _configure_lr_scheduler(self, client_scheduler):
+        if client_scheduler is not None:
+            if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
+                return client_scheduler(self._scheduler_target())
+            return client_scheduler
+        if self.config.scheduler is None or self.optimizer is None:
+            return None
+        return build_lr_scheduler(
+            self.config.scheduler.type, self.config.scheduler.params, self._scheduler_target()
+        )
+
+    def _scheduler_target(self) -> torch.optim.Optimizer:
+        return self.optimizer.optimizer if self.optimizer is not None else None
+
+    # --- the training step --------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        start = time.perf_counter()
+        output = self.module(*inputs, **kwargs)
+        self._timers["forward"] += time.perf_counter() - start
+        return output
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backward of ``loss`` (scaled for fp16, divided by the accumulation steps)."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.backward needs an optimizer (in the config or initialize)")
+        start = time.perf_counter()
+        scale = 1.0
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scale /= self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            scale *= self.loss_scaler.loss_scale
+        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        backward_done = time.perf_counter()
+        self.optimizer.end_backward()
+        self._timers["backward"] += backward_done - start
+        self._timers["reduce"] += time.perf_counter() - backward_done
+        return loss
+
+    def step(self, lr_kwargs=None) -> None:
+        """At an accumulation boundary: the optimizer step (skipped on fp16 overflow) and the LR
+        schedule; every call counts one micro-step."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.step needs an optimizer (in the config or initialize)")
+        if self.is_gradient_accumulation_boundary():
+            start = time.perf_counter()
+            stepped = self.optimizer.step()
+            if stepped:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            else:
+                self.skipped_steps += 1
+                if self.global_rank == 0:
+                    logger.info(
+                        "deepspeed_cpp: gradient overflow at step %d: step skipped, loss scale "
+                        "now %s",
+                        self.global_steps,
+                        self.loss_scaler.loss_scale,
+                    )
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._timers["step"] += time.perf_counter() - start
+            self._log_progress()
+        self.micro_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        else:
+            self.module.zero_grad(set_to_none=set_to_none)
+
+    def _log_progress(self) -> None:
+        every = self.config.steps_per_print
+        if not every or self.global_steps % every != 0 or self.global_rank != 0:
+            return
+        now = time.perf_counter()
+        last_time, last_samples = self._last_log
+        samples_per_second = (self.global_samples - last_samples) / max(now - last_time, 1e-9)
+        self._last_log = (now, self.global_samples)
+        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        logger.info(
+            "deepspeed_cpp: step=%d skipped=%d lr=%s loss_scale=%s samples/sec=%.2f",
+            self.global_steps,
+            self.skipped_steps,
+            [round(lr, 10) for lr in self.get_lr()],
+            scale,
+            samples_per_second,
+        )
+        if self.config.wall_clock_breakdown:
+            breakdown = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self._timers.items())
+            logger.info("deepspeed_cpp: time over the last %d steps: %s", every, breakdown)
+            self._timers.clear()
+
+    # --- what scripts ask the engine ----------------------------------------------------------
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def fp16_enabled(self) -> bool:
+        return bool(self.config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.config.bf16.enabled)
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def zero_optimization(self) -> bool:
+        return self.zero_optimization_stage() > 0
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.global_grad_norm if self.optimizer is not None else None
+
+    def get_loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        return torch.float32

@@ -1,0 +1,79 @@
+"""``deepspeed_cpp.initialize`` and ``add_config_arguments``: DeepSpeed's entry points."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch.distributed as dist
+
+from ..comm import init_distributed
+from .config import DeepSpeedConfig
+from .engine import DeepSpeedEngine
+
+
+def initialize(
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port: int | None = None,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config=None,
+    config_params=None,
+    mesh_param=None,
+):
+    """Builds the training engine; returns ``(engine, optimizer, training_dataloader,
+    lr_scheduler)`` as DeepSpeed does.
+
+    The config is ``config`` (a path or a dict; ``config_params`` is its older name) or
+    ``args.deepspeed_config``. The process group is created if needed (torchrun's environment,
+    or a world of one). ``mpu`` (model parallelism) and ``mesh_param`` are not supported yet.
+    """
+    if mpu is not None or mesh_param is not None:
+        raise NotImplementedError(
+            "initialize(mpu=...) / mesh_param: model and sequence parallelism are not supported "
+            "yet; deepspeed_cpp trains with data parallelism and ZeRO"
+        )
+    if config is None:
+        config = config_params
+    if config is not None and getattr(args, "deepspeed_config", None) is not None:
+        raise ValueError(
+            "the config was given twice: initialize(config=...) and args.deepspeed_config "
+            f"({args.deepspeed_config!r}); keep one"
+        )
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    ds_config = DeepSpeedConfig.load(config=config, args=args, world_size=dist.get_world_size())
+    engine = DeepSpeedEngine(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        config=ds_config,
+        collate_fn=collate_fn,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds DeepSpeed's command-line arguments: --deepspeed, --deepspeed_config."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument(
+        "--deepspeed",
+        default=False,
+        action="store_true",
+        help="Enable DeepSpeed (helper flag for user code, no impact on the engine)",
+    )
+    group.add_argument(
+        "--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file."
+    )
+    group.add_argument(
+        "--deepscale", default=False, action="store_true", help=argparse.SUPPRESS
+    )
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser

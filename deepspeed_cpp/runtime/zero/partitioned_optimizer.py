@@ -1,0 +1,317 @@
+"""ZeRO stages 0, 1 and 2 over flat fp32 master buckets.
+
+Every trainable parameter is planned once, at construction, into a flat bucket (csrc/zero's
+planner: same plan on every rank, buckets never mix parameter groups). Each bucket is padded to a
+multiple of the world size and split into equal shards; rank r owns shard r of every bucket:
+
+- stage 0: every rank owns whole buckets; gradients are all-reduced;
+- stage 1: a rank keeps fp32 master weights and optimizer state for its shards only; the full
+  gradients accumulate locally and are reduce-scattered once, at the accumulation boundary;
+- stage 2: also gradients: each one is handed to the C++ reducer as soon as autograd has it
+  (a post-accumulate-grad hook), reduce-scattered bucket by bucket while backward goes on, and
+  freed; the rank accumulates only its shard across micro-steps.
+
+The wrapped ``torch.optim.Optimizer`` (ours or the user's) steps the owned fp32 shards, and the
+updated shards are all-gathered back into the model's parameters (in their own dtype). Because
+the Adam-family update is element-wise, stepping flat shards equals stepping each parameter.
+A parameter that gets no gradient on any rank in a step is treated as having a zero gradient, as
+DeepSpeed does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ...ops.zero import (
+    BucketPlan,
+    flatten_into,
+    make_gradient_reducer,
+    plan_buckets,
+    unflatten_from,
+)
+
+
+@dataclass
+class _Bucket:
+    """The parameters of one bucket and the slice of it this rank owns."""
+
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    size: int
+    owned_start: int
+    owned_size: int
+
+
+class ZeroPartitionedOptimizer:
+    """Owns the plan, fp32 master shards, shard gradients and the reducer for one engine."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer | Callable[[list[dict]], torch.optim.Optimizer],
+        param_groups: list[dict] | None = None,
+        *,
+        stage: int,
+        group: dist.ProcessGroup,
+        reduce_bucket_size: int,
+        gradient_clipping: float = 0.0,
+        loss_scaler=None,
+    ):
+        """`optimizer` is either a torch optimizer over the model's parameters (the user's: its
+        param groups are re-pointed at the master shards in place) or a factory that builds one
+        from param groups of master shards (a config optimizer); `param_groups` (dicts with
+        "params" and hyper-parameters) is then required."""
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ZeroPartitionedOptimizer handles stages 0, 1 and 2, got {stage}")
+        if isinstance(optimizer, torch.optim.Optimizer):
+            param_groups = optimizer.param_groups
+        elif param_groups is None:
+            raise ValueError("param_groups is required when optimizer is a factory")
+        self.stage = stage
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.gradient_clipping = float(gradient_clipping)
+        self.loss_scaler = loss_scaler
+        self.global_grad_norm: float | None = None
+        self.skipped_steps = 0
+
+        # Parameters in the order their gradients usually become ready (reverse registration
+        # order), grouped by optimizer param group so that a bucket never mixes groups.
+        ordered: list[tuple[int, torch.nn.Parameter]] = []
+        for group_index, param_group in enumerate(param_groups):
+            trainable = [p for p in param_group["params"] if p.requires_grad]
+            ordered.extend((group_index, p) for p in reversed(trainable))
+        if not ordered:
+            raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
+        self.params = [p for _, p in ordered]
+        owned_whole = stage == 0
+        self.plan: BucketPlan = plan_buckets(
+            [p.numel() for p in self.params],
+            [g for g, _ in ordered],
+            capacity=max(1, int(reduce_bucket_size)),
+            world_size=1 if owned_whole else self.world_size,
+        )
+        self.buckets = self._make_buckets(owned_whole)
+        self.masters, self.shard_grads = self._make_masters()
+        master_groups = self._master_param_groups(param_groups)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            # The optimizer object stays the user's (schedulers and code holding it keep
+            # working); only the tensors it steps change, and its state starts empty.
+            for param_group, master_group in zip(optimizer.param_groups, master_groups):
+                param_group["params"] = master_group["params"]
+            optimizer.state.clear()
+            self.optimizer = optimizer
+        else:
+            self.optimizer = optimizer(master_groups)
+
+        self.reducer = make_gradient_reducer(group, self.plan, scatter=not owned_whole)
+        self._handed: set[int] = set()
+        self._reduce_during_backward = False
+        low_precision = any(p.dtype != torch.float32 for p in self.params)
+        self._fp32_accumulators: list[torch.Tensor | None] | None = (
+            [None] * len(self.params) if low_precision and stage in (0, 1) else None
+        )
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(index))
+            for index, p in enumerate(self.params)
+        ]
+
+    # --- construction -------------------------------------------------------------------------
+    def _make_buckets(self, owned_whole: bool) -> list[_Bucket]:
+        buckets = []
+        for b, size in enumerate(self.plan.bucket_sizes):
+            members = self.plan.members(b)
+            if owned_whole:
+                start, owned = 0, size
+            else:
+                owned = size // self.world_size
+                start = self.rank * owned
+            buckets.append(
+                _Bucket(
+                    params=[self.params[p] for p in members],
+                    offsets=[self.plan.param_offset[p] for p in members],
+                    size=size,
+                    owned_start=start,
+                    owned_size=owned,
+                )
+            )
+        return buckets
+
+    def _make_masters(self) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+        masters, grads = [], []
+        device = self.params[0].device
+        for bucket in self.buckets:
+            flat = torch.zeros(bucket.size, dtype=torch.float32, device=device)
+            flatten_into([p.detach() for p in bucket.params], flat, bucket.offsets)
+            shard = flat.narrow(0, bucket.owned_start, bucket.owned_size).clone()
+            master = torch.nn.Parameter(shard, requires_grad=True)
+            grad = torch.zeros_like(shard)
+            master.grad = grad
+            masters.append(master)
+            grads.append(grad)
+        return masters, grads
+
+    def _master_param_groups(self, param_groups: list[dict]) -> list[dict]:
+        """The given param groups' hyper-parameters over this rank's master shards."""
+        by_group: dict[int, list[torch.nn.Parameter]] = {}
+        for bucket_index, master in enumerate(self.masters):
+            by_group.setdefault(self.plan.bucket_groups[bucket_index], []).append(master)
+        return [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": by_group.get(i, [])}
+            for i, group in enumerate(param_groups)
+        ]
+
+    def _make_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is None:
+                return
+            if self._reduce_during_backward:
+                self._hand_over(index, param)
+            elif self._fp32_accumulators is not None:
+                self._accumulate_fp32(index, param)
+
+        return hook
+
+    def _accumulate_fp32(self, index: int, param: torch.Tensor) -> None:
+        # Low-precision models accumulate micro-step gradients in fp32, not in their own dtype.
+        accumulator = self._fp32_accumulators[index]
+        if accumulator is None:
+            self._fp32_accumulators[index] = param.grad.float()
+        else:
+            accumulator.add_(param.grad)
+        param.grad = None
+
+    def _hand_over(self, index: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        if self._fp32_accumulators is not None and self._fp32_accumulators[index] is not None:
+            grad = (
+                self._fp32_accumulators[index].add_(grad)
+                if grad is not None
+                else (self._fp32_accumulators[index])
+            )
+            self._fp32_accumulators[index] = None
+        if grad is not None:
+            self.reducer.add_grad(index, grad)
+        self._handed.add(index)
+        if self.stage == 2 or self._fp32_accumulators is not None:
+            param.grad = None  # the reducer holds a copy; the full gradient is not kept
+
+    # --- backward -----------------------------------------------------------------------------
+    def begin_backward(self, boundary: bool) -> None:
+        """Stage 2 reduces every micro-step; stages 0/1 accumulate locally until the boundary."""
+        self._reduce_during_backward = self.stage == 2 or boundary
+
+    def end_backward(self) -> None:
+        """Reduces what the hooks have not, and accumulates this rank's shard of the gradients."""
+        if not self._reduce_during_backward:
+            return
+        for index, param in enumerate(self.params):
+            # Stages 0/1: a gradient accumulated in earlier micro-steps whose parameter was not
+            # used in this one never fired the hook now, but must be reduced.
+            if index not in self._handed:
+                self._hand_over(index, param)
+        self._handed.clear()
+        reduced = self.reducer.finish()
+        inverse_world = 1.0 / self.world_size
+        for shard_grad, shard in zip(self.shard_grads, reduced):
+            shard_grad.add_(shard.to(shard_grad.device), alpha=inverse_world)
+        self._reduce_during_backward = False
+
+    # --- step ---------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Unscale, check overflow, clip, step the shards, gather the parameters back.
+
+        Returns False when the step was skipped because a gradient overflowed on some rank.
+        """
+        if self.loss_scaler is not None:
+            if self._overflow_on_any_rank():
+                self.loss_scaler.update_scale(True)
+                self.skipped_steps += 1
+                self.zero_grad()
+                return False
+            inverse_scale = 1.0 / self.loss_scaler.loss_scale
+            if inverse_scale != 1.0:
+                for grad in self.shard_grads:
+                    grad.mul_(inverse_scale)
+        self.global_grad_norm = self._global_norm()
+        if self.gradient_clipping > 0.0:
+            coefficient = self.gradient_clipping / (self.global_grad_norm + 1e-6)
+            if coefficient < 1.0:
+                for grad in self.shard_grads:
+                    grad.mul_(coefficient)
+        self.optimizer.step()
+        self._gather_parameters()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        self.zero_grad()
+        return True
+
+    def zero_grad(self) -> None:
+        if self._fp32_accumulators is not None:
+            self._fp32_accumulators = [None] * len(self.params)
+        for grad in self.shard_grads:
+            grad.zero_()
+        for param in self.params:
+            param.grad = None
+
+    def _sum_over_shards(self, value: torch.Tensor) -> torch.Tensor:
+        if self.stage != 0 and self.world_size > 1:
+            dist.all_reduce(value, group=self.group)
+        return value
+
+    def _overflow_on_any_rank(self) -> bool:
+        local = torch.zeros(1, dtype=torch.float32, device=self.shard_grads[0].device)
+        for grad in self.shard_grads:
+            local += (~torch.isfinite(grad)).any().float()
+        return bool(self._sum_over_shards(local).item() > 0)
+
+    def _global_norm(self) -> float:
+        squares = torch.zeros(1, dtype=torch.float64, device=self.shard_grads[0].device)
+        for grad in self.shard_grads:
+            squares += grad.double().pow(2).sum()
+        return math.sqrt(float(self._sum_over_shards(squares).item()))
+
+    def _gather_parameters(self) -> None:
+        if self.stage == 0:
+            for bucket, master in zip(self.buckets, self.masters):
+                unflatten_from(master.detach(), [p.data for p in bucket.params], bucket.offsets)
+            return
+        fulls, works = [], []
+        for bucket, master in zip(self.buckets, self.masters):
+            full = torch.empty(bucket.size, dtype=master.dtype, device=master.device)
+            works.append(
+                dist.all_gather_single(full, master.detach(), group=self.group, async_op=True)
+            )
+            fulls.append(full)
+        for bucket, full, work in zip(self.buckets, fulls, works):
+            work.wait()
+            unflatten_from(full, [p.data for p in bucket.params], bucket.offsets)
+
+    # --- what code holding "the optimizer" expects ------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    # --- accounting ---------------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state and fp32 master shards this rank holds."""
+        total = sum(m.numel() * m.element_size() for m in self.masters)
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    total += value.numel() * value.element_size()
+        return total
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

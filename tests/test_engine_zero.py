@@ -1,0 +1,337 @@
+"""The engine with ZeRO stages 0, 1 and 2 on real gloo process groups of 2 and 3 processes,
+against one process training on the same global batch with torch.optim.AdamW."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_pool import DistributedPool
+
+MICRO_BATCH = 4
+IN, HIDDEN, OUT = 11, 37, 5
+LR, WEIGHT_DECAY, BETAS, EPS = 1e-2, 0.05, (0.9, 0.99), 1e-8
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    pool = DistributedPool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    pool = DistributedPool(3)
+    yield pool
+    pool.close()
+
+
+class TiedNet(torch.nn.Module):
+    """Odd sizes, a tied weight, a frozen layer, a layer no rank uses, one only even ranks use,
+    and a branch order that depends on the rank (so gradient hooks fire in a different order on
+    different ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(IN, HIDDEN)
+        self.left = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.right = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.frozen = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.frozen.requires_grad_(False)
+        self.unused = torch.nn.Linear(HIDDEN, 3)
+        self.rank0_only = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, OUT)
+        self.flip = False
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        if self.flip:
+            r = self.right(h)
+            left = self.left(h)
+        else:
+            left = self.left(h)
+            r = self.right(h)
+        h = torch.tanh(left + r) + self.frozen(h)
+        if not self.flip:
+            h = h + torch.tanh(self.rank0_only(h))
+        out = self.head(h)
+        # head.weight is used three times (a tied weight): its hook fires once, accumulated.
+        tied = torch.nn.functional.linear(torch.tanh(out), self.head.weight.t())
+        return out + 0.1 * self.head(torch.tanh(tied))
+
+
+def _make_model(seed: int) -> TiedNet:
+    torch.manual_seed(seed)
+    model = TiedNet()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2.0)  # larger weights: gradients well above rounding noise
+    return model
+
+
+def _global_batches(seed: int, steps: int, gas: int, world: int):
+    generator = torch.Generator().manual_seed(seed + 1)
+    size = MICRO_BATCH * world
+    return [
+        [(torch.randn(size, IN, generator=generator), torch.randn(size, OUT, generator=generator))
+         for _ in range(gas)]
+        for _ in range(steps)
+    ]  # fmt: skip
+
+
+def _config(stage: int, dtype: str, gas: int, clip: float, extra=None) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "steps_per_print": 1000,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY},
+        },
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700},
+    }
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    config.update(extra or {})
+    return config
+
+
+def train_job(config: dict, seed: int, steps: int, inject_overflow_at: int | None = None):
+    """Runs on every rank: trains TiedNet through deepspeed_cpp.initialize and reports back."""
+    import deepspeed_cpp as deepspeed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _make_model(seed)
+    model.flip = rank % 2 == 1
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    gas = engine.gradient_accumulation_steps()
+    dtype = next(engine.module.parameters()).dtype
+    overflow_param = engine.module.left.weight
+    snapshots = []
+    for step, micro_batches in enumerate(_global_batches(seed, steps, gas, world)):
+        for x, y in micro_batches:
+            x = x[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH].to(dtype)
+            y = y[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH].to(dtype)
+            handle = None
+            if step == inject_overflow_at and rank == world - 1:
+                handle = overflow_param.register_hook(lambda g: g * float("inf"))
+            loss = torch.nn.functional.mse_loss(engine(x).float(), y.float())
+            engine.backward(loss)
+            if handle is not None:
+                handle.remove()
+            engine.step()
+        snapshots.append(
+            {"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+             "loss_scale": engine.get_loss_scale()}
+        )  # fmt: skip
+    return {
+        "snapshots": snapshots,
+        "global_steps": engine.global_steps,
+        "skipped_steps": engine.skipped_steps,
+        "state_bytes": engine.optimizer.state_bytes(),
+        "grads_left": [n for n, p in engine.module.named_parameters() if p.grad is not None],
+        "reducer_held_bytes": engine.optimizer.reducer.held_bytes(),
+        "collective": engine.optimizer.reducer.collective(),
+        "grad_norm": engine.get_global_grad_norm(),
+    }
+
+
+def _reference(seed, steps, gas, world, clip, dtype=torch.float32):
+    """One process, the same global batch, torch.optim.AdamW; unused parameters get zero
+    gradients (as in ZeRO) and low-precision models keep fp32 master weights."""
+    model = _make_model(seed).to(dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    optimizer = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    norms = []
+    for micro_batches in _global_batches(seed, steps, gas, world):
+        for master in masters:
+            master.grad = torch.zeros_like(master)
+        for x, y in micro_batches:
+            for rank in range(world):  # data parallelism, simulated rank by rank
+                model.zero_grad()
+                model.flip = rank % 2 == 1
+                xs = x[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH].to(dtype)
+                ys = y[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH].to(dtype)
+                # As the engine: backward of loss / gas in the model's dtype, fp32 accumulation.
+                (torch.nn.functional.mse_loss(model(xs).float(), ys.float()) / gas).backward()
+                for p, master in zip(params, masters):
+                    if p.grad is not None:
+                        master.grad += p.grad.float() / world
+        norms.append(torch.nn.utils.clip_grad_norm_(masters, clip if clip else float("inf")))
+        optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(params, masters):
+                p.copy_(master)
+    return {n: p.detach() for n, p in model.named_parameters()}, norms
+
+
+def _max_relative_difference(ours: dict, reference: dict) -> float:
+    worst = 0.0
+    for name, ref in reference.items():
+        scale = ref.float().abs().max().item()
+        worst = max(worst, (ours[name].float() - ref.float()).abs().max().item() / scale)
+    return worst
+
+
+CASES = list(itertools.product([0, 1, 2], ["fp32", "bf16"], [1, 3], [0.0, 0.5]))
+
+
+@pytest.mark.parametrize("stage, dtype, gas, clip", CASES)
+def test_matches_single_process_adamw_2_ranks(pool2, stage, dtype, gas, clip):
+    seed = int(torch.randint(0, 2**30, (1,)))
+    steps = 5
+    results = pool2.run(train_job, _config(stage, dtype, gas, clip), seed, steps)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    reference, norms = _reference(seed, steps, gas, 2, clip, torch_dtype)
+    ours = results[0]["snapshots"][-1]["params"]
+    for other in results[1:]:
+        for name, tensor in other["snapshots"][-1]["params"].items():
+            assert torch.equal(tensor, ours[name]), f"ranks disagree on {name}"
+    tolerance = 1e-6 if dtype == "fp32" else 2**-8  # one bf16 rounding step
+    assert _max_relative_difference(ours, reference) <= tolerance
+    assert results[0]["grad_norm"] == pytest.approx(float(norms[-1]), rel=1e-5)
+    assert results[0]["global_steps"] == steps and results[0]["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_matches_single_process_adamw_3_ranks(pool3, stage):
+    seed = int(torch.randint(0, 2**30, (1,)))
+    results = pool3.run(train_job, _config(stage, "fp32", 2, 0.5), seed, 5)
+    reference, _ = _reference(seed, 5, 2, 3, 0.5)
+    assert _max_relative_difference(results[0]["snapshots"][-1]["params"], reference) <= 1e-6
+    assert len({r["collective"] for r in results}) == 1
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_optimizer_state_is_partitioned(pool3, stage):
+    results = pool3.run(train_job, _config(stage, "fp32", 1, 0.0), 0, 1)
+    model = _make_model(0)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # Adam keeps exp_avg and exp_avg_sq; ZeRO keeps an fp32 master: 3 x 4 bytes per element.
+    full_bytes = 12 * trainable
+    for result in results:
+        padding_allowance = 12 * 3 * 16 * 8  # up to world*alignment elements per bucket
+        assert result["state_bytes"] <= full_bytes / 3 * 1.01 + padding_allowance
+        assert result["state_bytes"] >= full_bytes / 3 * 0.99 - padding_allowance
+
+
+def test_stage2_keeps_no_full_gradients_after_step(pool2):
+    results = pool2.run(train_job, _config(2, "fp32", 3, 0.0), 1, 2)
+    for result in results:
+        assert result["grads_left"] == []
+        assert result["reducer_held_bytes"] == 0
+
+
+def test_fp16_overflow_skips_exactly_one_step_on_all_ranks(pool2):
+    steps, overflow_step = 5, 2
+    results = pool2.run(train_job, _config(2, "fp16", 1, 0.0), 3, steps, overflow_step)
+    for result in results:
+        assert result["global_steps"] == steps and result["skipped_steps"] == 1
+        before = result["snapshots"][overflow_step - 1]
+        during = result["snapshots"][overflow_step]
+        for name, tensor in before["params"].items():
+            assert torch.equal(tensor, during["params"][name]), f"{name} changed on overflow"
+        assert during["loss_scale"] == before["loss_scale"] / 2
+        after = result["snapshots"][overflow_step + 1]
+        assert any(not torch.equal(after["params"][n], t) for n, t in during["params"].items())
+    assert (
+        results[0]["snapshots"][-1]["params"].keys() == results[1]["snapshots"][-1]["params"].keys()
+    )
+
+
+def client_optimizer_job(stage: int, seed: int):
+    """A user-built optimizer and scheduler passed to initialize are sharded like config ones."""
+    import deepspeed_cpp as deepspeed
+
+    rank = dist.get_rank()
+    model = _make_model(seed)
+    model.flip = rank % 2 == 1
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if "bias" not in n and p.requires_grad]},
+        {"params": [p for n, p in model.named_parameters() if "bias" in n and p.requires_grad],
+         "weight_decay": 0.0},
+    ]  # fmt: skip
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    config = {"train_batch_size": 2 * MICRO_BATCH, "zero_optimization": {"stage": stage}}
+    engine, returned_optimizer, _, returned_scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+    )
+    assert returned_scheduler is scheduler
+    for micro_batches in _global_batches(seed, 4, 1, 2):
+        x, y = micro_batches[0]
+        x, y = (
+            x[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH],
+            y[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH],
+        )
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}, engine.get_lr()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_client_optimizer_and_scheduler(pool2, stage):
+    seed = int(torch.randint(0, 2**30, (1,)))
+    (ours, lrs), _ = pool2.run(client_optimizer_job, stage, seed)
+    model = _make_model(seed)
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if "bias" not in n and p.requires_grad]},
+        {"params": [p for n, p in model.named_parameters() if "bias" in n and p.requires_grad],
+         "weight_decay": 0.0},
+    ]  # fmt: skip
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for micro_batches in _global_batches(seed, 4, 1, 2):
+        x, y = micro_batches[0]
+        optimizer.zero_grad()
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        for rank in range(2):
+            model.flip = rank % 2 == 1
+            xs, ys = (
+                x[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH],
+                y[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH],
+            )
+            (torch.nn.functional.mse_loss(model(xs), ys) / 2).backward()
+        optimizer.step()
+        scheduler.step()
+    reference = {n: p.detach() for n, p in model.named_parameters()}
+    assert _max_relative_difference(ours, reference) <= 1e-6
+    assert lrs == [g["lr"] for g in optimizer.param_groups]
+
+
+def both_optimizers_job():
+    import deepspeed_cpp as deepspeed
+
+    model = _make_model(0)
+    try:
+        deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            config=_config(1, "fp32", 1, 0.0),
+        )  # fmt: skip
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_client_and_config_optimizer_together_is_an_error(pool2):
+    messages = pool2.run(both_optimizers_job)
+    assert all("keep one of them" in m for m in messages)
+
+
+def test_reference_itself_is_sensitive():
+    """The comparison can fail: one extra step moves the parameters far beyond the tolerance."""
+    five, _ = _reference(7, 5, 1, 2, 0.0)
+    six, _ = _reference(7, 6, 1, 2, 0.0)
+    assert _max_relative_difference(copy.deepcopy(six), five) > 1e-3
