@@ -133,9 +133,7 @@ class DeepSpeedEngine(torch.nn.Module):
         factory = config_optimizer_factory(
             config_optimizer.type, config_optimizer.params, self.device
         )
-        return ZeroPartitionedOptimizer(
-            factory, self._param_groups(model_parameters), **common
-        )
+        return ZeroPartitionedOptimizer(factory, self._param_groups(model_parameters), **common)
 
     def _param_groups(self, model_parameters) -> list[dict]:
         if model_parameters is None:

@@ -72,8 +72,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument(
         "--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file."
     )
-    group.add_argument(
-        "--deepscale", default=False, action="store_true", help=argparse.SUPPRESS
-    )
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     return parser
