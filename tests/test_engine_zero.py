@@ -197,7 +197,9 @@ def test_matches_single_process_adamw_2_ranks(pool2, stage, dtype, gas, clip):
     for other in results[1:]:
         for name, tensor in other["snapshots"][-1]["params"].items():
             assert torch.equal(tensor, ours[name]), f"ranks disagree on {name}"
-    tolerance = 1e-6 if dtype == "fp32" else 2**-8  # one bf16 rounding step
+    # bf16: parameters are their fp32 masters rounded; masters equal to ~1e-7 can still round to
+    # neighbouring bf16 values, one unit in the last place: up to 2^-7 of the largest element.
+    tolerance = 1e-6 if dtype == "fp32" else 2**-7
     assert _max_relative_difference(ours, reference) <= tolerance
     assert results[0]["grad_norm"] == pytest.approx(float(norms[-1]), rel=1e-5)
     assert results[0]["global_steps"] == steps and results[0]["skipped_steps"] == 0

@@ -1,6 +1,7 @@
 """How ops are found: JIT from an empty cache, cache keys, killed builds, pre-built wheels."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import zipfile
 import pytest
 from conftest import REPO_ROOT
 
-from deepspeed_cpp.ops.op_builder import CPUAdamBuilder, builder
+from deepspeed_cpp.ops.op_builder import ALL_OPS, CPUAdamBuilder, builder
 
 STEP_SCRIPT = """
 import torch
@@ -109,8 +110,9 @@ def test_invalid_build_flag_fails_the_install(tmp_path):
 
 
 def test_zero_overrides_build_all(tmp_path):
+    every_op_off = {f"DS_BUILD_{name.upper()}": "0" for name in ALL_OPS}
     result = _pip("wheel", "--no-build-isolation", "--no-deps", "-w", str(tmp_path), ".",
-                  env_overrides={"DS_BUILD_OPS": "1", "DS_BUILD_CPU_ADAM": "0"})  # fmt: skip
+                  env_overrides={"DS_BUILD_OPS": "1", **every_op_off})  # fmt: skip
     assert result.returncode == 0, result.stderr
     (wheel,) = tmp_path.glob("deepspeed_cpp-*.whl")
     assert wheel.name.endswith("py3-none-any.whl")
@@ -122,7 +124,9 @@ def test_zero_overrides_build_all(tmp_path):
 def test_prebuilt_wheel_needs_no_compiler(tmp_path):
     wheels = tmp_path / "wheels"
     result = _pip("wheel", "--no-build-isolation", "--no-deps", "-w", str(wheels), ".",
-                  env_overrides={"DS_BUILD_OPS": "1", "MAX_JOBS": "2"})  # fmt: skip
+                  env_overrides={"DS_BUILD_OPS": "1", "DS_BUILD_FUSED_ADAM": "0",
+                                 "MAX_JOBS": "2"})  # fmt: skip
+    # (the CUDA op's nvcc build takes minutes; tests/test_fused_adam* builds it on its own)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (wheel,) = wheels.glob("deepspeed_cpp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -148,7 +152,7 @@ def test_prebuilt_wheel_needs_no_compiler(tmp_path):
     assert not (tmp_path / "empty-cache").exists()
     report = _run("from deepspeed_cpp.env_report import main; main()", no_compiler, cwd=tmp_path)
     assert report.returncode == 0, report.stderr
-    assert "cpu_adam : pre-built" in report.stdout
+    assert re.search(r"cpu_adam +: pre-built", report.stdout), report.stdout
     assert "cpu isa level:" in report.stdout
 
 
@@ -163,5 +167,5 @@ def test_no_compiler_and_nothing_prebuilt_says_why(tmp_path):
 def test_report_lists_every_op():
     result = _run("from deepspeed_cpp.env_report import main; main(['--load'])", {})
     assert result.returncode == 0, result.stderr
-    assert "cpu_adam :" in result.stdout
+    assert re.search(r"cpu_adam +:", result.stdout), result.stdout
     assert "cpu isa level: " in result.stdout
