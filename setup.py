@@ -71,13 +71,20 @@ def ops_to_prebuild(op_builder) -> list:
 
 
 def extension_for(builder):
-    from torch.utils.cpp_extension import CppExtension
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
-    return CppExtension(
+    # A family with .cu sources is compiled by nvcc with the builder's flags (architectures
+    # included); prepare_build() first points torch at the CUDA toolkit the builder found.
+    builder.prepare_build()
+    extension_class = CUDAExtension if builder.is_cuda() else CppExtension
+    compile_args = {"cxx": builder.extra_cflags()}
+    if builder.is_cuda():
+        compile_args["nvcc"] = builder.extra_cuda_cflags()
+    return extension_class(
         name=f"deepspeed_cpp._ops.{builder.NAME}",
         sources=[f"csrc/{source}" for source in builder.sources()],
         include_dirs=[str(ROOT / "csrc")],
-        extra_compile_args={"cxx": builder.extra_cflags()},
+        extra_compile_args=compile_args,
         extra_link_args=builder.extra_ldflags(),
     )
 

@@ -9,16 +9,34 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(deepspeed_cpp, m) {
-  // csrc/cpu_adam: one Adam/AdamW step over one tensor.
+  // csrc/cpu_adam, csrc/cpu_adagrad, csrc/cpu_lion: one optimizer step on CPU tensors, in place.
+  // Storage: params float32/bfloat16/float16, grads float32/bfloat16/float16, state float32 or
+  // bfloat16 (one dtype per argument, shared by a list). Optional keyword arguments:
+  // param_lowp receives the updated float32 param rounded to its dtype (bfloat16/float16) in the
+  // same pass; gradients are divided by grad_scale (the loss scale) first; found_inf (one float32
+  // element) makes the call a no-op when non-zero on entry, and otherwise is set to 1 (nothing
+  // written) or 0 after checking every gradient for infinities and NaNs.
   m.def(
       "cpu_adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "int step, float lr, float beta1, float beta2, float eps, float weight_decay, "
-      "bool bias_correction, bool adamw_mode) -> ()");
-  // csrc/cpu_adam: the same step over lists of tensors, in one parallel region.
+      "bool bias_correction, bool adamw_mode, *, Tensor(d!)? param_lowp=None, "
+      "float grad_scale=1.0, Tensor(e!)? found_inf=None) -> ()");
+  // The same step over lists of tensors, in one parallel region.
   m.def(
       "cpu_adam_step_multi(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, int step, float lr, float beta1, float beta2, float eps, "
-      "float weight_decay, bool bias_correction, bool adamw_mode) -> ()");
+      "float weight_decay, bool bias_correction, bool adamw_mode, *, "
+      "Tensor(d!)[]? params_lowp=None, float grad_scale=1.0, Tensor(e!)? found_inf=None) -> ()");
+  // Adagrad as torch.optim.Adagrad: lr / (1 + (step - 1) * lr_decay), L2 weight decay.
+  m.def(
+      "cpu_adagrad_step_multi(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, "
+      "int step, float lr, float eps, float weight_decay, float lr_decay, *, "
+      "Tensor(d!)[]? params_lowp=None, float grad_scale=1.0, Tensor(e!)? found_inf=None) -> ()");
+  // Lion (Chen et al. 2023): sign of the interpolated momentum, decoupled weight decay.
+  m.def(
+      "cpu_lion_step_multi(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "float lr, float beta1, float beta2, float weight_decay, *, "
+      "Tensor(d!)[]? params_lowp=None, float grad_scale=1.0, Tensor(e!)? found_inf=None) -> ()");
 
   // csrc/fused_adam: Adam/AdamW over lists of CUDA tensors in a few multi-tensor launches.
   // Params fp32/bf16/fp16 (one dtype per list), state fp32 or the params' dtype. Optional

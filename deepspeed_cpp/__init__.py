@@ -16,13 +16,16 @@ _LAZY = {
     "add_config_arguments": ".runtime.initialize",
     "DeepSpeedEngine": ".runtime.engine",
 }
+_LAZY_MODULES = ("accelerator", "moe", "runtime", "utils")
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'deepspeed_cpp' has no attribute '{name}'")
 
 

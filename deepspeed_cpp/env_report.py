@@ -66,6 +66,18 @@ def loaded_details(name: str) -> str:
         from .ops.cpu_adam import cpu_adam_isa
 
         return f"cpu isa level: {cpu_adam_isa()}"
+    if name == "aio":
+        from .ops.aio import compiled_engines, default_engine
+
+        return f"engine in use: {default_engine()} (compiled in: {', '.join(compiled_engines())})"
+    if name == "cpu_adagrad":
+        from .ops.cpu_adagrad import cpu_adagrad_isa
+
+        return f"cpu isa level: {cpu_adagrad_isa()}"
+    if name == "cpu_lion":
+        from .ops.cpu_lion import cpu_lion_isa
+
+        return f"cpu isa level: {cpu_lion_isa()}"
     return ""
 
 

@@ -3,6 +3,38 @@
 # torch 2.14.1 is the CUDA build so that CUDA ops can be compiled (no GPU needed); it runs on CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Debian packages: the io_uring and libaio engines of csrc/aio (headers), and fio, the yardstick
+# of its benchmark. Installed only when missing and root (or sudo) is at hand;
+# DS_SKIP_SYSTEM_PACKAGES=1 skips this (aio then builds with the pread/pwrite engine alone).
+if [ "${DS_SKIP_SYSTEM_PACKAGES:-0}" != 1 ]; then
+  missing=()
+  for package in liburing-dev libaio-dev fio; do
+    dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    if ! command -v apt-get >/dev/null 2>&1; then
+      apt_get=""
+    elif [ "$(id -u)" -eq 0 ]; then
+      apt_get="apt-get"
+    elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+      apt_get="sudo -n apt-get"
+    else
+      apt_get=""
+    fi
+    if [ -z "$apt_get" ]; then
+      # Not fatal: csrc/aio then builds with its pread/pwrite engine only.
+      echo "setup_env.sh: warning: missing Debian packages ${missing[*]} and no root to install" \
+        "them (apt-get install -y ${missing[*]}); csrc/aio will have only its pread/pwrite" \
+        "engine and benchmarks/bench_aio.py no fio yardstick." >&2
+    else
+      echo "setup_env.sh: installing ${missing[*]}"
+      $apt_get update -qq
+      DEBIAN_FRONTEND=noninteractive $apt_get install -y -qq "${missing[@]}" >/dev/null
+    fi
+  fi
+fi
+
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then

@@ -10,16 +10,10 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
@@ -29,7 +23,8 @@ def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     while True:
         job = jobs.get()
         if job is None:
@@ -48,7 +43,10 @@ class DistributedPool:
         self.world_size = world_size
         self._jobs = [context.Queue() for _ in range(world_size)]
         self._results = context.Queue()
-        port = _free_port()
+        # The rendezvous store lives here, on a port the kernel picked and that stays bound: no
+        # window in which another test run could take a port chosen in advance.
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port = self._store.port
         self._processes = [
             context.Process(
                 target=_worker,

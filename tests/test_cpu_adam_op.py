@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 from adam_reference import reference_adam_steps
+from cpu_isa_levels import supported_isa_levels
 
 from deepspeed_cpp.ops import cpu_adam_step, cpu_adam_step_multi
 from deepspeed_cpp.ops.cpu_adam import cpu_adam_isa, load_cpu_adam
@@ -104,20 +105,10 @@ torch.save({"isa": cpu_adam_isa(), "p": p, "m": m, "v": v}, sys.argv[2])
 """
 
 
-def _supported_isa_levels():
-    levels = ["scalar"]
-    flags = open("/proc/cpuinfo").read()
-    if " avx2 " in flags and " fma " in flags:
-        levels.append("avx2")
-    if " avx512f " in flags:
-        levels.append("avx512")
-    return levels
-
-
 def test_bitwise_identical_across_isa_levels(tmp_path):
     seed = int(torch.randint(0, 2**31, (1,)))
     outputs = {}
-    for level in _supported_isa_levels():
+    for level in supported_isa_levels():
         out = tmp_path / f"{level}.pt"
         env = dict(os.environ, DS_CPU_ISA=level)
         subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(seed), str(out)], env=env,
@@ -178,7 +169,11 @@ def _strided(n):
 @pytest.mark.parametrize(
     "overrides, hp, message",
     [
-        (dict(grad=torch.randn(8).double()), {}, "grad must be float32, got dtype Double"),
+        (
+            dict(grad=torch.randn(8).double()),
+            {},
+            "grad must be float32, bfloat16 or float16, got dtype Double",
+        ),
         (dict(exp_avg=torch.zeros(9)), {}, "exp_avg has 9 elements (shape [9]) but the param"),
         (dict(param=_strided(8)), {}, "param must be contiguous, got strides [2]"),
         (dict(exp_avg_sq=_strided(8)), {}, "exp_avg_sq must be contiguous"),

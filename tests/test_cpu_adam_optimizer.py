@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from deepspeed_cpp.ops import cpu_adam_step
 from deepspeed_cpp.optim import DeepSpeedCPUAdam
 
 
@@ -142,8 +143,49 @@ def test_bad_hyper_parameters(kwargs, message):
 
 
 def test_bad_params_are_named():
-    with pytest.raises(TypeError, match="param 0 of group 0 is torch.bfloat16"):
-        DeepSpeedCPUAdam([torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)])
+    with pytest.raises(TypeError, match="param 0 of group 0 is torch.float64"):
+        DeepSpeedCPUAdam([torch.zeros(3, dtype=torch.float64, requires_grad=True)])
     transposed = torch.nn.Parameter(torch.randn(4, 3).t())
     with pytest.raises(ValueError, match=r"param 0 of group 0 has shape \(3, 4\)"):
         DeepSpeedCPUAdam([transposed])
+
+
+@pytest.mark.parametrize("fp32_optimizer_states", [True, False])
+def test_bfloat16_params_step_like_the_op_with_the_asked_state_dtype(fp32_optimizer_states):
+    model = _model().to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-2, weight_decay=0.01,
+                                 fp32_optimizer_states=fp32_optimizer_states)  # fmt: skip
+    state_dtype = torch.float32 if fp32_optimizer_states else torch.bfloat16
+    states = {p: (torch.zeros(p.shape, dtype=state_dtype), torch.zeros(p.shape, dtype=state_dtype))
+              for p in twin.parameters()}  # fmt: skip
+    for step, (x, y) in enumerate(_batches(4), start=1):
+        for m in (model, twin):
+            m.zero_grad()
+            torch.nn.functional.mse_loss(m(x.bfloat16()).float(), y).backward()
+        optimizer.step()
+        for p in twin.parameters():
+            cpu_adam_step(p.data, p.grad, *states[p], step=step, lr=1e-2, weight_decay=0.01)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+        assert optimizer.state[p]["exp_avg"].dtype == state_dtype
+
+
+def test_fp16_param_groups_receive_the_rounded_params():
+    model = _model()
+    optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-2)
+    params = list(model.parameters())
+    # A contiguous CPU copy is written by the kernel; a strided one through a buffer.
+    copies = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
+    copies[0] = torch.empty(tuple(reversed(params[0].shape)), dtype=torch.float16).t()
+    for x, y in _batches(3):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step(fp16_param_groups=[copies])
+        for p, c in zip(params, copies):
+            assert torch.equal(c, p.detach().to(c.dtype))
+
+
+def test_fp16_params_need_fp32_state():
+    with pytest.raises(ValueError, match="use fp32_optimizer_states=True"):
+        DeepSpeedCPUAdam(_model().half().parameters(), fp32_optimizer_states=False)

@@ -2,26 +2,18 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "cpu_adam_kernel.h"
+#include "cpu_optimizer_glue.h"
 
 namespace deepspeed_cpp {
 namespace {
 
-void check_state_tensor(const at::Tensor& t, const char* what, int64_t index, int64_t numel) {
-  const std::string name =
-      index < 0 ? std::string(what) : std::string(what) + "[" + std::to_string(index) + "]";
-  TORCH_CHECK(t.device().is_cpu(), "cpu_adam: ", name, " must be a CPU tensor, got device ",
-              t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "cpu_adam: ", name, " must be float32, got dtype ",
-              t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "cpu_adam: ", name, " must be contiguous, got strides ",
-              t.strides(), " for shape ", t.sizes());
-  TORCH_CHECK(t.numel() == numel, "cpu_adam: ", name, " has ", t.numel(), " elements (shape ",
-              t.sizes(), ") but the parameter has ", numel);
-}
+constexpr const char* kOp = "cpu_adam";
 
 AdamHyperParams checked_hyper_params(int64_t step, double lr, double beta1, double beta2,
                                      double eps, double weight_decay, bool bias_correction,
@@ -36,44 +28,51 @@ AdamHyperParams checked_hyper_params(int64_t step, double lr, double beta1, doub
   return AdamHyperParams{lr, beta1, beta2, eps, weight_decay, step, bias_correction, adamw_mode};
 }
 
-AdamTensorView checked_view(const at::Tensor& param, const at::Tensor& grad,
-                            const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                            int64_t index) {
-  const int64_t numel = param.numel();
-  check_state_tensor(param, "param", index, numel);
-  check_state_tensor(grad, "grad", index, numel);
-  check_state_tensor(exp_avg, "exp_avg", index, numel);
-  check_state_tensor(exp_avg_sq, "exp_avg_sq", index, numel);
-  return AdamTensorView{param.data_ptr<float>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(),
-                        exp_avg_sq.data_ptr<float>(), numel};
+void run(const cpu_optim::StepTensorCollector& collected, const AdamHyperParams& hp,
+         double grad_scale, const std::optional<at::Tensor>& found_inf) {
+  const double scale = cpu_optim::checked_grad_scale(kOp, grad_scale);
+  float* flag = cpu_optim::checked_found_inf(kOp, found_inf);
+  try {
+    cpu_adam_update(collected.tensors(), collected.types(), hp, scale, flag);
+  } catch (const std::invalid_argument& error) {
+    TORCH_CHECK(false, error.what());
+  }
 }
 
 void cpu_adam_step_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
                        at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
-                       double eps, double weight_decay, bool bias_correction, bool adamw_mode) {
+                       double eps, double weight_decay, bool bias_correction, bool adamw_mode,
+                       const std::optional<at::Tensor>& param_lowp, double grad_scale,
+                       const std::optional<at::Tensor>& found_inf) {
   const AdamHyperParams hp =
       checked_hyper_params(step, lr, beta1, beta2, eps, weight_decay, bias_correction, adamw_mode);
-  cpu_adam_update({checked_view(param, grad, exp_avg, exp_avg_sq, -1)}, hp);
+  cpu_optim::StepTensorCollector collected(kOp);
+  collected.add(-1, param, grad, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}},
+                param_lowp.has_value() ? &*param_lowp : nullptr);
+  run(collected, hp, grad_scale, found_inf);
 }
 
 void cpu_adam_step_multi_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                              at::TensorList exp_avg_sqs, int64_t step, double lr, double beta1,
                              double beta2, double eps, double weight_decay, bool bias_correction,
-                             bool adamw_mode) {
+                             bool adamw_mode, std::optional<at::TensorList> params_lowp,
+                             double grad_scale, const std::optional<at::Tensor>& found_inf) {
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
-              "cpu_adam_multi: the four lists must have equal lengths, got params=", n,
-              ", grads=", grads.size(), ", exp_avgs=", exp_avgs.size(),
-              ", exp_avg_sqs=", exp_avg_sqs.size());
+  cpu_optim::check_list_length("cpu_adam_multi", "grads", grads.size(), n);
+  cpu_optim::check_list_length("cpu_adam_multi", "exp_avgs", exp_avgs.size(), n);
+  cpu_optim::check_list_length("cpu_adam_multi", "exp_avg_sqs", exp_avg_sqs.size(), n);
+  if (params_lowp.has_value()) {
+    cpu_optim::check_list_length("cpu_adam_multi", "params_lowp", params_lowp->size(), n);
+  }
   const AdamHyperParams hp =
       checked_hyper_params(step, lr, beta1, beta2, eps, weight_decay, bias_correction, adamw_mode);
-  std::vector<AdamTensorView> views;
-  views.reserve(n);
+  cpu_optim::StepTensorCollector collected(kOp);
   for (size_t i = 0; i < n; ++i) {
-    views.push_back(
-        checked_view(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], static_cast<int64_t>(i)));
+    collected.add(static_cast<int64_t>(i), params[i], grads[i],
+                  {{"exp_avg", &exp_avgs[i]}, {"exp_avg_sq", &exp_avg_sqs[i]}},
+                  params_lowp.has_value() ? &(*params_lowp)[i] : nullptr);
   }
-  cpu_adam_update(views, hp);
+  run(collected, hp, grad_scale, found_inf);
 }
 
 }  // namespace
@@ -85,4 +84,13 @@ TORCH_LIBRARY_IMPL(deepspeed_cpp, CPU, m) {
 }
 
 // Read by the report command through ctypes; not an operator because it describes the build.
-extern "C" const char* deepspeed_cpp_cpu_adam_isa() { return deepspeed_cpp::cpu_adam_isa_name(); }
+// An invalid DS_CPU_ISA comes back as its message (no exception may cross into ctypes).
+extern "C" const char* deepspeed_cpp_cpu_adam_isa() {
+  try {
+    return deepspeed_cpp::cpu_adam_isa_name();
+  } catch (const std::exception& error) {
+    static thread_local std::string message;
+    message = std::string("error: ") + error.what();
+    return message.c_str();
+  }
+}

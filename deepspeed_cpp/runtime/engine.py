@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 
@@ -44,10 +45,11 @@ class DeepSpeedEngine(torch.nn.Module):
         self.group = dist.group.WORLD
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.local_rank = int(getattr(args, "local_rank", -1) or -1)
-        if self.local_rank < 0:
-            import os
-
+        # DeepSpeed's launcher passes --local_rank; torchrun sets LOCAL_RANK.
+        from_args = getattr(args, "local_rank", None)
+        if from_args is not None and int(from_args) >= 0:
+            self.local_rank = int(from_args)
+        else:
             self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         accelerator = get_accelerator()
         if accelerator.device_name() != "cpu":
@@ -246,6 +248,61 @@ class DeepSpeedEngine(torch.nn.Module):
             breakdown = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self._timers.items())
             logger.info("deepspeed_cpp: time over the last %d steps: %s", every, breakdown)
             self._timers.clear()
+
+    # --- checkpoints (deepspeed_cpp.runtime.checkpoint) ---------------------------------------
+    def save_checkpoint(
+        self,
+        save_dir,
+        tag=None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Saves the training state to ``save_dir/<tag>`` (default tag ``global_step<N>``) and,
+        with ``save_latest``, points ``save_dir/latest`` at it. Every rank must call it.
+
+        ``client_state`` (a dict) is stored as is and returned by ``load_checkpoint``. Files are
+        published atomically: a crash mid-save leaves ``latest`` at the previous checkpoint.
+        Gradients of an unfinished accumulation are not saved: save after ``step()`` at a
+        boundary.
+        """
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(
+            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn=None,
+    ):
+        """Restores the state saved under ``load_dir/<tag>`` (``tag`` None: ``latest``'s).
+
+        Returns ``(path, client_state)``, or ``(None, None)`` when no tag is given and there is
+        no ``latest`` file. The checkpoint may come from another world size or ZeRO stage
+        (0-2): it is resharded. Every rank must call it.
+        """
+        if custom_load_fn is not None:
+            raise NotImplementedError(
+                "load_checkpoint(custom_load_fn=...) is not supported by deepspeed_cpp"
+            )
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
 
     # --- what scripts ask the engine ----------------------------------------------------------
     def train(self, mode: bool = True):

@@ -4,20 +4,33 @@ This package imports nothing from the rest of ``deepspeed_cpp`` so that ``setup.
 straight from the source tree to pre-build ops.
 """
 
+from .aio import AsyncIOBuilder
 from .builder import OpBuilder, OpNotAvailableError
+from .cpu_adagrad import CPUAdagradBuilder
 from .cpu_adam import CPUAdamBuilder
+from .cpu_lion import CPULionBuilder
+from .fused_adam import FusedAdamBuilder, FusedAdamHostBuilder
 from .registry import RegistryBuilder
 from .zero import ZeroBuilder
 
 # Every op family, by the name its DS_BUILD_<NAME> flag and its library carry.
 ALL_OPS: dict[str, type[OpBuilder]] = {
     CPUAdamBuilder.NAME: CPUAdamBuilder,
+    CPUAdagradBuilder.NAME: CPUAdagradBuilder,
+    CPULionBuilder.NAME: CPULionBuilder,
+    FusedAdamBuilder.NAME: FusedAdamBuilder,
     ZeroBuilder.NAME: ZeroBuilder,
+    AsyncIOBuilder.NAME: AsyncIOBuilder,
 }
 
 __all__ = [
     "ALL_OPS",
+    "AsyncIOBuilder",
+    "CPUAdagradBuilder",
     "CPUAdamBuilder",
+    "CPULionBuilder",
+    "FusedAdamBuilder",
+    "FusedAdamHostBuilder",
     "OpBuilder",
     "OpNotAvailableError",
     "RegistryBuilder",

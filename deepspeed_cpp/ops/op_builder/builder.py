@@ -104,6 +104,17 @@ class OpBuilder:
     def extra_ldflags(self) -> list[str]:
         return []
 
+    def extra_cuda_cflags(self) -> list[str]:
+        """nvcc flags for the family's .cu sources (architectures included)."""
+        return []
+
+    def is_cuda(self) -> bool:
+        """Whether the family has CUDA sources: then it builds with nvcc, as a CUDAExtension."""
+        return any(source.endswith(".cu") for source in self.sources())
+
+    def prepare_build(self) -> None:
+        """Called just before the family is compiled (JIT or setup.py); nothing by default."""
+
     def is_compatible(self) -> tuple[bool, str]:
         """Whether this op can be built for this machine, and if not, what is missing."""
         return True, ""
@@ -120,7 +131,8 @@ class OpBuilder:
         root = csrc_dir()
         digest = hashlib.sha256()
         digest.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}".encode())
-        digest.update("|".join(self.extra_cflags() + self.extra_ldflags()).encode())
+        flags = self.extra_cflags() + self.extra_ldflags() + self.extra_cuda_cflags()
+        digest.update("|".join(flags).encode())
         headers = sorted(p for p in root.rglob("*") if p.suffix in (".h", ".cuh", ".hpp"))
         for path in self.absolute_sources() + headers:
             digest.update(str(path.relative_to(root)).encode())
@@ -213,12 +225,14 @@ class OpBuilder:
                     build_dir,
                 )
             build_dir.mkdir(exist_ok=True)
+            self.prepare_build()
             try:
                 cpp_extension.load(
                     name=build_dir.name,
                     sources=[str(p) for p in self.absolute_sources()],
                     extra_cflags=self.extra_cflags(),
                     extra_ldflags=self.extra_ldflags(),
+                    extra_cuda_cflags=self.extra_cuda_cflags() or None,
                     extra_include_paths=[str(csrc_dir())],
                     build_directory=str(build_dir),
                     is_python_module=False,

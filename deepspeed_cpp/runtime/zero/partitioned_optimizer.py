@@ -301,6 +301,67 @@ class ZeroPartitionedOptimizer:
     def state(self):
         return self.optimizer.state
 
+    # --- checkpoints (deepspeed_cpp.runtime.checkpoint) ---------------------------------------
+    def owned_ranges(self) -> list[tuple[int, int]]:
+        """``(start, size)`` of the slice of every bucket this rank owns, in bucket order."""
+        return [(bucket.owned_start, bucket.owned_size) for bucket in self.buckets]
+
+    def shard_state(self) -> list[dict]:
+        """This rank's part of the training state, per bucket: ``{"master": its fp32 slice,
+        "state": the optimizer's state for that slice}`` (the live tensors, not copies)."""
+        return [
+            {"master": master.detach(), "state": dict(self.optimizer.state.get(master, {}))}
+            for master in self.masters
+        ]
+
+    def load_shard_state(self, masters: list[torch.Tensor], states: list[dict] | None) -> None:
+        """Replaces every bucket's fp32 master slice with ``masters[b]`` and, when ``states`` is
+        given, the optimizer state of that slice with ``states[b]``; pending gradients are
+        dropped. The model's parameters are not written (the caller loads them)."""
+        given_states = "no" if states is None else len(states)
+        if len(masters) != len(self.masters) or given_states not in ("no", len(masters)):
+            raise ValueError(
+                f"load_shard_state needs one master slice (and state) per bucket: "
+                f"{len(self.masters)} buckets, got {len(masters)} slices and {given_states} states"
+            )
+        for bucket, (master, values) in enumerate(zip(self.masters, masters)):
+            if values.shape != master.shape:
+                raise ValueError(
+                    f"load_shard_state: bucket {bucket}: the slice has shape "
+                    f"{tuple(values.shape)}, this rank owns {tuple(master.shape)}"
+                )
+        with torch.no_grad():
+            for master, values in zip(self.masters, masters):
+                master.copy_(values)
+        if states is not None:
+            on_device = {
+                id(p): bool(g.get("capturable") or g.get("fused"))
+                for g in self.optimizer.param_groups
+                for p in g["params"]
+            }
+            for master, state in zip(self.masters, states):
+                self.optimizer.state.pop(master, None)
+                if state:
+                    # As torch's Optimizer.load_state_dict: per-element state on the master's
+                    # device, scalar counters on the CPU unless the group steps on the device.
+                    self.optimizer.state[master] = {
+                        key: value.to(master.device)
+                        if torch.is_tensor(value) and (value.dim() > 0 or on_device[id(master)])
+                        else value
+                        for key, value in state.items()
+                    }
+        self.zero_grad()
+
+    def refresh_masters_from_params(self) -> None:
+        """Re-reads the fp32 master slices from the model's parameters (after the caller loaded
+        weights into them); the optimizer state is kept, pending gradients are dropped."""
+        with torch.no_grad():
+            for bucket, master in zip(self.buckets, self.masters):
+                flat = torch.zeros(bucket.size, dtype=torch.float32, device=master.device)
+                flatten_into([p.detach() for p in bucket.params], flat, bucket.offsets)
+                master.copy_(flat.narrow(0, bucket.owned_start, bucket.owned_size))
+        self.zero_grad()
+
     # --- accounting ---------------------------------------------------------------------------
     def state_bytes(self) -> int:
         """Bytes of optimizer state and fp32 master shards this rank holds."""

@@ -1,0 +1,66 @@
+// ATen glue for the CPU Adagrad kernel: argument checks and the CPU registration.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../cpu_adam/cpu_optimizer_glue.h"
+#include "cpu_adagrad_kernel.h"
+
+namespace deepspeed_cpp {
+namespace {
+
+constexpr const char* kOp = "cpu_adagrad";
+
+void cpu_adagrad_step_multi_cpu(at::TensorList params, at::TensorList grads,
+                                at::TensorList state_sums, int64_t step, double lr, double eps,
+                                double weight_decay, double lr_decay,
+                                std::optional<at::TensorList> params_lowp, double grad_scale,
+                                const std::optional<at::Tensor>& found_inf) {
+  const size_t n = params.size();
+  cpu_optim::check_list_length(kOp, "grads", grads.size(), n);
+  cpu_optim::check_list_length(kOp, "state_sums", state_sums.size(), n);
+  if (params_lowp.has_value()) {
+    cpu_optim::check_list_length(kOp, "params_lowp", params_lowp->size(), n);
+  }
+  TORCH_CHECK(step >= 1, "cpu_adagrad: step must be >= 1 (the step number after this update), got ",
+              step);
+  TORCH_CHECK(lr >= 0.0, "cpu_adagrad: lr must be >= 0, got ", lr);
+  TORCH_CHECK(eps >= 0.0, "cpu_adagrad: eps must be >= 0, got ", eps);
+  TORCH_CHECK(weight_decay >= 0.0, "cpu_adagrad: weight_decay must be >= 0, got ", weight_decay);
+  TORCH_CHECK(lr_decay >= 0.0, "cpu_adagrad: lr_decay must be >= 0, got ", lr_decay);
+  cpu_optim::StepTensorCollector collected(kOp);
+  for (size_t i = 0; i < n; ++i) {
+    collected.add(static_cast<int64_t>(i), params[i], grads[i], {{"state_sum", &state_sums[i]}},
+                  params_lowp.has_value() ? &(*params_lowp)[i] : nullptr);
+  }
+  const double scale = cpu_optim::checked_grad_scale(kOp, grad_scale);
+  float* flag = cpu_optim::checked_found_inf(kOp, found_inf);
+  try {
+    cpu_adagrad_update(collected.tensors(), collected.types(),
+                       AdagradHyperParams{lr, eps, weight_decay, lr_decay, step}, scale, flag);
+  } catch (const std::invalid_argument& error) {
+    TORCH_CHECK(false, error.what());
+  }
+}
+
+}  // namespace
+}  // namespace deepspeed_cpp
+
+TORCH_LIBRARY_IMPL(deepspeed_cpp, CPU, m) {
+  m.impl("cpu_adagrad_step_multi", &deepspeed_cpp::cpu_adagrad_step_multi_cpu);
+}
+
+// Read by the report command through ctypes; an invalid DS_CPU_ISA comes back as its message.
+extern "C" const char* deepspeed_cpp_cpu_adagrad_isa() {
+  try {
+    return deepspeed_cpp::cpu_adagrad_isa_name();
+  } catch (const std::exception& error) {
+    static thread_local std::string message;
+    message = std::string("error: ") + error.what();
+    return message.c_str();
+  }
+}

@@ -1,0 +1,145 @@
+// ATen side of the CPU optimizer ops (cpu_adam, cpu_adagrad, cpu_lion): checks every tensor a
+// user passes, naming the argument, its value and what was expected, and turns the tensors into
+// the torch-free kernel's OptimizerTensor list. Header-only, shared by the three op families.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../common/cpu_optimizer_streams.h"
+
+namespace deepspeed_cpp {
+namespace cpu_optim {
+
+inline std::string indexed_name(const char* name, int64_t index) {
+  return index < 0 ? std::string(name) : std::string(name) + "[" + std::to_string(index) + "]";
+}
+
+inline ElementType element_type(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+      return ElementType::kFloat32;
+    case at::kBFloat16:
+      return ElementType::kBFloat16;
+    case at::kHalf:
+      return ElementType::kFloat16;
+    default:
+      return ElementType::kNone;
+  }
+}
+
+// Collects one call's tensors. `index` is -1 for the single-tensor op (names without [i]).
+class StepTensorCollector {
+ public:
+  explicit StepTensorCollector(const char* op) : op_(op) {}
+  StepTensorCollector(const StepTensorCollector&) = delete;  // holds pointers into itself
+  StepTensorCollector& operator=(const StepTensorCollector&) = delete;
+
+  // Adds parameter `index` with its gradient, state tensors (name, tensor) and optional copy.
+  void add(int64_t index, const at::Tensor& param, const at::Tensor& grad,
+           const std::vector<std::pair<const char*, const at::Tensor*>>& states,
+           const at::Tensor* param_lowp) {
+    const int64_t numel = param.numel();
+    check_tensor(param, "param", index, numel);
+    check_tensor(grad, "grad", index, numel);
+    check_dtype(param, "param", index, param_dtype_, "float32, bfloat16 or float16",
+                {at::kFloat, at::kBFloat16, at::kHalf});
+    check_dtype(grad, "grad", index, grad_dtype_, "float32, bfloat16 or float16",
+                {at::kFloat, at::kBFloat16, at::kHalf});
+    OptimizerTensor tensor{param.data_ptr(), grad.data_ptr(), {nullptr, nullptr}, nullptr, numel};
+    for (size_t k = 0; k < states.size(); ++k) {
+      const auto& [name, state] = states[k];
+      check_tensor(*state, name, index, numel);
+      check_dtype(*state, name, index, state_dtype_, "float32 or bfloat16",
+                  {at::kFloat, at::kBFloat16});
+      tensor.state[k] = state->data_ptr();
+    }
+    if (param_lowp != nullptr) {
+      check_tensor(*param_lowp, "param_lowp", index, numel);
+      check_dtype(*param_lowp, "param_lowp", index, lowp_dtype_, "bfloat16 or float16",
+                  {at::kBFloat16, at::kHalf});
+      TORCH_CHECK(param.scalar_type() == at::kFloat, op_, ": ", indexed_name("param_lowp", index),
+                  " is only for float32 params (a copy of the float32 master weights), but ",
+                  indexed_name("param", index), " is ", param.scalar_type(),
+                  "; a low-precision param is updated in place");
+      tensor.param_lowp = param_lowp->data_ptr();
+    }
+    tensors_.push_back(tensor);
+  }
+
+  const std::vector<OptimizerTensor>& tensors() const { return tensors_; }
+  const StreamTypes& types() const { return types_; }
+
+ private:
+  void check_tensor(const at::Tensor& t, const char* name, int64_t index, int64_t numel) const {
+    const std::string label = indexed_name(name, index);
+    TORCH_CHECK(t.device().is_cpu(), op_, ": ", label, " must be a CPU tensor, got device ",
+                t.device());
+    TORCH_CHECK(t.is_contiguous(), op_, ": ", label, " must be contiguous, got strides ",
+                t.strides(), " for shape ", t.sizes());
+    TORCH_CHECK(t.numel() == numel, op_, ": ", label, " has ", t.numel(), " elements (shape ",
+                t.sizes(), ") but the param has ", numel);
+  }
+
+  // The dtype of one kind of stream, fixed by the first tensor of that kind.
+  struct RecordedDtype {
+    ElementType* type;
+    std::string first_label;
+    at::ScalarType first_dtype = at::kFloat;
+  };
+
+  // Checks that `t` has one of `allowed` dtypes and the dtype of the first tensor of its kind
+  // (every tensor of a list, and both Adam states, share one storage type).
+  void check_dtype(const at::Tensor& t, const char* name, int64_t index, RecordedDtype& recorded,
+                   const char* expected, std::initializer_list<at::ScalarType> allowed) {
+    const std::string label = indexed_name(name, index);
+    bool ok = false;
+    for (at::ScalarType dtype : allowed) ok = ok || t.scalar_type() == dtype;
+    TORCH_CHECK(ok, op_, ": ", label, " must be ", expected, ", got dtype ", t.scalar_type());
+    if (recorded.first_label.empty()) {
+      *recorded.type = element_type(t.scalar_type());
+      recorded.first_label = label;
+      recorded.first_dtype = t.scalar_type();
+    } else {
+      TORCH_CHECK(t.scalar_type() == recorded.first_dtype, op_, ": ", label, " has dtype ",
+                  t.scalar_type(), " but ", recorded.first_label, " has dtype ",
+                  recorded.first_dtype, "; they must share one dtype");
+    }
+  }
+
+  const char* op_;
+  StreamTypes types_;
+  RecordedDtype param_dtype_{&types_.param, {}};
+  RecordedDtype grad_dtype_{&types_.grad, {}};
+  RecordedDtype state_dtype_{&types_.state, {}};
+  RecordedDtype lowp_dtype_{&types_.param_lowp, {}};
+  std::vector<OptimizerTensor> tensors_;
+};
+
+inline void check_list_length(const char* op, const char* name, size_t length, size_t expected) {
+  TORCH_CHECK(length == expected, op, ": the lists must have equal lengths, got params=", expected,
+              ", ", name, "=", length);
+}
+
+inline double checked_grad_scale(const char* op, double grad_scale) {
+  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0.0, op,
+              ": grad_scale must be a finite number > 0 (the loss scale), got ", grad_scale);
+  return grad_scale;
+}
+
+inline float* checked_found_inf(const char* op, const std::optional<at::Tensor>& found_inf) {
+  if (!found_inf.has_value()) return nullptr;
+  const at::Tensor& flag = *found_inf;
+  TORCH_CHECK(flag.device().is_cpu() && flag.scalar_type() == at::kFloat && flag.numel() == 1, op,
+              ": found_inf must be a one-element float32 CPU tensor, got ", flag.scalar_type(),
+              " of shape ", flag.sizes(), " on ", flag.device());
+  return flag.data_ptr<float>();
+}
+
+}  // namespace cpu_optim
+}  // namespace deepspeed_cpp

@@ -1,0 +1,63 @@
+// ATen glue for the CPU Lion kernel: argument checks and the CPU registration.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../cpu_adam/cpu_optimizer_glue.h"
+#include "cpu_lion_kernel.h"
+
+namespace deepspeed_cpp {
+namespace {
+
+constexpr const char* kOp = "cpu_lion";
+
+void cpu_lion_step_multi_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                             double lr, double beta1, double beta2, double weight_decay,
+                             std::optional<at::TensorList> params_lowp, double grad_scale,
+                             const std::optional<at::Tensor>& found_inf) {
+  const size_t n = params.size();
+  cpu_optim::check_list_length(kOp, "grads", grads.size(), n);
+  cpu_optim::check_list_length(kOp, "exp_avgs", exp_avgs.size(), n);
+  if (params_lowp.has_value()) {
+    cpu_optim::check_list_length(kOp, "params_lowp", params_lowp->size(), n);
+  }
+  TORCH_CHECK(lr >= 0.0, "cpu_lion: lr must be >= 0, got ", lr);
+  TORCH_CHECK(beta1 >= 0.0 && beta1 <= 1.0, "cpu_lion: beta1 must be in [0, 1], got ", beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 <= 1.0, "cpu_lion: beta2 must be in [0, 1], got ", beta2);
+  TORCH_CHECK(weight_decay >= 0.0, "cpu_lion: weight_decay must be >= 0, got ", weight_decay);
+  cpu_optim::StepTensorCollector collected(kOp);
+  for (size_t i = 0; i < n; ++i) {
+    collected.add(static_cast<int64_t>(i), params[i], grads[i], {{"exp_avg", &exp_avgs[i]}},
+                  params_lowp.has_value() ? &(*params_lowp)[i] : nullptr);
+  }
+  const double scale = cpu_optim::checked_grad_scale(kOp, grad_scale);
+  float* flag = cpu_optim::checked_found_inf(kOp, found_inf);
+  try {
+    cpu_lion_update(collected.tensors(), collected.types(),
+                    LionHyperParams{lr, beta1, beta2, weight_decay}, scale, flag);
+  } catch (const std::invalid_argument& error) {
+    TORCH_CHECK(false, error.what());
+  }
+}
+
+}  // namespace
+}  // namespace deepspeed_cpp
+
+TORCH_LIBRARY_IMPL(deepspeed_cpp, CPU, m) {
+  m.impl("cpu_lion_step_multi", &deepspeed_cpp::cpu_lion_step_multi_cpu);
+}
+
+// Read by the report command through ctypes; an invalid DS_CPU_ISA comes back as its message.
+extern "C" const char* deepspeed_cpp_cpu_lion_isa() {
+  try {
+    return deepspeed_cpp::cpu_lion_isa_name();
+  } catch (const std::exception& error) {
+    static thread_local std::string message;
+    message = std::string("error: ") + error.what();
+    return message.c_str();
+  }
+}

@@ -1,0 +1,43 @@
+"""``deepspeed-cpp`` / ``python -m deepspeed_cpp.launcher``: check the flags, exec torchrun."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+from ..utils.logging import logger
+from .arguments import parse_launch_args
+from .hostfile import HostfileError, describe_hostfile, read_hostfile
+from .torchrun_command import build_torchrun_command
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse DeepSpeed's launcher flags and replace this process with torchrun.
+
+    Example, two processes on this machine::
+
+        deepspeed-cpp --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json
+
+    Two nodes: the same command on each, with ``--num_nodes 2 --node_rank 0|1 --master_addr
+    <node 0>``. Never returns: torchrun's exit status becomes the launcher's.
+    """
+    args = parse_launch_args(argv)
+    if args.hostfile is not None:
+        try:
+            hosts = read_hostfile(args.hostfile)
+        except HostfileError as error:
+            sys.exit(f"deepspeed-cpp: error: {error}")
+        for line in describe_hostfile(
+            args.hostfile, hosts, args.num_nodes, args.num_procs, args.master_port
+        ):
+            logger.info(line)
+    command = build_torchrun_command(args)
+    logger.info(
+        f"node {args.node_rank}/{args.num_nodes}: {args.num_procs} process(es), rendezvous at "
+        f"{args.master_addr}:{args.master_port}; exec {shlex.join(command)}"
+    )
+    # exec discards anything still buffered in this process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(command[0], command)

@@ -1,0 +1,105 @@
+"""Durable, all-or-nothing file and directory writes.
+
+A file is written under a temporary name in its final directory, flushed and fsynced, renamed
+over the final name (atomic on POSIX file systems), and then the directory itself is fsynced so
+that the rename survives a power cut. A reader therefore sees either the old file, or the whole
+new one, never a prefix. Directories are published the same way: built under a staging name,
+then renamed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+
+def fsync_directory(directory: str | os.PathLike) -> None:
+    """Makes the directory's entries (creations, renames) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temporary_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> int:
+    """Calls ``write(file)`` on a temporary file, then publishes it as ``path``.
+
+    Returns the size of the published file in bytes. If ``write`` raises, the temporary file is
+    removed and ``path`` is left as it was.
+    """
+    path = Path(path)
+    temporary = _temporary_name(path)
+    try:
+        with open(temporary, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        size = temporary.stat().st_size
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+        raise
+    fsync_directory(path.parent)
+    return size
+
+
+def write_atomically_by_name(path: str | os.PathLike, write: Callable[[Path], None]) -> int:
+    """As ``write_atomically``, for writers that take a file name (``write(temporary_path)``)."""
+    path = Path(path)
+    temporary = _temporary_name(path)
+    try:
+        write(temporary)
+        with open(temporary, "rb+") as handle:
+            os.fsync(handle.fileno())
+        size = temporary.stat().st_size
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+        raise
+    fsync_directory(path.parent)
+    return size
+
+
+def save_torch_atomically(obj, path: str | os.PathLike) -> int:
+    """``torch.save(obj)`` to ``path``, atomically; returns the file size in bytes."""
+    return write_atomically(path, lambda handle: torch.save(obj, handle))
+
+
+def write_text_atomically(path: str | os.PathLike, text: str) -> int:
+    """Writes UTF-8 text to ``path``, atomically; returns the file size in bytes."""
+    return write_atomically(path, lambda handle: handle.write(text.encode("utf-8")))
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+    """Removes a directory tree if it exists."""
+    if Path(path).exists():
+        shutil.rmtree(path)
+
+
+def publish_directory(staging: Path, final: Path, displaced: Path) -> None:
+    """Renames the finished ``staging`` directory to ``final``.
+
+    An existing ``final`` (a checkpoint saved again under the same tag) is first renamed to
+    ``displaced`` and removed afterwards, so that ``final`` is at every moment either the whole
+    old directory, the whole new one, or (for the instant between two renames) absent, with the
+    old one still on disk under ``displaced``.
+    """
+    remove_tree(displaced)
+    if final.exists():
+        os.replace(final, displaced)
+    os.replace(staging, final)
+    fsync_directory(final.parent)
+    remove_tree(displaced)

@@ -1,0 +1,275 @@
+"""``engine.load_checkpoint``: checks a checkpoint against the engine, then restores it.
+
+Everything is read and checked before anything is written, so a refused checkpoint leaves the
+engine as it was. Every rank reads the module-states file and the parts of the shard files its
+own slices need (through the saved layout: the checkpoint may come from another world size or
+another ZeRO stage, see ``reshard.py``), and the ranks agree that all of them succeeded.
+
+Cross-stage loading: stages 0, 1 and 2 keep the same fp32 masters and element-wise optimizer
+state, only cut differently, so a checkpoint from any of them loads into any of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...utils.logging import logger
+from .errors import CheckpointMismatchError, IncompleteCheckpointError
+from .layout import CLIENT_STATE_FILE, MODULE_FILE, optimizer_shard_file, read_latest_tag
+from .layout import read_metadata as read_checked_metadata
+from .metadata import ZeroLayout, names_by_parameter
+from .rank_agreement import agree_on
+from .reshard import Resharder
+from .rng_state import restore_rng_states
+from .shard_reader import ShardReader, load_mapped
+
+
+def _shape(value) -> list[int]:
+    return list(value.shape)
+
+
+def check_module_matches(module: torch.nn.Module, saved: dict, strict: bool, allow_missing=()):
+    """Refuses a saved module state_dict whose names or shapes differ from ``module``'s,
+    naming the first difference."""
+    current = module.state_dict()
+    for name, tensor in current.items():
+        if name not in saved:
+            if strict and name not in allow_missing:
+                raise CheckpointMismatchError(
+                    f"the model has '{name}' (shape {_shape(tensor)}) but the checkpoint does not"
+                )
+        elif saved[name].shape != tensor.shape:
+            raise CheckpointMismatchError(
+                f"'{name}': the checkpoint has shape {_shape(saved[name])}, the model "
+                f"{_shape(tensor)}"
+            )
+    if strict:
+        for name, tensor in saved.items():
+            if name not in current:
+                raise CheckpointMismatchError(
+                    f"the checkpoint has '{name}' (shape {_shape(tensor)}) but the model does not"
+                )
+
+
+def check_layouts_match(saved: ZeroLayout, current: ZeroLayout) -> None:
+    """Refuses a checkpoint whose trainable parameters (names, shapes, param groups) differ
+    from the engine's, naming the first difference."""
+    saved_by_name = saved.by_name()
+    for record in current.params:
+        match = next((saved_by_name[n] for n in record.names if n in saved_by_name), None)
+        if match is None:
+            raise CheckpointMismatchError(
+                f"parameter '{record.name}' (shape {list(record.shape)}) is trained by this "
+                f"engine but the checkpoint has no fp32 master for it"
+            )
+        if match.shape != record.shape:
+            raise CheckpointMismatchError(
+                f"parameter '{record.name}': the checkpoint has shape {list(match.shape)}, the "
+                f"model {list(record.shape)}"
+            )
+        if match.group != record.group:
+            raise CheckpointMismatchError(
+                f"parameter '{record.name}' is in optimizer param group {record.group} here "
+                f"and in group {match.group} in the checkpoint"
+            )
+    current_names = current.by_name()
+    for record in saved.params:
+        if not any(name in current_names for name in record.names):
+            raise CheckpointMismatchError(
+                f"the checkpoint trains parameter '{record.name}' (shape {list(record.shape)}) "
+                f"but this engine does not (frozen or absent)"
+            )
+
+
+def _check_optimizer_matches(metadata: dict, zero) -> None:
+    saved = metadata.get("optimizer")
+    if saved is None:
+        raise CheckpointMismatchError(
+            "the checkpoint has no optimizer state (it was saved by an engine without an "
+            "optimizer); pass load_optimizer_states=False"
+        )
+    ours = type(zero.optimizer).__name__
+    if saved["type"] != ours:
+        raise CheckpointMismatchError(
+            f"the checkpoint's optimizer is {saved['type']}, this engine's is {ours}; pass "
+            f"load_optimizer_states=False to load the weights only"
+        )
+    if len(saved["param_groups"]) != len(zero.param_groups):
+        raise CheckpointMismatchError(
+            f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, this "
+            f"engine's has {len(zero.param_groups)}"
+        )
+
+
+class _Plan:
+    """What one rank read and checked, ready to be applied."""
+
+    module_payload: dict
+    client_state: dict | None = None
+    masters: list | None = None
+    states: list | None = None
+    rng: dict | None = None
+
+
+def _client_state(directory: Path) -> dict:
+    path = directory / CLIENT_STATE_FILE
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)["client_state"]
+    except FileNotFoundError as error:
+        raise IncompleteCheckpointError(f"checkpoint file {path} is missing") from error
+    except Exception as error:  # noqa: BLE001 - the pickle names a type outside weights_only
+        # client_state is the caller's own dict; DeepSpeed restores any object in it. Only this
+        # file is unpickled in full, and only after the safe loader refused it.
+        logger.warning(
+            "deepspeed_cpp: %s holds objects other than tensors and plain data (%s); loading "
+            "it with weights_only=False",
+            path,
+            str(error).splitlines()[0],
+        )
+        return torch.load(path, map_location="cpu", weights_only=False)["client_state"]
+
+
+def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
+    metadata = read_checked_metadata(directory)
+    plan = _Plan()
+    plan.module_payload = load_mapped(directory / MODULE_FILE)
+    allow_missing = ()
+    if plan.module_payload.get("frozen_parameters_excluded"):
+        allow_missing = {n for p in metadata["frozen_parameters"] for n in p["names"]}
+    check_module_matches(
+        engine.module, plan.module_payload["module"], options["strict"], allow_missing
+    )
+    zero = engine.optimizer
+    if options["module_only"]:
+        return plan
+    if zero is not None:
+        if metadata["zero_layout"] is None:
+            raise CheckpointMismatchError(
+                "the checkpoint was saved by an engine without an optimizer (no fp32 masters); "
+                "pass load_module_only=True"
+            )
+        saved = ZeroLayout.from_json(metadata["zero_layout"])
+        current = ZeroLayout.from_optimizer(
+            zero, names_by_parameter(engine.module), optimizer_shard_file
+        )
+        check_layouts_match(saved, current)
+        if options["optimizer_states"]:
+            _check_optimizer_matches(metadata, zero)
+        reader = ShardReader(directory, saved)
+        try:
+            kinds = metadata["optimizer"]["state_kinds"] if options["optimizer_states"] else {}
+            plan.masters, plan.states = Resharder(reader, current, kinds).slices_for(
+                zero.owned_ranges(), with_state=options["optimizer_states"]
+            )
+        finally:
+            reader.close()
+        if saved.stage != current.stage or saved.world_size != current.world_size:
+            if engine.global_rank == 0:
+                logger.info(
+                    "deepspeed_cpp: resharding %s from ZeRO stage %d on %d ranks to stage %d on "
+                    "%d ranks",
+                    directory,
+                    saved.stage,
+                    saved.world_size,
+                    current.stage,
+                    current.world_size,
+                )
+    if metadata["world_size"] == engine.world_size:
+        shard = load_mapped(directory / optimizer_shard_file(engine.global_rank))
+        plan.rng = shard["rng"]
+    elif engine.global_rank == 0:
+        logger.info(
+            "deepspeed_cpp: %s was saved by %d ranks, this run has %d: the random-number "
+            "generator states are not restored",
+            directory,
+            metadata["world_size"],
+            engine.world_size,
+        )
+    plan.client_state = _client_state(directory)
+    return plan
+
+
+def _apply(engine, plan: _Plan, options: dict) -> None:
+    payload = plan.module_payload
+    engine.module.load_state_dict(payload["module"], strict=False)
+    zero = engine.optimizer
+    if options["module_only"]:
+        if zero is not None:
+            zero.refresh_masters_from_params()
+        return
+    if zero is not None:
+        zero.load_shard_state(plan.masters, plan.states if options["optimizer_states"] else None)
+        if options["optimizer_states"]:
+            for group, saved in zip(zero.param_groups, payload["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+        zero.skipped_steps = payload["optimizer_skipped_steps"]
+    engine.global_steps = payload["global_steps"]
+    engine.global_samples = payload["global_samples"]
+    engine.micro_steps = payload["micro_steps"]
+    if payload["gradient_accumulation_steps"] != engine.gradient_accumulation_steps():
+        # Another world size keeps the global batch with another accumulation count: restart
+        # the count at the boundary of the step the checkpoint completed.
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    engine.skipped_steps = payload["skipped_steps"]
+    if engine.loss_scaler is not None and payload["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(payload["loss_scaler"])
+    scheduler = engine.lr_scheduler
+    if options["scheduler"] and scheduler is not None:
+        if payload["lr_scheduler"] is None:
+            logger.warning("deepspeed_cpp: the checkpoint has no lr scheduler state to restore")
+        else:
+            scheduler.load_state_dict(payload["lr_scheduler"])
+            if zero is not None and not options["optimizer_states"]:
+                # The optimizer's own state dict carries the lrs; without it, take the
+                # schedule's.
+                for group, lr in zip(zero.param_groups, scheduler.get_last_lr()):
+                    group["lr"] = lr
+    if plan.rng is not None:
+        restore_rng_states(plan.rng, engine.device)
+
+
+def load_checkpoint(
+    engine,
+    load_dir,
+    tag=None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+):
+    """Restores ``engine`` from ``load_dir/<tag>`` (``tag`` None: the one ``latest`` names).
+
+    Returns ``(path, client_state)``, or ``(None, None)`` with a warning when ``tag`` is None
+    and ``load_dir/latest`` does not exist (DeepSpeed's behaviour). Collective.
+    """
+    if tag is None:
+        tag = read_latest_tag(load_dir)
+        if tag is None:
+            logger.warning(
+                "deepspeed_cpp: no checkpoint to load: %s does not exist; pass tag=... to load "
+                "a specific one",
+                Path(load_dir) / "latest",
+            )
+            return None, None
+    directory = Path(load_dir) / str(tag)
+    options = {
+        "strict": load_module_strict,
+        "optimizer_states": load_optimizer_states and engine.optimizer is not None,
+        "scheduler": load_lr_scheduler_states,
+        "module_only": load_module_only,
+    }
+    plans: list[_Plan] = []  # this rank's; only success flags travel between ranks
+    agree_on(
+        lambda: plans.append(_read_and_check(engine, directory, options)),
+        group=engine.group,
+        what=f"loading checkpoint {directory}",
+        error_type=IncompleteCheckpointError,
+        keep_local_error=True,
+    )
+    plan = plans[0]
+    _apply(engine, plan, options)
+    if engine.global_rank == 0:
+        logger.info("deepspeed_cpp: loaded checkpoint %s", directory)
+    return str(directory), plan.client_state

@@ -1,0 +1,267 @@
+"""engine.save_checkpoint: every rank writes its part; rank 0 publishes the tag, then ``latest``.
+
+The protocol (each step ends with every rank agreeing that every rank succeeded, see
+``rank_agreement.py``; if one did not, every rank raises and nothing further is written):
+
+1. rank 0 creates ``save_dir/<tag>.partial/`` (removing what a crashed save left there);
+2. every rank writes its shard file into it, rank 0 also the module-states and client-state
+   files, each through a temporary name, fsync and rename;
+3. rank 0 writes ``checkpoint_meta.json`` (listing every file with its size) into it, renames
+   the directory to ``save_dir/<tag>`` and only then rewrites ``save_dir/latest``.
+
+A crash at any point therefore leaves ``latest`` naming the previous complete checkpoint, and no
+directory named after a tag that lacks its metadata.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ...utils.logging import logger
+from .atomic_files import (
+    fsync_directory,
+    publish_directory,
+    remove_tree,
+    save_torch_atomically,
+    write_text_atomically,
+)
+from .errors import CheckpointSaveError
+from .layout import (
+    CLIENT_STATE_FILE,
+    DISPLACED_SUFFIX,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    METADATA_FILE,
+    MODULE_FILE,
+    STAGING_SUFFIX,
+    check_tag,
+    optimizer_shard_file,
+    read_latest_tag,
+)
+from .metadata import ZeroLayout, dtype_name, names_by_parameter, plain, to_json_text
+from .rank_agreement import agree_on
+from .reshard import classify_state
+from .rng_state import capture_rng_states
+
+before_rank_files: Callable[[Path, int], None] | None = None
+"""Test seam: when set, called on every rank with (staging directory, rank) just before the rank
+writes its files, so that a test can make one rank fail part-way through a save."""
+
+
+def _model_dtype(engine) -> str:
+    first = next(iter(engine.module.parameters()), None)
+    return dtype_name(first.dtype) if first is not None else "float32"
+
+
+def _trainable_ids(engine) -> set[int]:
+    return set() if engine.optimizer is None else {id(p) for p in engine.optimizer.params}
+
+
+def _bucket_entries(engine) -> dict[int, dict]:
+    """This rank's master slices and their optimizer state, by bucket index."""
+    zero = engine.optimizer
+    if zero is None or (zero.stage == 0 and engine.global_rank != 0):
+        return {}  # ZeRO-0 ranks hold identical copies; rank 0 saves them
+    entries = {}
+    for bucket, (slice_, (start, size)) in enumerate(zip(zero.shard_state(), zero.owned_ranges())):
+        entries[bucket] = {"start": start, "size": size, **slice_}
+    return entries
+
+
+def _module_payload(engine, exclude_frozen_parameters: bool) -> dict:
+    state_dict = engine.module.state_dict()
+    if exclude_frozen_parameters:
+        trainable = _trainable_ids(engine)
+        for name, param in engine.module.named_parameters(remove_duplicate=False):
+            if id(param) not in trainable:
+                state_dict.pop(name, None)
+    zero = engine.optimizer
+    return {
+        "module": state_dict,
+        "frozen_parameters_excluded": bool(exclude_frozen_parameters),
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "skipped_steps": engine.skipped_steps,
+        "optimizer_skipped_steps": zero.skipped_steps if zero is not None else 0,
+        "lr_scheduler": (
+            engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+        ),
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "param_groups": (
+            [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups]
+            if zero is not None
+            else None
+        ),
+        "zero_stage": engine.zero_optimization_stage(),
+        "world_size": engine.world_size,
+        "dtype": _model_dtype(engine),
+    }
+
+
+def _write_rank_files(engine, staging: Path, client_state, exclude_frozen: bool) -> list[dict]:
+    rank = engine.global_rank
+    if before_rank_files is not None:
+        before_rank_files(staging, rank)
+    shard_name = optimizer_shard_file(rank)
+    shard = {
+        "rank": rank,
+        "world_size": engine.world_size,
+        "rng": capture_rng_states(engine.device),
+        "buckets": _bucket_entries(engine),
+    }
+    written = [
+        {"name": shard_name, "role": f"shard of rank {rank}", "rank": rank,
+         "bytes": save_torch_atomically(shard, staging / shard_name)}
+    ]  # fmt: skip
+    if rank == 0:
+        module = _module_payload(engine, exclude_frozen)
+        written.append(
+            {"name": MODULE_FILE, "role": "module states", "rank": 0,
+             "bytes": save_torch_atomically(module, staging / MODULE_FILE)}
+        )  # fmt: skip
+        written.append(
+            {"name": CLIENT_STATE_FILE, "role": "client state", "rank": 0,
+             "bytes": save_torch_atomically({"client_state": client_state},
+                                            staging / CLIENT_STATE_FILE)}
+        )  # fmt: skip
+    return written
+
+
+def _state_kinds(engine) -> dict[str, str]:
+    zero = engine.optimizer
+    for master in zero.masters:
+        state = zero.optimizer.state.get(master)
+        if state:
+            return {key: classify_state(value, master) for key, value in state.items()}
+    return {}  # no optimizer step yet: no state
+
+
+def _metadata(engine, tag: str, files: list[dict], exclude_frozen: bool) -> dict:
+    from ... import __version__
+
+    zero = engine.optimizer
+    names = names_by_parameter(engine.module)
+    trainable = _trainable_ids(engine)
+    frozen = [
+        {"names": names[id(p)], "shape": list(p.shape), "dtype": dtype_name(p.dtype)}
+        for p in engine.module.parameters()
+        if id(p) not in trainable
+    ]
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "tag": tag,
+        "deepspeed_cpp_version": __version__,
+        "saved_at_unix": time.time(),
+        "zero_stage": engine.zero_optimization_stage(),
+        "world_size": engine.world_size,
+        "dtype": _model_dtype(engine),
+        "counters": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
+        },
+        "zero_layout": (
+            ZeroLayout.from_optimizer(zero, names, optimizer_shard_file).to_json()
+            if zero is not None
+            else None
+        ),
+        "frozen_parameters": frozen,
+        "frozen_parameters_excluded": bool(exclude_frozen),
+        "optimizer": (
+            {
+                "type": type(zero.optimizer).__name__,
+                "param_groups": plain(
+                    [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups]
+                ),
+                "state_kinds": _state_kinds(engine),
+            }
+            if zero is not None
+            else None
+        ),
+        "lr_scheduler": type(engine.lr_scheduler).__name__ if engine.lr_scheduler else None,
+        "files": files,
+        "ds_config": plain(engine.config.raw),
+    }
+
+
+def _prepare(save_dir: Path, staging: Path) -> None:
+    save_dir.mkdir(parents=True, exist_ok=True)
+    remove_tree(staging)
+    staging.mkdir()
+    fsync_directory(save_dir)
+
+
+def _publish(engine, tag, save_dir, staging, files, save_latest, exclude_frozen) -> None:
+    metadata = _metadata(engine, tag, files, exclude_frozen)
+    write_text_atomically(staging / METADATA_FILE, to_json_text(metadata))
+    publish_directory(staging, save_dir / tag, save_dir / f"{tag}{DISPLACED_SUFFIX}")
+    if save_latest:
+        write_text_atomically(save_dir / LATEST_FILE, tag)
+
+
+def save_checkpoint(
+    engine,
+    save_dir,
+    tag=None,
+    client_state: dict | None = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+) -> bool:
+    """Saves ``engine`` under ``save_dir/<tag>`` (see the module docstring); collective."""
+    rank, group = engine.global_rank, engine.group
+    tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+    tags = [None] * engine.world_size
+    dist.all_gather_object(tags, tag, group=group)
+    if len(set(tags)) != 1:
+        raise ValueError(
+            f"save_checkpoint: every rank must save the same tag; the ranks gave {tags}"
+        )
+    save_dir = Path(save_dir)
+    staging = save_dir / f"{tag}{STAGING_SUFFIX}"
+    try:
+        previous = read_latest_tag(save_dir)
+    except (OSError, ValueError, RuntimeError):
+        previous = None
+    unchanged = f"nothing was published; {save_dir / LATEST_FILE} still names {previous!r}"
+    agree_on(
+        lambda: _prepare(save_dir, staging) if rank == 0 else None,
+        group=group,
+        what=f"checkpoint '{tag}': creating {staging} ({unchanged})",
+        error_type=CheckpointSaveError,
+    )
+    written = agree_on(
+        lambda: _write_rank_files(engine, staging, client_state or {}, exclude_frozen_parameters),
+        group=group,
+        what=f"checkpoint '{tag}': writing the rank files into {staging} ({unchanged})",
+        error_type=CheckpointSaveError,
+    )
+    files = [entry for entries in written for entry in entries]
+    agree_on(
+        lambda: (
+            _publish(engine, tag, save_dir, staging, files, save_latest, exclude_frozen_parameters)
+            if rank == 0
+            else None
+        ),
+        group=group,
+        what=f"checkpoint '{tag}': publishing {save_dir / tag}",
+        error_type=CheckpointSaveError,
+    )
+    if rank == 0:
+        total = sum(entry["bytes"] for entry in files)
+        logger.info(
+            "deepspeed_cpp: saved checkpoint %s (%d files, %.1f MB)%s",
+            save_dir / tag,
+            len(files) + 1,
+            total / 1e6,
+            f"; {LATEST_FILE} -> {tag}" if save_latest else "",
+        )
+    return True

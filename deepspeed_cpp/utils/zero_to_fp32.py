@@ -1,0 +1,175 @@
+"""Consolidates a deepspeed_cpp ZeRO checkpoint (stages 0-2, any world size) into one fp32
+``state_dict``, with no engine and no process group.
+
+```
+python -m deepspeed_cpp.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_FILE \\
+    [--safe_serialization] [--tag T]
+```
+
+``CHECKPOINT_DIR`` is the directory given to ``save_checkpoint`` (the tag is read from its
+``latest`` file unless ``--tag`` is given) or a tag directory itself. The output is a torch file
+(``torch.save``, e.g. ``pytorch_model.bin``) or, with ``--safe_serialization``, safetensors.
+
+What it holds, in the order of the model's own ``state_dict``: every trainable parameter as its
+fp32 master value (not the fp16/bf16 copy the model trains with), frozen parameters (converted to
+fp32) and buffers (as saved) from the module-states file. A tied parameter appears under every
+name that shares it (one shared tensor in a torch file; a copy per name in safetensors, which
+cannot store aliases).
+
+Memory: the shard files are read one at a time, memory-mapped, and each fp32 value is copied
+straight into its place in the output, so the peak stays near the size of the output (plus the
+master slices of one shard file while it is read), not the size of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from ..runtime.checkpoint.atomic_files import write_atomically_by_name
+from ..runtime.checkpoint.errors import CheckpointMismatchError, IncompleteCheckpointError
+from ..runtime.checkpoint.layout import MODULE_FILE, read_metadata, resolve_checkpoint_dir
+from ..runtime.checkpoint.metadata import ZeroLayout
+from ..runtime.checkpoint.shard_reader import load_mapped
+
+
+def _trainable_fp32(directory: Path, layout: ZeroLayout) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's fp32 master value, by primary name, one shard at a time."""
+    values = {p.name: torch.empty(p.numel, dtype=torch.float32) for p in layout.params}
+    filled = dict.fromkeys(values, 0)
+    for file_name in layout.files():
+        shard = load_mapped(directory / file_name)
+        for bucket_index, bucket in enumerate(layout.buckets):
+            for piece in (s for s in bucket.slices if s.file == file_name):
+                entry = shard["buckets"].get(bucket_index)
+                if entry is None or (entry["start"], entry["size"]) != (piece.start, piece.size):
+                    raise IncompleteCheckpointError(
+                        f"{directory / file_name} does not hold elements [{piece.start}, "
+                        f"{piece.start + piece.size}) of bucket {bucket_index} as "
+                        f"checkpoint_meta.json says"
+                    )
+                master = entry["master"]
+                for part in layout.pieces(bucket_index, piece.start, piece.start + piece.size):
+                    low = part.bucket_start - piece.start
+                    count = part.param_stop - part.param_start
+                    target = values[part.param.name]
+                    target[part.param_start : part.param_stop].copy_(master[low : low + count])
+                    filled[part.param.name] += count
+        del shard  # unmaps the file before the next one is opened
+    for record in layout.params:
+        if filled[record.name] != record.numel:
+            raise IncompleteCheckpointError(
+                f"parameter '{record.name}': the shard files of {directory} hold "
+                f"{filled[record.name]} of its {record.numel} elements"
+            )
+    return {p.name: values[p.name].view(p.shape) for p in layout.params}
+
+
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir, tag: str | None = None, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor]:
+    """The consolidated fp32 ``state_dict`` of a checkpoint, on the CPU (see the module doc).
+
+    ``checkpoint_dir``: the directory given to ``save_checkpoint`` (then ``tag`` or its
+    ``latest`` file picks the checkpoint) or a tag directory.
+    """
+    directory = resolve_checkpoint_dir(checkpoint_dir, tag)
+    metadata = read_metadata(directory)
+    module_state = load_mapped(directory / MODULE_FILE)["module"]
+    layout = ZeroLayout.from_json(metadata["zero_layout"]) if metadata["zero_layout"] else None
+    trainable = _trainable_fp32(directory, layout) if layout is not None else {}
+    primary = {name: p.name for p in (layout.params if layout else ()) for name in p.names}
+    frozen = {name for p in metadata["frozen_parameters"] for name in p["names"]}
+    state_dict: dict[str, torch.Tensor] = {}
+    for name, saved in module_state.items():
+        if name in primary:
+            state_dict[name] = trainable[primary[name]]
+        elif name in frozen:
+            if not exclude_frozen_parameters:
+                value = saved.to(torch.float32) if saved.is_floating_point() else saved
+                state_dict[name] = value.clone() if value is saved else value  # off the map
+        else:
+            state_dict[name] = saved.clone()  # a buffer, as saved
+    for name, owner in primary.items():  # parameters the optimizer trains outside the module
+        state_dict.setdefault(name, trainable[owner])
+    return state_dict
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag=None):
+    """Loads the consolidated fp32 weights into ``model`` (moved to the CPU first, as DeepSpeed
+    does, since the weights may not fit next to the training state) and returns it.
+
+    Parameters are copied into the model's own tensors, so a bf16/fp16 model rounds them.
+    A checkpoint of another model is refused naming the first differing name and shapes.
+    """
+    from ..runtime.checkpoint.loader import check_module_matches
+
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    directory = resolve_checkpoint_dir(checkpoint_dir, tag)
+    metadata = read_metadata(directory)
+    allow_missing = ()
+    if metadata.get("frozen_parameters_excluded"):
+        allow_missing = {n for p in metadata["frozen_parameters"] for n in p["names"]}
+    model = model.cpu()
+    check_module_matches(model, state_dict, strict=True, allow_missing=allow_missing)
+    model.load_state_dict(state_dict, strict=False)
+    return model
+
+
+def _write_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> int:
+    from safetensors.torch import save_file
+
+    # safetensors refuses aliases: a tied parameter is written once per name.
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in state_dict.items():
+        key = id(tensor)
+        tensors[name] = tensor.clone() if key in seen else tensor.contiguous()
+        seen.add(key)
+    return write_atomically_by_name(
+        path, lambda temporary: save_file(tensors, str(temporary), metadata={"format": "pt"})
+    )
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir, output_file, tag: str | None = None, safe_serialization: bool = False
+) -> int:
+    """Writes the consolidated fp32 ``state_dict`` to ``output_file`` (atomically); returns the
+    number of bytes written."""
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    output = Path(output_file)
+    if safe_serialization:
+        return _write_safetensors(state_dict, output)
+    return write_atomically_by_name(output, lambda temporary: torch.save(state_dict, temporary))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m deepspeed_cpp.utils.zero_to_fp32",
+        description="Consolidate a deepspeed_cpp ZeRO checkpoint into one fp32 state_dict file.",
+    )
+    parser.add_argument(
+        "checkpoint_dir", help="the save_checkpoint directory (with 'latest') or a tag directory"
+    )
+    parser.add_argument("output_file", help="e.g. pytorch_model.bin, or model.safetensors")
+    parser.add_argument(
+        "--safe_serialization", action="store_true", help="write safetensors instead of torch"
+    )
+    parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: 'latest')")
+    args = parser.parse_args(argv)
+    try:
+        size = convert_zero_checkpoint_to_fp32_state_dict(
+            args.checkpoint_dir, args.output_file, args.tag, args.safe_serialization
+        )
+    except (FileNotFoundError, IncompleteCheckpointError, CheckpointMismatchError) as error:
+        print(f"zero_to_fp32: {error}", file=sys.stderr)
+        return 1
+    print(f"zero_to_fp32: wrote {args.output_file} ({size / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Train a small CNN on CIFAR-10 with DeepSpeed's API; deepspeed_cpp runs it.
+
+Written the way DeepSpeed's CIFAR-10 tutorial is used: argparse plus
+``deepspeed.add_config_arguments``, ``deepspeed.initialize(args=..., model=...,
+model_parameters=..., training_data=...)``, ``engine.backward(loss)``, ``engine.step()`` and
+``get_accelerator()``. The only line that differs from a DeepSpeed version is the import of
+``deepspeed_cpp as deepspeed`` (and of its accelerator).
+
+Two processes on this machine, ZeRO stage 2::
+
+    python -m deepspeed_cpp.launcher --num_procs 2 examples/cifar10/cifar10_deepspeed.py \\
+        --deepspeed --deepspeed_config examples/cifar10/ds_config_zero2_fp32.json
+
+Uses real CIFAR-10 from ``--data-dir`` when it is there (torchvision format), otherwise a
+generated CIFAR-shaped data set (and says so). Prints the loss and the test accuracy, and writes
+``loss_curve.png`` and ``metrics.json`` to ``--output-dir``.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from cifar10_data import CLASSES, load_cifar10
+
+import deepspeed_cpp as deepspeed
+from deepspeed_cpp.accelerator import get_accelerator
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="CIFAR-10 with the DeepSpeed API")
+    parser.add_argument("-e", "--epochs", type=int, default=8, help="passes over the train set")
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: none)"
+    )
+    parser.add_argument(
+        "--local_rank", type=int, default=-1, help="local rank passed by the launcher"
+    )
+    parser.add_argument(
+        "--log-interval", type=int, default=50, help="print the loss every this many steps"
+    )
+    parser.add_argument(
+        "--data-dir", default="./data", help="where CIFAR-10 is (torchvision's format)"
+    )
+    parser.add_argument(
+        "--download", action="store_true", help="let torchvision download CIFAR-10 to --data-dir"
+    )
+    parser.add_argument(
+        "--output-dir", default="runs/cifar10", help="where loss_curve.png and metrics.json go"
+    )
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the initial weights")
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+    if args.epochs < 1:
+        parser.error(f"--epochs is {args.epochs}; expected at least 1")
+    if args.log_interval < 1:
+        parser.error(f"--log-interval is {args.log_interval}; expected at least 1")
+    return args
+
+
+class Net(nn.Module):
+    """Three 3x3 conv layers and a linear classifier: ~24k parameters, quick on two CPU cores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.conv3 = nn.Conv2d(32, 64, 3, padding=1)
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.conv3(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def load_data(args):
+    """Rank 0 reads (or downloads) first so that the others never see a half-written folder."""
+    rank = dist.get_rank()
+    if rank != 0:
+        dist.barrier()
+    trainset, testset, description = load_cifar10(args.data_dir, download=args.download)
+    if rank == 0:
+        dist.barrier()
+        print(description, flush=True)
+    return trainset, testset, description
+
+
+def evaluate(model_engine, testset, local_device, target_dtype, batch_size=250):
+    """Test accuracy over the whole test set, each rank scoring every world_size-th image."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    shard = torch.utils.data.Subset(testset, range(rank, len(testset), world_size))
+    loader = torch.utils.data.DataLoader(shard, batch_size=batch_size, shuffle=False)
+    correct_per_class = torch.zeros(10, dtype=torch.int64)
+    total_per_class = torch.zeros(10, dtype=torch.int64)
+    model_engine.eval()
+    with torch.no_grad():
+        for images, labels in loader:
+            images = images.to(local_device)
+            if target_dtype is not None:
+                images = images.to(target_dtype)
+            predicted = model_engine(images).argmax(dim=1).cpu()
+            total_per_class += torch.bincount(labels, minlength=10)
+            correct_per_class += torch.bincount(labels[predicted == labels], minlength=10)
+    model_engine.train()
+    counts = torch.stack([correct_per_class, total_per_class])
+    dist.all_reduce(counts)
+    return counts[0], counts[1]
+
+
+def write_outputs(output_dir, metrics):
+    """metrics.json and a PNG of the loss curve and the per-epoch test accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "metrics.json"), "w") as handle:
+        json.dump(metrics, handle, indent=1)
+    figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    steps, losses = zip(*metrics["loss_curve"]) if metrics["loss_curve"] else ((), ())
+    loss_axis.plot(steps, losses)
+    loss_axis.set(xlabel="optimizer step", ylabel="train loss (mean over ranks)", title="loss")
+    epochs = range(1, len(metrics["test_accuracy_per_epoch"]) + 1)
+    accuracy_axis.plot(epochs, [100 * a for a in metrics["test_accuracy_per_epoch"]], marker="o")
+    accuracy_axis.axhline(10, color="grey", linestyle="--", label="chance")
+    accuracy_axis.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
+    accuracy_axis.legend()
+    figure.suptitle(f"{metrics['data']}\n{metrics['config']}", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(os.path.join(output_dir, "loss_curve.png"), dpi=100)
+    plt.close(figure)
+
+
+def main(args):
+    started = time.perf_counter()
+    deepspeed.init_distributed()
+    trainset, testset, data_description = load_data(args)
+
+    # The same seed on every rank gives every rank the same initial weights.
+    torch.manual_seed(args.seed)
+    net = Net()
+    parameters = filter(lambda p: p.requires_grad, net.parameters())
+    model_engine, optimizer, trainloader, lr_scheduler = deepspeed.initialize(
+        args=args, model=net, model_parameters=parameters, training_data=trainset
+    )
+    local_device = get_accelerator().device_name(model_engine.local_rank)
+    is_logger = model_engine.global_rank == 0
+    target_dtype = None
+    if model_engine.bfloat16_enabled():
+        target_dtype = torch.bfloat16
+    elif model_engine.fp16_enabled():
+        target_dtype = torch.half
+    if is_logger:
+        print(
+            f"{model_engine.world_size} process(es) on {local_device}, micro batch "
+            f"{model_engine.train_micro_batch_size_per_gpu()}, gradient accumulation "
+            f"{model_engine.gradient_accumulation_steps()}, dtype {target_dtype or torch.float32}",
+            flush=True,
+        )
+    criterion = nn.CrossEntropyLoss()
+
+    loss_curve, accuracy_per_epoch = [], []
+    interval_loss, interval_batches, step = torch.zeros(1, dtype=torch.float64), 0, 0
+    training_started = time.perf_counter()
+    for epoch in range(args.epochs):
+        for inputs, labels in trainloader:
+            inputs, labels = inputs.to(local_device), labels.to(local_device)
+            if target_dtype is not None:
+                inputs = inputs.to(target_dtype)
+            outputs = model_engine(inputs)
+            # The loss in fp32 whatever the model's dtype: bf16 logits lose the small differences
+            # that cross-entropy is made of.
+            loss = criterion(outputs.float(), labels)
+            model_engine.backward(loss)
+            model_engine.step()
+            step += 1
+            interval_loss += loss.item()
+            interval_batches += 1
+            if step % args.log_interval == 0:
+                dist.all_reduce(interval_loss)
+                mean_loss = interval_loss.item() / (interval_batches * dist.get_world_size())
+                loss_curve.append((step, mean_loss))
+                if is_logger:
+                    print(f"[epoch {epoch + 1}, step {step:5d}] loss: {mean_loss:.4f}", flush=True)
+                interval_loss.zero_()
+                interval_batches = 0
+            if step == args.max_steps:
+                break
+        correct, total = evaluate(model_engine, testset, local_device, target_dtype)
+        accuracy = correct.sum().item() / total.sum().item()
+        accuracy_per_epoch.append(accuracy)
+        if is_logger:
+            print(
+                f"epoch {epoch + 1}: test accuracy {100 * accuracy:.2f}% "
+                f"({time.perf_counter() - training_started:.1f} s of training)",
+                flush=True,
+            )
+        if step == args.max_steps:
+            break
+
+    training_seconds = time.perf_counter() - training_started
+    if is_logger:
+        print(f"Finished Training: {step} steps in {training_seconds:.1f} s")
+        for name, right, count in zip(CLASSES, correct.tolist(), total.tolist()):
+            print(f"Accuracy of {name:>5s}: {100 * right / max(count, 1):5.1f}%")
+        print(
+            f"Accuracy of the network on the {total.sum().item()} test images: "
+            f"{100 * accuracy_per_epoch[-1]:.2f}% (chance: 10%)",
+            flush=True,
+        )
+        write_outputs(
+            args.output_dir,
+            {
+                "data": data_description,
+                "config": args.deepspeed_config,
+                "world_size": model_engine.world_size,
+                "steps": step,
+                "loss_curve": loss_curve,
+                "test_accuracy_per_epoch": accuracy_per_epoch,
+                "final_test_accuracy": accuracy_per_epoch[-1],
+                "training_seconds": training_seconds,
+                "total_seconds": time.perf_counter() - started,
+            },
+        )
+        print(f"wrote {os.path.join(args.output_dir, 'loss_curve.png')} and metrics.json")
+
+
+if __name__ == "__main__":
+    main(parse_arguments())

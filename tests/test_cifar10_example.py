@@ -1,0 +1,212 @@
+"""examples/cifar10: its generated data, its configs, short real runs on 2 processes, and the
+DeepSpeedExamples CIFAR-10 API sequence at ZeRO stages 0-2 in fp32 and bf16."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REPO_ROOT
+from launch_helpers import free_port, launch_env
+
+EXAMPLE_DIR = REPO_ROOT / "examples" / "cifar10"
+sys.path.insert(0, str(EXAMPLE_DIR))
+
+from cifar10_data import (  # noqa: E402 - the example's folder is put on the path above
+    GENERATED_SEED,
+    generated_cifar10,
+    load_cifar10,
+    real_cifar10_present,
+)
+
+PYTHON = sys.executable
+RUN_TIMEOUT = 300
+
+
+def launch(script, script_args, num_procs=2, cwd=None):
+    """``python -m deepspeed_cpp.launcher --num_procs N script args`` on a free port."""
+    return subprocess.run(
+        [PYTHON, "-m", "deepspeed_cpp.launcher", "--num_procs", str(num_procs),
+         "--master_port", str(free_port()), str(script), *script_args],
+        env=launch_env(), cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+
+
+# ---- the generated data set ----------------------------------------------------------------
+
+
+def test_generated_data_is_cifar_shaped_balanced_and_reproducible():
+    train, test = generated_cifar10(train_size=3000, test_size=500)
+    images, labels = train.tensors
+    assert images.shape == (3000, 3, 32, 32) and images.dtype == torch.float32
+    assert labels.dtype == torch.int64 and test.tensors[0].shape == (500, 3, 32, 32)
+    counts = torch.bincount(labels, minlength=10)
+    assert counts.min() >= 0.7 * 300 and counts.max() <= 1.3 * 300, counts
+    again, _ = generated_cifar10(train_size=3000, test_size=500)
+    assert torch.equal(again.tensors[0], images) and torch.equal(again.tensors[1], labels)
+    other, _ = generated_cifar10(train_size=3000, test_size=500, seed=GENERATED_SEED + 1)
+    assert not torch.equal(other.tensors[0], images)
+    assert not torch.equal(test.tensors[0][:100], images[:100])
+
+
+def test_generated_data_is_learnable_from_spatial_structure_not_colour_alone():
+    train, test = generated_cifar10(train_size=4000, test_size=1000)
+    (images, labels), (test_images, test_labels) = train.tensors, test.tensors
+    # Colour alone is shared by class pairs (c, c+5): a nearest-mean-colour rule cannot tell
+    # the pair apart, so it stays well below what a model that sees the stripes reaches.
+    colour = images.mean(dim=(2, 3)).double()
+    means = torch.stack([colour[labels == c].mean(0) for c in range(10)])
+    colour_guess = torch.cdist(test_images.mean(dim=(2, 3)).double(), means).argmin(1)
+    colour_accuracy = (colour_guess == test_labels).double().mean().item()
+    assert colour_accuracy < 0.6, colour_accuracy
+
+    # The label is in the stripes: a linear read-out of the phase-free amplitude spectrum,
+    # solved in closed form (ridge regression, float64), recovers it almost always. A learner
+    # that finds orientation and frequency can therefore go far beyond chance (0.1).
+    def spectrum_features(x):
+        amplitude = torch.fft.rfft2(x.mean(1)).abs().flatten(1) / 32
+        return torch.cat([amplitude, torch.ones(len(x), 1)], 1).double()
+
+    features, targets = spectrum_features(images), F.one_hot(labels, 10).double()
+    gram = features.T @ features + torch.eye(features.shape[1], dtype=torch.float64)
+    weights = torch.linalg.solve(gram, features.T @ targets)
+    predicted = (spectrum_features(test_images) @ weights).argmax(1)
+    spectrum_accuracy = (predicted == test_labels).double().mean().item()
+    assert spectrum_accuracy > 0.9, spectrum_accuracy
+
+
+def test_missing_real_data_falls_back_to_generated_and_says_so(tmp_path):
+    assert not real_cifar10_present(tmp_path)
+    train, test, description = load_cifar10(tmp_path)
+    assert f"not found in {str(tmp_path)!r}" in description and "GENERATED" in description
+    assert len(train) == 10000 and len(test) == 2000
+    assert "no --data-dir given" in load_cifar10(None)[2]
+    (tmp_path / "cifar-10-batches-py").mkdir()
+    (tmp_path / "cifar-10-batches-py" / "batches.meta").write_bytes(b"")
+    assert real_cifar10_present(tmp_path)
+
+
+CONFIG_CHECK = """
+import json, sys
+
+import torch
+
+import deepspeed_cpp as deepspeed
+from cifar10_deepspeed import Net
+
+for path in sys.argv[1:]:
+    torch.manual_seed(0)
+    net = Net()
+    engine, _, _, _ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(), config=path
+    )
+    losses = []
+    for _ in range(2):
+        images = torch.randn(32, 3, 32, 32)
+        if engine.bfloat16_enabled():
+            images = images.to(torch.bfloat16)
+        labels = torch.randint(0, 10, (32,))
+        loss = torch.nn.functional.cross_entropy(engine(images).float(), labels)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    print(json.dumps({"path": path, "stage": engine.zero_optimization_stage(),
+                      "bf16": engine.bfloat16_enabled(), "losses": losses}))
+"""
+
+
+def test_every_config_is_accepted_by_the_engine():
+    # One plain process (a world of one) builds an engine from each file and takes two steps:
+    # the engine rejects unknown keys, so this proves every key of every file is understood.
+    paths = [
+        f"ds_config_zero{stage}_{dtype}.json" for stage in (0, 1, 2) for dtype in ("fp32", "bf16")
+    ]
+    for path in paths:
+        config = json.loads((EXAMPLE_DIR / path).read_text())
+        assert "fp16" not in config or not config["fp16"]["enabled"]
+    run = subprocess.run(
+        [PYTHON, "-c", CONFIG_CHECK, *paths], cwd=EXAMPLE_DIR, env=launch_env(),
+        capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [r["path"] for r in results] == paths
+    for result in results:
+        assert result["stage"] == int(result["path"][len("ds_config_zero")])
+        assert result["bf16"] is result["path"].endswith("_bf16.json")
+        assert all(math.isfinite(loss) for loss in result["losses"])
+
+
+# ---- the example, run for real -------------------------------------------------------------
+
+
+def run_example(tmp_path, config, steps, log_interval):
+    # Started from the example's own folder with relative paths, as its README shows too.
+    output_dir = tmp_path / "out"
+    run = launch(
+        "cifar10_deepspeed.py",
+        ["--deepspeed", "--deepspeed_config", config, "--epochs", "50",
+         "--max-steps", str(steps), "--log-interval", str(log_interval),
+         "--data-dir", str(tmp_path / "no_data_here"), "--output-dir", str(output_dir)],
+        cwd=EXAMPLE_DIR,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "using a GENERATED CIFAR-shaped data set" in run.stdout
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert (output_dir / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return run, metrics
+
+
+def test_example_zero2_two_processes_learns(tmp_path):
+    run, metrics = run_example(tmp_path, "ds_config_zero2_fp32.json", steps=120, log_interval=20)
+    assert metrics["world_size"] == 2 and metrics["steps"] == 120
+    losses = [loss for _, loss in metrics["loss_curve"]]
+    assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
+    assert losses[-1] < 0.85 * losses[0], losses
+    assert metrics["final_test_accuracy"] > 0.3, metrics["final_test_accuracy"]  # chance: 0.1
+    assert "Accuracy of the network on the 2000 test images" in run.stdout
+
+
+# ---- DeepSpeedExamples' CIFAR-10 API sequence ----------------------------------------------
+
+SEQUENCE = REPO_ROOT / "tests" / "deepspeed_tutorial_sequence.py"
+
+
+@pytest.mark.parametrize(
+    "stage, dtype, extra",
+    [
+        (0, "fp32", []),
+        (1, "fp32", ["--moe-param-group"]),
+        (2, "fp32", []),
+        (0, "bf16", ["--moe-param-group"]),
+        (1, "bf16", []),
+        (2, "bf16", ["--moe-param-group"]),
+    ],
+)
+def test_deepspeed_examples_api_sequence(tmp_path, stage, dtype, extra):
+    run = launch(
+        SEQUENCE, ["--stage", str(stage), "--dtype", dtype, "--out", str(tmp_path), *extra]
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for result in results:
+        assert result["micro_batch"] == 8  # train_batch_size 16 over 2 ranks
+        assert result["bf16"] is (dtype == "bf16")
+        assert result["param_dtype"] == ("torch.bfloat16" if dtype == "bf16" else "torch.float32")
+        assert len(result["losses"]) == 20 and all(math.isfinite(x) for x in result["losses"])
+        assert result["test_total"] == 200
+        assert result["parameters"] != results[0]["initial_parameters"], "training moved nothing"
+    assert results[0]["parameters"] == results[1]["parameters"], "ranks diverged"
+
+
+def test_deepspeed_examples_moe_flag_is_refused_clearly(tmp_path):
+    # A plain `python script.py` (a world of one, no launcher) reaches the MoE layer just the same.
+    run = subprocess.run(
+        [PYTHON, str(SEQUENCE), "--moe", "--dtype", "fp32", "--out", str(tmp_path)],
+        env=launch_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "Mixture of Experts (deepspeed.moe.layer.MoE) is not implemented" in run.stderr
