@@ -45,7 +45,9 @@ def test_matches_torch_adagrad_float64(size, mode):
     fp32_error = _reference(param, grads, torch.float32, lr, eps, **mode).double() - reference
     error = (ours.double() - reference).abs().max().item()
     scale = reference.abs().max().item()
-    assert error <= 1.5 * fp32_error.abs().max().item() + 1e-7 * scale
+    # + 4 float32 ulps of the largest value: with a handful of elements torch's own error can
+    # be zero by luck, which no other float32 implementation could be asked to match.
+    assert error <= 1.5 * fp32_error.abs().max().item() + 4 * 2**-23 * scale
     assert error <= 1e-5 * scale
 
 

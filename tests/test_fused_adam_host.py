@@ -88,7 +88,9 @@ def test_matches_torch_float64(mode, capacity):
     fp32_error = (fp32_reference.double() - reference).abs().max().item()
     error = (ours.double() - reference).abs().max().item()
     scale = reference.abs().max().item()
-    assert error <= 1.5 * fp32_error + 1e-7 * scale, (
+    # + 4 float32 ulps of the largest value: with a handful of elements torch's own error can
+    # be zero by luck, which no other float32 implementation could be asked to match.
+    assert error <= 1.5 * fp32_error + 4 * 2**-23 * scale, (
         f"max |ours - float64| = {error:.3e}, torch float32: {fp32_error:.3e}"
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..ops.cpu_adam import cpu_adam_step_multi, load_cpu_adam
 from .cpu_optimizer_base import CPUOptimizerBase
+from .torch_adam_state import complete_adam_group, refuse_unsupported_adam_flags
 
 
 def check_adam_hyper_params(lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
@@ -90,19 +91,7 @@ class DeepSpeedCPUAdam(CPUOptimizerBase):
 
     def load_state_dict(self, state_dict) -> None:
         """Loads our own state dicts and those of torch.optim.Adam / AdamW."""
-        for index, group in enumerate(state_dict["param_groups"]):
-            for flag in ("amsgrad", "maximize"):
-                if group.get(flag):
-                    raise ValueError(
-                        f"cannot load a state dict whose param group {index} has {flag}=True: "
-                        f"DeepSpeedCPUAdam does not implement it"
-                    )
+        refuse_unsupported_adam_flags(state_dict, "DeepSpeedCPUAdam")
         super().load_state_dict(state_dict)
         for group in self.param_groups:
-            if "adamw_mode" not in group:
-                # torch.optim.Adam records decoupled_weight_decay=False, AdamW True.
-                group["adamw_mode"] = bool(
-                    group.get("decoupled_weight_decay", self.defaults["adamw_mode"])
-                )
-            group.setdefault("bias_correction", True)
-            group["betas"] = tuple(group["betas"])
+            complete_adam_group(group, "adamw_mode", self.defaults["adamw_mode"])

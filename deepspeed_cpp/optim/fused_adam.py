@@ -10,6 +10,7 @@ from ..ops.cpu_adam import cpu_adam_step_multi, load_cpu_adam
 from ..ops.fused_adam import fused_adam, load_fused_adam
 from ..ops.op_builder import OpNotAvailableError
 from .cpu_adam import check_adam_hyper_params
+from .torch_adam_state import complete_adam_group, refuse_unsupported_adam_flags
 
 _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -214,23 +215,11 @@ class FusedAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict) -> None:
         """Loads our own state dicts and those of torch.optim.Adam / AdamW."""
-        for index, group in enumerate(state_dict["param_groups"]):
-            for flag in ("amsgrad", "maximize"):
-                if group.get(flag):
-                    raise ValueError(
-                        f"cannot load a state dict whose param group {index} has {flag}=True: "
-                        f"FusedAdam does not implement it"
-                    )
+        refuse_unsupported_adam_flags(state_dict, "FusedAdam")
         super().load_state_dict(state_dict)
         for group in self.param_groups:
-            if "adam_w_mode" not in group:
-                # torch.optim.Adam records decoupled_weight_decay=False, AdamW True.
-                group["adam_w_mode"] = bool(
-                    group.get("decoupled_weight_decay", self.defaults["adam_w_mode"])
-                )
-            group.setdefault("bias_correction", True)
+            complete_adam_group(group, "adam_w_mode", self.defaults["adam_w_mode"])
             group["capturable"] = self.defaults["capturable"]
-            group["betas"] = tuple(group["betas"])
             for param in group["params"]:
                 state = self.state.get(param)
                 if not state:
