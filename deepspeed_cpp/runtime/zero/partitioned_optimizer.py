@@ -146,15 +146,20 @@ class ZeroPartitionedOptimizer:
         masters, grads = [], []
         device = self.params[0].device
         for bucket in self.buckets:
-            flat = torch.zeros(bucket.size, dtype=torch.float32, device=device)
-            flatten_into([p.detach() for p in bucket.params], flat, bucket.offsets)
-            shard = flat.narrow(0, bucket.owned_start, bucket.owned_size).clone()
+            shard = self._owned_slice_of_params(bucket, device)
             master = torch.nn.Parameter(shard, requires_grad=True)
             grad = torch.zeros_like(shard)
             master.grad = grad
             masters.append(master)
             grads.append(grad)
         return masters, grads
+
+    @staticmethod
+    def _owned_slice_of_params(bucket: _Bucket, device: torch.device) -> torch.Tensor:
+        """The model parameters' current values over this rank's slice of `bucket`, in fp32."""
+        flat = torch.zeros(bucket.size, dtype=torch.float32, device=device)
+        flatten_into([p.detach() for p in bucket.params], flat, bucket.offsets)
+        return flat.narrow(0, bucket.owned_start, bucket.owned_size).clone()
 
     def _master_param_groups(self, param_groups: list[dict]) -> list[dict]:
         """The given param groups' hyper-parameters over this rank's master shards."""
@@ -357,9 +362,7 @@ class ZeroPartitionedOptimizer:
         weights into them); the optimizer state is kept, pending gradients are dropped."""
         with torch.no_grad():
             for bucket, master in zip(self.buckets, self.masters):
-                flat = torch.zeros(bucket.size, dtype=torch.float32, device=master.device)
-                flatten_into([p.detach() for p in bucket.params], flat, bucket.offsets)
-                master.copy_(flat.narrow(0, bucket.owned_start, bucket.owned_size))
+                master.copy_(self._owned_slice_of_params(bucket, master.device))
         self.zero_grad()
 
     # --- accounting ---------------------------------------------------------------------------
