@@ -276,9 +276,10 @@ class ZeroPartitionedOptimizer:
         return bool(self._sum_over_shards(local).item() > 0)
 
     def _global_norm(self) -> float:
-        squares = torch.zeros(1, dtype=torch.float64, device=self.shard_grads[0].device)
-        for grad in self.shard_grads:
-            squares += grad.double().pow(2).sum()
+        # One fused read of the shards (float32 norms, as torch's clip_grad_norm_), then the
+        # partial sums of squares in float64 across shards and ranks.
+        norms = torch._foreach_norm(self.shard_grads)
+        squares = torch.stack(norms).double().pow(2).sum().reshape(1)
         return math.sqrt(float(self._sum_over_shards(squares).item()))
 
     def _gather_parameters(self) -> None:
