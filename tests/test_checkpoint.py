@@ -356,7 +356,20 @@ def _assert_same(a, b, where: str) -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-@pytest.mark.parametrize("stage, dtype", [(0, "fp16"), (1, "fp16"), (2, "fp16"), (2, "bf16")])
+def _tensors_in(value):
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+
+
+@pytest.mark.parametrize(
+    "stage, dtype", [(0, "fp16"), (1, "fp16"), (2, "fp16"), (2, "bf16"), (2, "fp32")]
+)
 def test_round_trip_restores_everything(pools, tmp_path, stage, dtype):
     seed = int(torch.randint(0, 2**30, (1,)))
     results = pools(2).run(round_trip_job, str(tmp_path), stage, dtype, seed)
@@ -373,6 +386,13 @@ def test_round_trip_restores_everything(pools, tmp_path, stage, dtype):
         expected_client_state = {"epoch": 7, "note": "resume", "best": torch.arange(3.0)}
         _assert_same(result["client_state"], expected_client_state, "client_state")
         _assert_same(result["continued"][0], result["continued"][1], f"rank {rank} continued")
+        # fp32 master slices view the flat parameters; torch.save would write a view's whole
+        # storage: the shard file holds each slice alone.
+        from deepspeed_cpp.runtime.checkpoint.layout import optimizer_shard_file
+
+        shard_file = torch.load(tmp_path / "round_trip" / optimizer_shard_file(rank))
+        for tensor in _tensors_in(shard_file):
+            assert tensor.untyped_storage().nbytes() == tensor.nbytes
     # Different seeds per rank: the restored RNG states are each rank's own.
     assert not torch.equal(results[0]["draws"][0][0], results[1]["draws"][0][0])
 

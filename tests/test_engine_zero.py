@@ -106,8 +106,16 @@ def _config(stage: int, dtype: str, gas: int, clip: float, extra=None, eps=EPS) 
     return config
 
 
-def train_job(config: dict, seed: int, steps: int, inject_overflow_at: int | None = None):
-    """Runs on every rank: trains TiedNet through deepspeed_cpp.initialize and reports back."""
+def train_job(
+    config: dict,
+    seed: int,
+    steps: int,
+    inject_overflow_at: int | None = None,
+    replace_data_of: tuple[str, ...] = (),
+):
+    """Runs on every rank: trains TiedNet through deepspeed_cpp.initialize and reports back.
+    ``replace_data_of``: parameters whose ``.data`` is replaced by a copy after initialize (they
+    no longer view the engine's flat parameters)."""
     import deepspeed_cpp as deepspeed
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -116,6 +124,9 @@ def train_job(config: dict, seed: int, steps: int, inject_overflow_at: int | Non
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
+    for name in replace_data_of:
+        param = engine.module.get_parameter(name)
+        param.data = param.data.clone()
     gas = engine.gradient_accumulation_steps()
     dtype = next(engine.module.parameters()).dtype
     overflow_param = engine.module.left.weight
@@ -269,6 +280,47 @@ def test_stage2_keeps_no_full_gradients_after_step(pool2):
     for result in results:
         assert result["grads_left"] == []
         assert result["reducer_held_bytes"] == 0
+
+
+def flat_views_job(config: dict):
+    import deepspeed_cpp as deepspeed
+
+    model = _make_model(0)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    zero = engine.optimizer
+    report = []
+    for bucket, master in zip(zero.buckets, zero.masters):
+        storages = {p.untyped_storage().data_ptr() for p in bucket.params}
+        report.append(
+            {
+                "one_storage": len(storages) == 1,
+                "master_in_it": master.untyped_storage().data_ptr() in storages,
+            }
+        )
+    return report
+
+
+@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (2, "fp32"), (2, "bf16")])
+def test_bucket_parameters_view_one_flat_tensor(pool2, stage, dtype):
+    """The all-gather writes parameters in place; fp32 masters are the parameters' own slice,
+    low-precision models keep separate fp32 masters."""
+    for report in pool2.run(flat_views_job, _config(stage, dtype, 1, 0.0)):
+        assert len(report) > 1
+        assert all(bucket["one_storage"] for bucket in report)
+        assert all(bucket["master_in_it"] == (dtype == "fp32") for bucket in report)
+
+
+@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16")])
+def test_parameters_whose_data_was_replaced_still_train(pool2, stage, dtype):
+    """A parameter given new data after initialize (as module.to() or load_state_dict(...,
+    assign=True) do) no longer views the flat tensor: it is copied into instead."""
+    seed = int(torch.randint(0, 2**30, (1,)))
+    replaced = ("left.weight", "head.bias")
+    results = pool2.run(train_job, _config(stage, dtype, 1, 0.5), seed, 5, None, replaced)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    reference, _ = _reference(seed, 5, 1, 2, 0.5, torch_dtype, stage=stage)
+    tolerance = 1e-6 if dtype == "fp32" else 2**-7
+    assert _max_relative_difference(results[0]["snapshots"][-1]["params"], reference) <= tolerance
 
 
 def test_fp16_overflow_skips_exactly_one_step_on_all_ranks(pool2):

@@ -114,13 +114,15 @@ def pool3():
     pool.close()
 
 
-def reducer_job(scatter: bool, order_seed: int):
+def reducer_job(scatter: bool, order_seed: int, scatter_method: str = "auto"):
     """Each rank hands over its gradients in its own random order; some params are skipped."""
     rank, world = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(1234)
     numels = [int(n) for n in torch.randint(1, 300, (40,), generator=generator)]
     plan = plan_buckets(numels, [0] * 40, capacity=700, world_size=world, alignment=4)
-    reducer = make_gradient_reducer(dist.group.WORLD, plan, scatter=scatter)
+    reducer = make_gradient_reducer(
+        dist.group.WORLD, plan, scatter=scatter, scatter_method=scatter_method
+    )
     results = []
     for _ in range(2):
         grads = [
@@ -153,15 +155,25 @@ def _skipped_on_rank1(order_seed, world):
     return {int(order[0])}
 
 
-@pytest.mark.parametrize("scatter", [True, False])
-def test_reducer_sums_gradients_in_any_hook_order(pool3, scatter):
+# (scatter, scatter_method, the collective the reducer must have chosen on gloo): "auto" takes
+# all-reduce + slice there (gloo's reduce-scatter is slower, benchmarks/bench_collectives.py).
+REDUCER_METHODS = [
+    (True, "auto", "all_reduce+slice"),
+    (True, "reduce_scatter", "reduce_scatter"),
+    (True, "all_reduce", "all_reduce+slice"),
+    (False, "auto", "all_reduce"),
+]
+
+
+@pytest.mark.parametrize("scatter, scatter_method, expected_collective", REDUCER_METHODS)
+def test_reducer_sums_gradients_in_any_hook_order(
+    pool3, scatter, scatter_method, expected_collective
+):
     order_seed = int(torch.randint(0, 2**30, (1,)))
-    outputs = pool3.run(reducer_job, scatter, order_seed)
+    outputs = pool3.run(reducer_job, scatter, order_seed, scatter_method)
     world = 3
     for rank, (plan, steps, collective) in enumerate(outputs):
-        assert collective in (
-            ("reduce_scatter", "all_reduce+slice") if scatter else ("all_reduce",)
-        )
+        assert collective == expected_collective
         for shards, expected, held_during, held_after in steps:
             assert held_after == 0 and held_during > 0
             for bucket, size in enumerate(plan.bucket_sizes):
@@ -189,6 +201,22 @@ def double_hand_over_job():
     reducer.add_grad(1, torch.ones(4))
     reducer.finish()
     return message
+
+
+def unknown_method_job():
+    plan = plan_buckets([4], [0], capacity=100, world_size=dist.get_world_size())
+    try:
+        make_gradient_reducer(dist.group.WORLD, plan, scatter=True, scatter_method="ring")
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_reducer_rejects_an_unknown_scatter_method(pool3):
+    for message in pool3.run(unknown_method_job):
+        assert "scatter_method must be 'auto', 'reduce_scatter' or 'all_reduce', got 'ring'" in (
+            message
+        )
 
 
 def test_reducer_errors(pool3):

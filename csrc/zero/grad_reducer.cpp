@@ -8,7 +8,8 @@ namespace deepspeed_cpp {
 GradientReducer::GradientReducer(const std::string& group_name, std::vector<int64_t> param_bucket,
                                  std::vector<int64_t> param_offset,
                                  std::vector<int64_t> param_numel,
-                                 std::vector<int64_t> bucket_sizes, bool scatter)
+                                 std::vector<int64_t> bucket_sizes, bool scatter,
+                                 const std::string& scatter_method, const std::string& device)
     : group_(c10d::resolve_process_group(group_name)),
       rank_(group_->getRank()),
       world_size_(group_->getSize()),
@@ -45,15 +46,32 @@ GradientReducer::GradientReducer(const std::string& group_name, std::vector<int6
   for (size_t b = 0; b < buckets_.size(); ++b) {
     TORCH_CHECK(!buckets_[b].members.empty(), "GradientReducer: bucket ", b, " has no parameter");
   }
-  has_reduce_scatter_ = scatter_ && probe_reduce_scatter();
+  has_reduce_scatter_ = scatter_ && choose_reduce_scatter(scatter_method, c10::Device(device));
 }
 
-bool GradientReducer::probe_reduce_scatter() {
+bool GradientReducer::choose_reduce_scatter(const std::string& scatter_method,
+                                            const c10::Device& device) {
+  if (scatter_method == "all_reduce") return false;
+  if (scatter_method == "reduce_scatter") {
+    TORCH_CHECK(probe_reduce_scatter(device),
+                "GradientReducer: scatter_method 'reduce_scatter' "
+                "was asked for, but the process group's ",
+                group_->getBackendName(), " backend has no reduce-scatter on ", device);
+    return true;
+  }
+  TORCH_CHECK(scatter_method == "auto", "GradientReducer: scatter_method must be 'auto', ",
+              "'reduce_scatter' or 'all_reduce', got '", scatter_method, "'");
+  if (group_->getBackend(device.type())->getBackendName() == "gloo") return false;
+  return probe_reduce_scatter(device);
+}
+
+bool GradientReducer::probe_reduce_scatter(const c10::Device& device) {
   // Every rank builds its reducer at the same point, so the probe is a collective like any
   // other. A backend without the op throws before communicating.
   try {
-    at::Tensor input = at::ones({world_size_}, at::kFloat);
-    at::Tensor output = at::empty({1}, at::kFloat);
+    const auto options_on_device = at::TensorOptions().dtype(at::kFloat).device(device);
+    at::Tensor input = at::ones({world_size_}, options_on_device);
+    at::Tensor output = at::empty({1}, options_on_device);
     c10d::ReduceScatterOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
     group_->_reduce_scatter_base(output, input, options)->wait();
@@ -150,8 +168,9 @@ std::vector<at::Tensor> GradientReducer::finish() {
     if (has_reduce_scatter_) {
       results.push_back(bucket.shard);
     } else if (scatter_) {
+      // A view: the whole buffer stays alive only as long as the caller holds the slice.
       const int64_t shard = bucket.size / world_size_;
-      results.push_back(bucket.buffer.narrow(0, rank_ * shard, shard).clone());
+      results.push_back(bucket.buffer.narrow(0, rank_ * shard, shard));
     } else {
       results.push_back(bucket.buffer);
     }

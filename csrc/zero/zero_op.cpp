@@ -77,8 +77,9 @@ TORCH_LIBRARY_IMPL(deepspeed_cpp, CompositeExplicitAutograd, m) {
 // schema-like registration outside csrc/registration.cpp.
 TORCH_LIBRARY_FRAGMENT(deepspeed_cpp, m) {
   m.class_<deepspeed_cpp::GradientReducer>("GradientReducer")
-      .def(torch::init<std::string, std::vector<int64_t>, std::vector<int64_t>,
-                       std::vector<int64_t>, std::vector<int64_t>, bool>())
+      .def(
+          torch::init<std::string, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                      std::vector<int64_t>, bool, std::string, std::string>())
       .def("add_grad", &deepspeed_cpp::GradientReducer::add_grad)
       .def("finish", &deepspeed_cpp::GradientReducer::finish)
       .def("pending", &deepspeed_cpp::GradientReducer::pending)

@@ -93,14 +93,23 @@ def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets:
     torch.ops.deepspeed_cpp.zero_unflatten_from.default(flat, list(tensors), list(offsets))
 
 
-def make_gradient_reducer(group, plan: BucketPlan, *, scatter: bool):
+def make_gradient_reducer(
+    group,
+    plan: BucketPlan,
+    *,
+    scatter: bool,
+    scatter_method: str = "auto",
+    device: torch.device | str = "cpu",
+):
     """A ``torch.classes.deepspeed_cpp.GradientReducer`` over ``group`` following ``plan``.
 
-    Built collectively: every rank of ``group`` must call this at the same point.
+    ``scatter_method`` ("auto", "reduce_scatter" or "all_reduce") says how scattered buckets are
+    reduced (see csrc/zero/grad_reducer.h); ``device`` is where the gradients live. Built
+    collectively: every rank of ``group`` must call this at the same point.
     """
     if not _ready:
         load_zero()
     return torch.classes.deepspeed_cpp.GradientReducer(
         group.group_name, plan.param_bucket, plan.param_offset, plan.param_numel,
-        plan.bucket_sizes, scatter,
+        plan.bucket_sizes, scatter, scatter_method, str(device),
     )  # fmt: skip

@@ -120,6 +120,7 @@ class DeepSpeedEngine(torch.nn.Module):
             stage=zero.stage,
             group=self.group,
             reduce_bucket_size=int(zero.reduce_bucket_size),
+            reduce_scatter=zero.reduce_scatter,
             gradient_clipping=self.config.gradient_clipping,
             loss_scaler=self.loss_scaler,
         )

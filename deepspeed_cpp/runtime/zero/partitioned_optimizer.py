@@ -14,6 +14,12 @@ multiple of the world size and split into equal shards; rank r owns shard r of e
 The wrapped ``torch.optim.Optimizer`` (ours or the user's) steps the owned fp32 shards, and the
 updated shards are all-gathered back into the model's parameters (in their own dtype). Because
 the Adam-family update is element-wise, stepping flat shards equals stepping each parameter.
+
+As in DeepSpeed, the parameters of a bucket are views of one flat tensor in their dtype, so the
+all-gather writes them in place with no copy afterwards (a parameter whose data was replaced
+since, e.g. by ``module.half()``, is copied into instead); fp32 parameters are their own master
+weights (a rank's master slice is its part of the flat parameters).
+
 A parameter that gets no gradient on any rank in a step is treated as having a zero gradient, as
 DeepSpeed does.
 """
@@ -34,6 +40,8 @@ from ...ops.zero import (
     plan_buckets,
     unflatten_from,
 )
+from ...optim.cpu_optimizer_base import CPUOptimizerBase
+from .shard_gather import backend_for, launch_all_gather
 
 
 @dataclass
@@ -45,6 +53,11 @@ class _Bucket:
     size: int
     owned_start: int
     owned_size: int
+    gather_dtype: torch.dtype  # the parameters' dtype where they share one, else fp32
+    # The flat tensor the parameters view (None where they differ in dtype or device), and the
+    # data pointers they had when made views: a mismatch means a parameter's data was replaced.
+    flat: torch.Tensor | None = None
+    view_pointers: tuple[int, ...] = ()
 
 
 class ZeroPartitionedOptimizer:
@@ -60,11 +73,13 @@ class ZeroPartitionedOptimizer:
         reduce_bucket_size: int,
         gradient_clipping: float = 0.0,
         loss_scaler=None,
+        reduce_scatter: bool = True,
     ):
         """`optimizer` is either a torch optimizer over the model's parameters (the user's: its
         param groups are re-pointed at the master shards in place) or a factory that builds one
         from param groups of master shards (a config optimizer); `param_groups` (dicts with
-        "params" and hyper-parameters) is then required."""
+        "params" and hyper-parameters) is then required. `reduce_scatter=False` (DeepSpeed's
+        ``zero_optimization.reduce_scatter``) reduces stage 1/2 gradients with all-reduce."""
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroPartitionedOptimizer handles stages 0, 1 and 2, got {stage}")
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -97,6 +112,8 @@ class ZeroPartitionedOptimizer:
             world_size=1 if owned_whole else self.world_size,
         )
         self.buckets = self._make_buckets(owned_whole)
+        for bucket in self.buckets:
+            self._view_params_in_flat(bucket)
         self.masters, self.shard_grads = self._make_masters()
         master_groups = self._master_param_groups(param_groups)
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -108,8 +125,20 @@ class ZeroPartitionedOptimizer:
             self.optimizer = optimizer
         else:
             self.optimizer = optimizer(master_groups)
+        self._step_per_bucket = isinstance(self.optimizer, CPUOptimizerBase)
 
-        self.reducer = make_gradient_reducer(group, self.plan, scatter=not owned_whole)
+        device = self.params[0].device
+        self.reducer = make_gradient_reducer(
+            group,
+            self.plan,
+            scatter=not owned_whole,
+            scatter_method="auto" if reduce_scatter else "all_reduce",
+            device=device,
+        )
+        self._gather_by_broadcast = backend_for(group, device) == "gloo"
+        # Shard gradients are zeroed lazily: the first reduction after zero_grad() writes them
+        # instead of adding to zeros (a full pass over every shard saved per step).
+        self._shard_grads_zero_pending = False
         self._handed: set[int] = set()
         self._reduce_during_backward = False
         low_precision = any(p.dtype != torch.float32 for p in self.params)
@@ -131,13 +160,18 @@ class ZeroPartitionedOptimizer:
             else:
                 owned = size // self.world_size
                 start = self.rank * owned
+            params = [self.params[p] for p in members]
+            dtypes = {p.dtype for p in params}
             buckets.append(
                 _Bucket(
-                    params=[self.params[p] for p in members],
+                    params=params,
                     offsets=[self.plan.param_offset[p] for p in members],
                     size=size,
                     owned_start=start,
                     owned_size=owned,
+                    # Low-precision parameters are gathered in their own dtype: half the bytes,
+                    # and the same values as gathering fp32 and casting afterwards.
+                    gather_dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
                 )
             )
         return buckets
@@ -146,13 +180,39 @@ class ZeroPartitionedOptimizer:
         masters, grads = [], []
         device = self.params[0].device
         for bucket in self.buckets:
-            shard = self._owned_slice_of_params(bucket, device)
+            if bucket.flat is not None and bucket.flat.dtype == torch.float32:
+                # fp32 parameters are their own master weights: the master slice is this rank's
+                # part of the flat parameters, so the optimizer updates the parameters in place
+                # and the all-gather only brings the other ranks' slices.
+                shard = bucket.flat.narrow(0, bucket.owned_start, bucket.owned_size)
+            else:
+                shard = self._owned_slice_of_params(bucket, device)
             master = torch.nn.Parameter(shard, requires_grad=True)
             grad = torch.zeros_like(shard)
             master.grad = grad
             masters.append(master)
             grads.append(grad)
         return masters, grads
+
+    @staticmethod
+    def _view_params_in_flat(bucket: _Bucket) -> None:
+        dtypes = {p.dtype for p in bucket.params}
+        devices = {p.device for p in bucket.params}
+        if len(dtypes) != 1 or len(devices) != 1:
+            return
+        flat = torch.zeros(bucket.size, dtype=dtypes.pop(), device=devices.pop())
+        flatten_into([p.detach() for p in bucket.params], flat, bucket.offsets)
+        for param, offset in zip(bucket.params, bucket.offsets):
+            param.data = flat.narrow(0, offset, param.numel()).view(param.shape)
+        bucket.flat = flat
+        bucket.view_pointers = tuple(p.data_ptr() for p in bucket.params)
+
+    @staticmethod
+    def _params_still_view_flat(bucket: _Bucket) -> bool:
+        return bucket.flat is not None and all(
+            p.data_ptr() == pointer and p.dtype == bucket.flat.dtype
+            for p, pointer in zip(bucket.params, bucket.view_pointers)
+        )
 
     @staticmethod
     def _owned_slice_of_params(bucket: _Bucket, device: torch.device) -> torch.Tensor:
@@ -223,8 +283,14 @@ class ZeroPartitionedOptimizer:
         self._handed.clear()
         reduced = self.reducer.finish()
         inverse_world = 1.0 / self.world_size
+        overwrite = self._shard_grads_zero_pending
         for shard_grad, shard in zip(self.shard_grads, reduced):
-            shard_grad.add_(shard.to(shard_grad.device), alpha=inverse_world)
+            shard = shard.to(shard_grad.device)
+            if overwrite:  # the same value as adding to zero: 0 + x * (1/N) rounds once
+                torch.mul(shard, inverse_world, out=shard_grad)
+            else:
+                shard_grad.add_(shard, alpha=inverse_world)
+        self._shard_grads_zero_pending = False
         self._reduce_during_backward = False
 
     # --- step ---------------------------------------------------------------------------------
@@ -233,6 +299,7 @@ class ZeroPartitionedOptimizer:
 
         Returns False when the step was skipped because a gradient overflowed on some rank.
         """
+        self._apply_pending_zero()
         if self.loss_scaler is not None:
             if self._overflow_on_any_rank():
                 self.loss_scaler.update_scale(True)
@@ -249,8 +316,7 @@ class ZeroPartitionedOptimizer:
             if coefficient < 1.0:
                 for grad in self.shard_grads:
                     grad.mul_(coefficient)
-        self.optimizer.step()
-        self._gather_parameters()
+        self._step_and_gather()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         self.zero_grad()
@@ -259,10 +325,16 @@ class ZeroPartitionedOptimizer:
     def zero_grad(self) -> None:
         if self._fp32_accumulators is not None:
             self._fp32_accumulators = [None] * len(self.params)
-        for grad in self.shard_grads:
-            grad.zero_()
+        self._shard_grads_zero_pending = True
         for param in self.params:
             param.grad = None
+
+    def _apply_pending_zero(self) -> None:
+        # Only a step with no reduction since zero_grad() reads shard gradients still pending.
+        if self._shard_grads_zero_pending:
+            for grad in self.shard_grads:
+                grad.zero_()
+            self._shard_grads_zero_pending = False
 
     def _sum_over_shards(self, value: torch.Tensor) -> torch.Tensor:
         if self.stage != 0 and self.world_size > 1:
@@ -282,21 +354,56 @@ class ZeroPartitionedOptimizer:
         squares = torch.stack(norms).double().pow(2).sum().reshape(1)
         return math.sqrt(float(self._sum_over_shards(squares).item()))
 
-    def _gather_parameters(self) -> None:
-        if self.stage == 0:
-            for bucket, master in zip(self.buckets, self.masters):
-                unflatten_from(master.detach(), [p.data for p in bucket.params], bucket.offsets)
-            return
-        fulls, works = [], []
-        for bucket, master in zip(self.buckets, self.masters):
-            full = torch.empty(bucket.size, dtype=master.dtype, device=master.device)
-            works.append(
-                dist.all_gather_single(full, master.detach(), group=self.group, async_op=True)
+    def _step_and_gather(self) -> None:
+        """Steps the master shards and writes the updated values into every rank's parameters.
+
+        Our CPU optimizers step bucket by bucket, each bucket's all-gather starting as soon as it
+        is updated, so that the gather of one overlaps the update of the next. They update each
+        tensor on its own (state and step count per tensor) and skip tensors without a gradient,
+        so stepping the buckets one at a time equals one step over all. Other optimizers (the
+        user's may keep per-group counters) step once, then everything is gathered.
+        """
+        if not (self._step_per_bucket and self.stage != 0 and len(self.masters) > 1):
+            self.optimizer.step()
+            pending = [self._launch_gather(b, m) for b, m in zip(self.buckets, self.masters)]
+        else:
+            pending = []
+            for master in self.masters:
+                master.grad = None
+            try:
+                for bucket, master, grad in zip(self.buckets, self.masters, self.shard_grads):
+                    master.grad = grad
+                    self.optimizer.step()
+                    master.grad = None
+                    pending.append(self._launch_gather(bucket, master))
+            finally:
+                for master, grad in zip(self.masters, self.shard_grads):
+                    master.grad = grad
+        for bucket, full, works, in_place in pending:
+            for work in works:
+                work.wait()
+            if not in_place:
+                unflatten_from(full, [p.data for p in bucket.params], bucket.offsets)
+
+    def _launch_gather(self, bucket: _Bucket, master: torch.Tensor):
+        """Starts writing ``master`` (this rank's updated slice of ``bucket``) and the other
+        ranks' slices into the bucket's flat parameters, or into a temporary flat tensor that is
+        copied into the parameters when they no longer view theirs."""
+        in_place = self._params_still_view_flat(bucket)
+        full = (
+            bucket.flat
+            if in_place
+            else torch.empty(bucket.size, dtype=bucket.gather_dtype, device=master.device)
+        )
+        if self.stage == 0:  # every rank owns whole buckets: nothing to gather
+            if full.data_ptr() != master.data_ptr():
+                full.copy_(master.detach())
+            works = []
+        else:
+            works = launch_all_gather(
+                full, master.detach(), self.group, by_broadcast=self._gather_by_broadcast
             )
-            fulls.append(full)
-        for bucket, full, work in zip(self.buckets, fulls, works):
-            work.wait()
-            unflatten_from(full, [p.data for p in bucket.params], bucket.offsets)
+        return bucket, full, works, in_place
 
     # --- what code holding "the optimizer" expects ------------------------------------------
     @property
@@ -314,9 +421,15 @@ class ZeroPartitionedOptimizer:
 
     def shard_state(self) -> list[dict]:
         """This rank's part of the training state, per bucket: ``{"master": its fp32 slice,
-        "state": the optimizer's state for that slice}`` (the live tensors, not copies)."""
+        "state": the optimizer's state for that slice}`` (the live tensors, except that a master
+        slice viewing the flat parameters is copied: torch.save writes a view's whole storage)."""
         return [
-            {"master": master.detach(), "state": dict(self.optimizer.state.get(master, {}))}
+            {
+                "master": master.detach().clone()
+                if master.untyped_storage().nbytes() != master.nbytes
+                else master.detach(),
+                "state": dict(self.optimizer.state.get(master, {})),
+            }
             for master in self.masters
         ]
 

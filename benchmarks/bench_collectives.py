@@ -1,0 +1,129 @@
+"""The backend's reduce-scatter and all-gather against the compositions ZeRO uses on gloo.
+
+ZeRO stages 1/2 reduce gradients bucket by bucket and all-gather updated parameters the same way.
+On gloo, `csrc/zero` reduces with all-reduce and keeps the rank's slice, and
+`deepspeed_cpp/runtime/zero/shard_gather.py` gathers with one broadcast per rank. This script
+times both against gloo's own collectives on the same buckets, all launched asynchronously and
+then waited, as the engine does:
+
+    python benchmarks/bench_collectives.py [--procs 2] [--elements 48e6] [--bucket 6e6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def worker(rank: int, args, port: int, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.procs), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo")
+    world = args.procs
+    bucket = int(args.bucket) // world * world
+    total = int(args.elements) // bucket * bucket
+    full = torch.randn(total)
+    gathered = torch.empty(total)
+    shards = torch.randn(total // world)
+    starts = range(0, total, bucket)
+
+    def each_bucket(launch):
+        works = []
+        for start in starts:
+            works += launch(start)
+        for work in works:
+            work.wait()
+
+    def shard_of(start):
+        return shards.narrow(0, start // world, bucket // world)
+
+    def reduce_scatter(start):
+        return [
+            dist.reduce_scatter_single(
+                shard_of(start), full.narrow(0, start, bucket), async_op=True
+            )
+        ]
+
+    def all_reduce_then_slice(start):
+        return [dist.all_reduce(full.narrow(0, start, bucket), async_op=True)]
+
+    def all_gather(start):
+        return [
+            dist.all_gather_single(
+                gathered.narrow(0, start, bucket), shard_of(start), async_op=True
+            )
+        ]
+
+    def broadcast_per_rank(start):
+        size = bucket // world
+        gathered.narrow(0, start + rank * size, size).copy_(shard_of(start))
+        return [
+            dist.broadcast(gathered.narrow(0, start + r * size, size), group_src=r, async_op=True)
+            for r in range(world)
+        ]
+
+    timings = {}
+    for name, launch in [
+        ("reduce-scatter: gloo reduce_scatter", reduce_scatter),
+        ("reduce-scatter: all_reduce + slice", all_reduce_then_slice),
+        ("all-gather: gloo all_gather", all_gather),
+        ("all-gather: broadcast per rank", broadcast_per_rank),
+    ]:
+        times = []
+        for repeat in range(args.warmup + args.repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            each_bucket(launch)
+            elapsed = time.perf_counter() - start
+            if repeat >= args.warmup:
+                times.append(elapsed)
+        timings[name] = statistics.median(times)
+    results.put((rank, timings, total))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--elements", type=float, default=48e6, help="fp32 elements in all")
+    parser.add_argument("--bucket", type=float, default=6e6, help="elements per bucket")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=worker, args=(r, args, port, results)) for r in range(args.procs)
+    ]
+    for process in processes:
+        process.start()
+    reports = [results.get() for _ in processes]
+    for process in processes:
+        process.join()
+    total = reports[0][2]
+    print(f"{args.procs} processes (gloo, CPU), {total / 1e6:.1f}M fp32 elements in buckets of "
+          f"{args.bucket / 1e6:.1f}M, median of {args.repeats}; slowest rank")  # fmt: skip
+    seconds = {name: max(r[1][name] for r in reports) for name in reports[0][1]}
+    for operation in ("reduce-scatter", "all-gather"):
+        (ref_name, reference), (ours_name, ours) = [
+            (name, value) for name, value in seconds.items() if name.startswith(operation)
+        ]
+        print(f"{ref_name:<40} {reference * 1e3:8.1f} ms")
+        print(f"{ours_name:<40} {ours * 1e3:8.1f} ms   {reference / ours:5.2f}x faster")
+
+
+if __name__ == "__main__":
+    main()
