@@ -183,7 +183,7 @@ def main() -> None:
         print(fsdp_note)
     reference = max(r[2]["DDP + torch AdamW(fused)"] for r in reports)
     print(f"{'implementation':<28} {'step s':>8} {'/ DDP':>7} {'Adam moments/rank':>18} "
-          f"{'/ DDP':>7} {'extra fp32 masters':>18}")  # fmt: skip
+          f"{'/ DDP':>7} {'extra fp32 masters':>19}")  # fmt: skip
     ddp_moments = moments["DDP + torch AdamW(fused)"][0]
     for name in reports[0][2]:
         seconds = max(r[2][name] for r in reports)  # a step is as slow as its slowest rank
