@@ -136,6 +136,7 @@ def worker(rank: int, args, port: int, results) -> None:
             if round_index >= args.warmup:
                 times[name].append(time.perf_counter() - start)
     moments = {"DDP + torch AdamW(fused)": (adam_moment_bytes(ddp_optimizer), 0)}
+    reducer_peaks = {}
     for name, zero in memory.items():
         # fp32 masters that are the parameters' own storage (fp32 models) cost nothing extra.
         parameter_storages = {p.untyped_storage().data_ptr() for p in zero.params}
@@ -145,10 +146,11 @@ def worker(rank: int, args, port: int, results) -> None:
             if m.untyped_storage().data_ptr() not in parameter_storages
         )
         moments[name] = (adam_moment_bytes(zero.optimizer), masters)
+        reducer_peaks[name] = zero.reducer.peak_held_bytes()
     if "FSDP2 fully_shard + AdamW" in steppers:
         moments["FSDP2 fully_shard + AdamW"] = (adam_moment_bytes(fsdp_optimizer), 0)
     results.put((rank, n_params, {k: statistics.median(v) for k, v in times.items()}, moments,
-                 fsdp_note))  # fmt: skip
+                 fsdp_note, reducer_peaks))  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -176,7 +178,7 @@ def main() -> None:
     reports = sorted(results.get() for _ in processes)
     for process in processes:
         process.join()
-    _, n_params, _, moments, fsdp_note = reports[0]
+    _, n_params, _, moments, fsdp_note, _ = reports[0]
     print(f"{n_params / 1e6:.1f}M-parameter transformer, {args.procs} processes (gloo, CPU), "
           f"{args.threads} thread(s) each, median of {args.rounds} interleaved rounds")  # fmt: skip
     if fsdp_note:
@@ -192,6 +194,12 @@ def main() -> None:
         print(f"{name:<28} {seconds:8.3f} {seconds / reference:7.2f} "
               f"{moment_bytes / 2**20:15.1f} MiB {moment_bytes / ddp_moments:7.3f} "
               f"{master_bytes / 2**20:15.1f} MiB")  # fmt: skip
+    peaks = ", ".join(
+        f"{name.split()[-1]} {max(r[5][name] for r in reports) / 2**20:.1f} MiB"
+        for name in reports[0][5]
+    )
+    print(f"peak gradient-reduction buffers per rank: {peaks} "
+          f"(a full fp32 gradient: {4 * n_params / 2**20:.1f} MiB)")  # fmt: skip
 
 
 if __name__ == "__main__":

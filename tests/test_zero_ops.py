@@ -203,6 +203,43 @@ def double_hand_over_job():
     return message
 
 
+def in_order_job(scatter_method: str):
+    """Gradients arrive bucket by bucket, as in backward: a few full buckets are held at most."""
+    world = dist.get_world_size()
+    generator = torch.Generator().manual_seed(99)
+    numels = [int(n) for n in torch.randint(50, 300, (60,), generator=generator)]
+    plan = plan_buckets(numels, [0] * 60, capacity=400, world_size=world, alignment=4)
+    reducer = make_gradient_reducer(
+        dist.group.WORLD, plan, scatter=True, scatter_method=scatter_method
+    )
+    by_bucket = sorted(range(60), key=lambda p: (plan.param_bucket[p], plan.param_offset[p]))
+    grads = {p: torch.randn(numels[p], generator=generator) for p in range(60)}
+    for p in by_bucket:
+        reducer.add_grad(p, grads[p])
+    shards = reducer.finish()
+    expected = []
+    for bucket, size in enumerate(plan.bucket_sizes):
+        full = torch.zeros(size)
+        for p in plan.members(bucket):
+            full[plan.param_offset[p] : plan.param_offset[p] + numels[p]] = grads[p] * world
+        expected.append(full.chunk(world)[dist.get_rank()])
+    return plan, shards, expected, reducer.peak_held_bytes(), reducer.held_bytes()
+
+
+@pytest.mark.parametrize("scatter_method", ["all_reduce", "reduce_scatter"])
+def test_reducer_keeps_only_a_window_of_full_buckets(pool3, scatter_method):
+    """Reduced buckets are cut down to their shard while backward goes on: the peak is a few
+    full buckets plus the shards, well under a full fp32 copy of the gradients."""
+    window = 2  # GradientReducer::kMaxReductionsInFlight
+    for plan, shards, expected, peak, held_after in pool3.run(in_order_job, scatter_method):
+        assert len(plan.bucket_sizes) >= 20 and held_after == 0
+        for shard, want in zip(shards, expected):
+            torch.testing.assert_close(shard, want, rtol=1e-6, atol=1e-5)
+        full_bytes = 4 * sum(plan.bucket_sizes)
+        bound = 4 * (window + 2) * max(plan.bucket_sizes) + full_bytes // 3
+        assert peak <= bound < full_bytes
+
+
 def unknown_method_job():
     plan = plan_buckets([4], [0], capacity=100, world_size=dist.get_world_size())
     try:

@@ -86,18 +86,21 @@ std::string GradientReducer::collective() const {
   return has_reduce_scatter_ ? "reduce_scatter" : "all_reduce+slice";
 }
 
-int64_t GradientReducer::held_bytes() const {
-  int64_t total = 0;
-  for (const Bucket& bucket : buckets_) {
-    if (bucket.buffer.defined()) total += bucket.buffer.nbytes();
-    if (bucket.shard.defined()) total += bucket.shard.nbytes();
-  }
-  return total;
+void GradientReducer::hold(const at::Tensor& tensor) {
+  held_bytes_ += static_cast<int64_t>(tensor.nbytes());
+  peak_held_bytes_ = std::max(peak_held_bytes_, held_bytes_);
+}
+
+void GradientReducer::release(at::Tensor& tensor) {
+  if (!tensor.defined()) return;
+  held_bytes_ -= static_cast<int64_t>(tensor.nbytes());
+  tensor = at::Tensor();
 }
 
 void GradientReducer::ensure_buffer(Bucket& bucket) {
   if (bucket.buffer.defined()) return;
   bucket.buffer = at::empty({bucket.size}, at::kFloat);
+  hold(bucket.buffer);
   if (bucket.used < bucket.size)
     bucket.buffer.narrow(0, bucket.used, bucket.size - bucket.used).zero_();
 }
@@ -129,12 +132,42 @@ void GradientReducer::launch_complete_buckets_in_order() {
     if (bucket.arrived < static_cast<int64_t>(bucket.members.size())) return;
     launch(bucket);
     ++next_to_launch_;
+    if (scatter_) harvest_beyond_window();
   }
+}
+
+void GradientReducer::harvest_beyond_window() {
+  // Stage 0 (no scatter) keeps whole reduced buckets anyway: there is nothing to free early.
+  while (next_to_launch_ - next_to_harvest_ > kMaxReductionsInFlight) {
+    harvest(buckets_[next_to_harvest_], /*copy_slice=*/true);
+    ++next_to_harvest_;
+  }
+}
+
+void GradientReducer::harvest(Bucket& bucket, bool copy_slice) {
+  bucket.work->wait();
+  bucket.work.reset();
+  if (has_reduce_scatter_) {
+    bucket.result = bucket.shard;
+    bucket.shard = at::Tensor();  // still held, now as the result
+  } else if (scatter_) {
+    const int64_t shard = bucket.size / world_size_;
+    bucket.result = bucket.buffer.narrow(0, rank_ * shard, shard);
+    if (copy_slice) {
+      bucket.result = bucket.result.clone();
+      hold(bucket.result);
+    }
+  } else {
+    bucket.result = bucket.buffer;
+    return;  // the whole buffer is the result
+  }
+  release(bucket.buffer);
 }
 
 void GradientReducer::launch(Bucket& bucket) {
   if (has_reduce_scatter_) {
     bucket.shard = at::empty({bucket.size / world_size_}, bucket.buffer.options());
+    hold(bucket.shard);
     c10d::ReduceScatterOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
     bucket.work = group_->_reduce_scatter_base(bucket.shard, bucket.buffer, options);
@@ -144,7 +177,6 @@ void GradientReducer::launch(Bucket& bucket) {
     options.reduceOp = c10d::ReduceOp::SUM;
     bucket.work = group_->allreduce(tensors, options);
   }
-  bucket.launched = true;
 }
 
 std::vector<at::Tensor> GradientReducer::finish() {
@@ -161,27 +193,21 @@ std::vector<at::Tensor> GradientReducer::finish() {
   }
   launch_complete_buckets_in_order();
 
+  for (; next_to_harvest_ < buckets_.size(); ++next_to_harvest_)
+    harvest(buckets_[next_to_harvest_], /*copy_slice=*/false);
+
   std::vector<at::Tensor> results;
   results.reserve(buckets_.size());
   for (Bucket& bucket : buckets_) {
-    bucket.work->wait();
-    if (has_reduce_scatter_) {
-      results.push_back(bucket.shard);
-    } else if (scatter_) {
-      // A view: the whole buffer stays alive only as long as the caller holds the slice.
-      const int64_t shard = bucket.size / world_size_;
-      results.push_back(bucket.buffer.narrow(0, rank_ * shard, shard));
-    } else {
-      results.push_back(bucket.buffer);
-    }
+    results.push_back(bucket.result);
+    bucket.result = at::Tensor();
     bucket.buffer = at::Tensor();
-    bucket.shard = at::Tensor();
-    bucket.work.reset();
     bucket.arrived = 0;
-    bucket.launched = false;
   }
+  held_bytes_ = 0;  // every buffer and result now belongs to the caller
   std::fill(param_arrived_.begin(), param_arrived_.end(), 0);
   next_to_launch_ = 0;
+  next_to_harvest_ = 0;
   received_ = 0;
   return results;
 }

@@ -46,8 +46,16 @@ class GradientReducer : public torch::CustomClassHolder {
   // constructor) or "all_reduce" (whole buckets, no scatter).
   std::string collective() const;
 
-  // Bytes of bucket buffers currently allocated (0 between steps: nothing full-size is kept).
-  int64_t held_bytes() const;
+  // Bytes of bucket buffers and reduced shards the reducer holds now (0 between steps: nothing
+  // full-size is kept), and the most it has held at once since it was built.
+  int64_t held_bytes() const { return held_bytes_; }
+  int64_t peak_held_bytes() const { return peak_held_bytes_; }
+
+  // With `scatter`, at most this many launched reductions are left in flight: launching one more
+  // first waits for the oldest and keeps only its shard. Buckets therefore do not all stay
+  // full-size until finish() (which would hold a full fp32 copy of the gradients), while two in
+  // flight keep the backend busy.
+  static constexpr size_t kMaxReductionsInFlight = 2;
 
   int64_t rank() const { return rank_; }
   int64_t world_size() const { return world_size_; }
@@ -59,15 +67,22 @@ class GradientReducer : public torch::CustomClassHolder {
     int64_t used = 0;  // elements covered by parameters; the rest is zero padding
     std::vector<int64_t> members;
     int64_t arrived = 0;
-    bool launched = false;
     at::Tensor buffer;  // allocated on first use, released once reduced
-    at::Tensor shard;
+    at::Tensor shard;   // the native reduce-scatter's output
+    at::Tensor result;  // what finish() returns for this bucket, once harvested
     c10::intrusive_ptr<c10d::Work> work;
   };
 
   void ensure_buffer(Bucket& bucket);
   void launch_complete_buckets_in_order();
   void launch(Bucket& bucket);
+  // Waits for the bucket's reduction and keeps its result, releasing the full-size buffer.
+  // `copy_slice`: an all-reduced bucket's slice is copied (during backward, so that the buffer
+  // can go) rather than returned as a view of it (in finish(), where the caller consumes it).
+  void harvest(Bucket& bucket, bool copy_slice);
+  void harvest_beyond_window();
+  void hold(const at::Tensor& tensor);
+  void release(at::Tensor& tensor);
   bool probe_reduce_scatter(const c10::Device& device);
   bool choose_reduce_scatter(const std::string& scatter_method, const c10::Device& device);
 
@@ -85,7 +100,10 @@ class GradientReducer : public torch::CustomClassHolder {
   // gradients over in: buckets are launched strictly by index, each once it and all before it
   // are complete.
   size_t next_to_launch_ = 0;
+  size_t next_to_harvest_ = 0;
   int64_t received_ = 0;
+  int64_t held_bytes_ = 0;
+  int64_t peak_held_bytes_ = 0;
 };
 
 }  // namespace deepspeed_cpp

@@ -85,6 +85,7 @@ TORCH_LIBRARY_FRAGMENT(deepspeed_cpp, m) {
       .def("pending", &deepspeed_cpp::GradientReducer::pending)
       .def("collective", &deepspeed_cpp::GradientReducer::collective)
       .def("held_bytes", &deepspeed_cpp::GradientReducer::held_bytes)
+      .def("peak_held_bytes", &deepspeed_cpp::GradientReducer::peak_held_bytes)
       .def("rank", &deepspeed_cpp::GradientReducer::rank)
       .def("world_size", &deepspeed_cpp::GradientReducer::world_size)
       .def("num_buckets", &deepspeed_cpp::GradientReducer::num_buckets);
