@@ -240,6 +240,59 @@ def test_reducer_keeps_only_a_window_of_full_buckets(pool3, scatter_method):
         assert peak <= bound < full_bytes
 
 
+def accumulate_job(scatter: bool):
+    """Reduced buckets go straight into destinations: written on an overwrite step, then added."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(5)
+    numels = [int(n) for n in torch.randint(20, 200, (30,), generator=generator)]
+    plan = plan_buckets(
+        numels, [0] * 30, capacity=300, world_size=world if scatter else 1, alignment=4
+    )
+    reducer = make_gradient_reducer(dist.group.WORLD, plan, scatter=scatter)
+    sizes = [plan.shard_size(b) for b in range(len(plan.bucket_sizes))]
+    destinations = [torch.full((size,), 7.0) for size in sizes]  # stale values to overwrite
+    reducer.accumulate_into(destinations, 0.25)
+    snapshots, all_grads = [], []
+    for overwrite in (True, False):
+        grads = [[torch.randn(n, generator=generator) for n in numels] for _ in range(world)]
+        all_grads.append(grads)
+        reducer.set_overwrite(overwrite)
+        for p in torch.randperm(30, generator=torch.Generator().manual_seed(rank)).tolist():
+            reducer.add_grad(p, grads[rank][p])
+        returned = reducer.finish()
+        assert all(r.data_ptr() == d.data_ptr() for r, d in zip(returned, destinations))
+        snapshots.append([d.clone() for d in destinations])
+    try:
+        reducer.accumulate_into([torch.zeros(3)] * len(sizes), 1.0)
+        message = "no error"
+    except RuntimeError as error:
+        message = str(error)
+    return plan, all_grads, snapshots, reducer.held_bytes(), message
+
+
+@pytest.mark.parametrize("scatter", [True, False])
+def test_reducer_accumulates_into_destinations(pool3, scatter):
+    world = 3
+    for rank, (plan, all_grads, snapshots, held, message) in enumerate(
+        pool3.run(accumulate_job, scatter)
+    ):
+        total = None
+        for grads, snapshot in zip(all_grads, snapshots):
+            for bucket, size in enumerate(plan.bucket_sizes):
+                full = torch.zeros(size)
+                for p in plan.members(bucket):
+                    offset, numel = plan.param_offset[p], plan.param_numel[p]
+                    full[offset : offset + numel] = sum(grads[r][p] for r in range(world))
+                want = 0.25 * (full.chunk(world)[rank] if scatter else full)
+                if total is not None:
+                    want = want + total[bucket]
+                torch.testing.assert_close(snapshot[bucket], want, rtol=1e-6, atol=1e-6)
+            total = snapshot
+        assert held == 0
+        assert "destination 0 must be a contiguous 1-D float32 tensor of" in message
+        assert "got dtype Float and shape [3]" in message
+
+
 def unknown_method_job():
     plan = plan_buckets([4], [0], capacity=100, world_size=dist.get_world_size())
     try:

@@ -132,36 +132,73 @@ void GradientReducer::launch_complete_buckets_in_order() {
     if (bucket.arrived < static_cast<int64_t>(bucket.members.size())) return;
     launch(bucket);
     ++next_to_launch_;
-    if (scatter_) harvest_beyond_window();
+    // Without scatter or destinations the reduced buckets are the results: nothing to free early.
+    if (scatter_ || !destinations_.empty()) harvest_beyond_window();
   }
 }
 
 void GradientReducer::harvest_beyond_window() {
-  // Stage 0 (no scatter) keeps whole reduced buckets anyway: there is nothing to free early.
   while (next_to_launch_ - next_to_harvest_ > kMaxReductionsInFlight) {
-    harvest(buckets_[next_to_harvest_], /*copy_slice=*/true);
+    harvest(next_to_harvest_, /*copy_slice=*/true);
     ++next_to_harvest_;
   }
 }
 
-void GradientReducer::harvest(Bucket& bucket, bool copy_slice) {
+void GradientReducer::harvest(size_t bucket_index, bool copy_slice) {
+  Bucket& bucket = buckets_[bucket_index];
   bucket.work->wait();
   bucket.work.reset();
+  at::Tensor reduced;
+  if (has_reduce_scatter_) {
+    reduced = bucket.shard;
+  } else if (scatter_) {
+    const int64_t shard = bucket.size / world_size_;
+    reduced = bucket.buffer.narrow(0, rank_ * shard, shard);
+  } else {
+    reduced = bucket.buffer;
+  }
+  if (!destinations_.empty()) {
+    at::Tensor& destination = destinations_[bucket_index];
+    if (reduced.device() != destination.device()) reduced = reduced.to(destination.device());
+    // Overwriting gives what adding to zeros would: scale * reduced, rounded once.
+    if (overwrite_) {
+      at::mul_out(destination, reduced, scale_);
+    } else {
+      destination.add_(reduced, scale_);
+    }
+    bucket.result = destination;
+    release(bucket.shard);
+    release(bucket.buffer);
+    return;
+  }
   if (has_reduce_scatter_) {
     bucket.result = bucket.shard;
     bucket.shard = at::Tensor();  // still held, now as the result
   } else if (scatter_) {
-    const int64_t shard = bucket.size / world_size_;
-    bucket.result = bucket.buffer.narrow(0, rank_ * shard, shard);
-    if (copy_slice) {
-      bucket.result = bucket.result.clone();
-      hold(bucket.result);
-    }
+    bucket.result = copy_slice ? reduced.clone() : reduced;
+    if (copy_slice) hold(bucket.result);
   } else {
     bucket.result = bucket.buffer;
     return;  // the whole buffer is the result
   }
   release(bucket.buffer);
+}
+
+void GradientReducer::accumulate_into(std::vector<at::Tensor> destinations, double scale) {
+  TORCH_CHECK(destinations.size() == buckets_.size(),
+              "GradientReducer.accumulate_into: ", buckets_.size(), " buckets but ",
+              destinations.size(), " destinations");
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const int64_t expected = scatter_ ? buckets_[b].size / world_size_ : buckets_[b].size;
+    const at::Tensor& destination = destinations[b];
+    TORCH_CHECK(destination.scalar_type() == at::kFloat && destination.dim() == 1 &&
+                    destination.numel() == expected && destination.is_contiguous(),
+                "GradientReducer.accumulate_into: destination ", b,
+                " must be a contiguous 1-D float32 tensor of ", expected, " elements, got dtype ",
+                destination.scalar_type(), " and shape ", destination.sizes());
+  }
+  destinations_ = std::move(destinations);
+  scale_ = scale;
 }
 
 void GradientReducer::launch(Bucket& bucket) {
@@ -194,7 +231,7 @@ std::vector<at::Tensor> GradientReducer::finish() {
   launch_complete_buckets_in_order();
 
   for (; next_to_harvest_ < buckets_.size(); ++next_to_harvest_)
-    harvest(buckets_[next_to_harvest_], /*copy_slice=*/false);
+    harvest(next_to_harvest_, /*copy_slice=*/false);
 
   std::vector<at::Tensor> results;
   results.reserve(buckets_.size());
@@ -209,6 +246,7 @@ std::vector<at::Tensor> GradientReducer::finish() {
   next_to_launch_ = 0;
   next_to_harvest_ = 0;
   received_ = 0;
+  overwrite_ = false;
   return results;
 }
 

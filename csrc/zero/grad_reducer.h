@@ -36,8 +36,16 @@ class GradientReducer : public torch::CustomClassHolder {
 
   // Reduces what has not been reduced yet (parameters that got no gradient count as zeros),
   // waits for every collective and returns one fp32 tensor per bucket: the rank's shard
-  // (scatter) or the whole bucket. Resets the reducer for the next step.
+  // (scatter) or the whole bucket, or the destination it went into (see accumulate_into).
+  // Resets the reducer for the next step.
   std::vector<at::Tensor> finish();
+
+  // From now on each reduced bucket goes straight into `destinations[b]` (fp32, the size of the
+  // rank's shard, or of the bucket without scatter) as it completes: `destination += scale *
+  // reduced`, or `destination = scale * reduced` for the next step after set_overwrite(true).
+  // Nothing reduced is then kept until finish(). ZeRO's shard gradients are the destinations.
+  void accumulate_into(std::vector<at::Tensor> destinations, double scale);
+  void set_overwrite(bool overwrite) { overwrite_ = overwrite; }
 
   // Whether any gradient arrived since the last finish().
   bool pending() const { return received_ > 0; }
@@ -51,8 +59,9 @@ class GradientReducer : public torch::CustomClassHolder {
   int64_t held_bytes() const { return held_bytes_; }
   int64_t peak_held_bytes() const { return peak_held_bytes_; }
 
-  // With `scatter`, at most this many launched reductions are left in flight: launching one more
-  // first waits for the oldest and keeps only its shard. Buckets therefore do not all stay
+  // With `scatter` or destinations, at most this many launched reductions are left in flight:
+  // launching one more first waits for the oldest and keeps only its shard (or adds it into its
+  // destination). Buckets therefore do not all stay
   // full-size until finish() (which would hold a full fp32 copy of the gradients), while two in
   // flight keep the backend busy.
   static constexpr size_t kMaxReductionsInFlight = 2;
@@ -76,10 +85,11 @@ class GradientReducer : public torch::CustomClassHolder {
   void ensure_buffer(Bucket& bucket);
   void launch_complete_buckets_in_order();
   void launch(Bucket& bucket);
-  // Waits for the bucket's reduction and keeps its result, releasing the full-size buffer.
-  // `copy_slice`: an all-reduced bucket's slice is copied (during backward, so that the buffer
-  // can go) rather than returned as a view of it (in finish(), where the caller consumes it).
-  void harvest(Bucket& bucket, bool copy_slice);
+  // Waits for the bucket's reduction and keeps its result (or adds it into the bucket's
+  // destination), releasing the full-size buffer. `copy_slice`: an all-reduced bucket's slice is
+  // copied (during backward, so that the buffer can go) rather than returned as a view of it (in
+  // finish(), where the caller consumes it).
+  void harvest(size_t bucket_index, bool copy_slice);
   void harvest_beyond_window();
   void hold(const at::Tensor& tensor);
   void release(at::Tensor& tensor);
@@ -104,6 +114,9 @@ class GradientReducer : public torch::CustomClassHolder {
   int64_t received_ = 0;
   int64_t held_bytes_ = 0;
   int64_t peak_held_bytes_ = 0;
+  std::vector<at::Tensor> destinations_;  // empty: finish() returns the reduced tensors
+  double scale_ = 1.0;
+  bool overwrite_ = false;
 };
 
 }  // namespace deepspeed_cpp

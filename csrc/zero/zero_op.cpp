@@ -82,6 +82,8 @@ TORCH_LIBRARY_FRAGMENT(deepspeed_cpp, m) {
                       std::vector<int64_t>, bool, std::string, std::string>())
       .def("add_grad", &deepspeed_cpp::GradientReducer::add_grad)
       .def("finish", &deepspeed_cpp::GradientReducer::finish)
+      .def("accumulate_into", &deepspeed_cpp::GradientReducer::accumulate_into)
+      .def("set_overwrite", &deepspeed_cpp::GradientReducer::set_overwrite)
       .def("pending", &deepspeed_cpp::GradientReducer::pending)
       .def("collective", &deepspeed_cpp::GradientReducer::collective)
       .def("held_bytes", &deepspeed_cpp::GradientReducer::held_bytes)

@@ -135,6 +135,9 @@ class ZeroPartitionedOptimizer:
             scatter_method="auto" if reduce_scatter else "all_reduce",
             device=device,
         )
+        # Each reduced bucket is averaged straight into this rank's shard gradient as soon as
+        # its collective completes, during backward.
+        self.reducer.accumulate_into(self.shard_grads, 1.0 / self.world_size)
         self._gather_by_broadcast = backend_for(group, device) == "gloo"
         # Shard gradients are zeroed lazily: the first reduction after zero_grad() writes them
         # instead of adding to zeros (a full pass over every shard saved per step).
@@ -270,6 +273,8 @@ class ZeroPartitionedOptimizer:
     def begin_backward(self, boundary: bool) -> None:
         """Stage 2 reduces every micro-step; stages 0/1 accumulate locally until the boundary."""
         self._reduce_during_backward = self.stage == 2 or boundary
+        if self._reduce_during_backward:
+            self.reducer.set_overwrite(self._shard_grads_zero_pending)
 
     def end_backward(self) -> None:
         """Reduces what the hooks have not, and accumulates this rank's shard of the gradients."""
@@ -281,15 +286,7 @@ class ZeroPartitionedOptimizer:
             if index not in self._handed:
                 self._hand_over(index, param)
         self._handed.clear()
-        reduced = self.reducer.finish()
-        inverse_world = 1.0 / self.world_size
-        overwrite = self._shard_grads_zero_pending
-        for shard_grad, shard in zip(self.shard_grads, reduced):
-            shard = shard.to(shard_grad.device)
-            if overwrite:  # the same value as adding to zero: 0 + x * (1/N) rounds once
-                torch.mul(shard, inverse_world, out=shard_grad)
-            else:
-                shard_grad.add_(shard, alpha=inverse_world)
+        self.reducer.finish()  # the shard gradients now hold this micro-step's reduction too
         self._shard_grads_zero_pending = False
         self._reduce_during_backward = False
 
