@@ -4,6 +4,7 @@ combination, unscaling, found_inf, device-side lr and steps, the conversions, op
 the argument checks. Only the CUDA launch itself is not run here (tests/test_fused_adam_cuda.py)."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -248,17 +249,35 @@ def test_device_lr_and_per_tensor_steps_equal_the_host_values():
         assert torch.equal(a, b)
 
 
+def _coefficients_in_float64(
+    lr, step, beta1, beta2, eps, weight_decay, bias_correction, adamw_mode
+):
+    """AdamCoefficients' fields (csrc/common/adam_math.h) folded in float64 by Python."""
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    l2_decay = 0.0 if adamw_mode else weight_decay
+    decay_factor = 1.0 - lr * weight_decay if adamw_mode else 1.0
+    return [beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, l2_decay, decay_factor, -lr / bc1,
+            1.0 / math.sqrt(bc2)]  # fmt: skip
+
+
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
-def test_device_coefficients_equal_make_adam_coefficients_bitwise(mode):
+def test_device_coefficients_equal_a_float64_reference_bitwise(mode):
+    """The coefficients the kernel derives from device-side lr and steps are the float64
+    expressions rounded once to float32."""
     n = 2000
     lrs = torch.rand(n, dtype=torch.float64) * torch.logspace(-6, 0, n, dtype=torch.float64)
     steps = torch.randint(1, 10**6, (n,))
     steps[:20] = torch.arange(1, 21)
     betas = torch.rand(2, dtype=torch.float64) * 0.2 + 0.79
-    host, derived = host_test_ops().coefficients(lrs, steps, float(betas[0]), float(betas[1]), 1e-8,
-                                            mode["weight_decay"], mode["bias_correction"],
-                                            mode["adamw_mode"])  # fmt: skip
-    assert torch.equal(host.view(torch.int32), derived.view(torch.int32))
+    hyper = (float(betas[0]), float(betas[1]), 1e-8, mode["weight_decay"],
+             mode["bias_correction"], mode["adamw_mode"])  # fmt: skip
+    ours = host_test_ops().coefficients(lrs, steps, *hyper)
+    reference = torch.tensor(
+        [_coefficients_in_float64(float(lr), int(step), *hyper) for lr, step in zip(lrs, steps)],
+        dtype=torch.float64,
+    ).float()
+    assert torch.equal(ours.view(torch.int32), reference.view(torch.int32))
 
 
 def interesting_floats(count):

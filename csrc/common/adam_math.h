@@ -39,9 +39,13 @@ struct AdamCoefficients {
   float inv_sqrt_bias_correction2;  // 1 / sqrt(1 - beta2^step)
 };
 
-inline AdamCoefficients make_adam_coefficients(const AdamHyperParams& hp) {
-  const double bc1 = hp.bias_correction ? 1.0 - std::pow(hp.beta1, double(hp.step)) : 1.0;
-  const double bc2 = hp.bias_correction ? 1.0 - std::pow(hp.beta2, double(hp.step)) : 1.0;
+// The constants for learning rate `lr` at step `step`. They are arguments apart from `hp` so that
+// the CUDA kernel can take them from device tensors; the device's pow may differ from the host's
+// libm in the last bit of a double, which after rounding to float changes a coefficient rarely.
+DS_HOST_DEVICE inline AdamCoefficients adam_coefficients(const AdamHyperParams& hp, double lr,
+                                                         int64_t step) {
+  const double bc1 = hp.bias_correction ? 1.0 - pow(hp.beta1, double(step)) : 1.0;
+  const double bc2 = hp.bias_correction ? 1.0 - pow(hp.beta2, double(step)) : 1.0;
   AdamCoefficients c;
   c.beta1 = float(hp.beta1);
   c.one_minus_beta1 = float(1.0 - hp.beta1);
@@ -49,10 +53,14 @@ inline AdamCoefficients make_adam_coefficients(const AdamHyperParams& hp) {
   c.one_minus_beta2 = float(1.0 - hp.beta2);
   c.eps = float(hp.eps);
   c.l2_weight_decay = hp.adamw_mode ? 0.0f : float(hp.weight_decay);
-  c.decay_factor = hp.adamw_mode ? float(1.0 - hp.lr * hp.weight_decay) : 1.0f;
-  c.neg_step_size = float(-hp.lr / bc1);
-  c.inv_sqrt_bias_correction2 = float(1.0 / std::sqrt(bc2));
+  c.decay_factor = hp.adamw_mode ? float(1.0 - lr * hp.weight_decay) : 1.0f;
+  c.neg_step_size = float(-lr / bc1);
+  c.inv_sqrt_bias_correction2 = float(1.0 / sqrt(bc2));
   return c;
+}
+
+inline AdamCoefficients make_adam_coefficients(const AdamHyperParams& hp) {
+  return adam_coefficients(hp, hp.lr, hp.step);
 }
 
 // One element. Weight decay terms are applied unconditionally (they are exact no-ops at their

@@ -13,27 +13,6 @@
 
 namespace deepspeed_cpp {
 
-// make_adam_coefficients with lr and step given separately, callable on the device (where lr and
-// step may come from device tensors). The same operations in the same order, in double: the host
-// test checks that both give the same bits. On the device, pow may differ from the host's libm in
-// the last bit of the double, which after rounding to float changes a coefficient only rarely.
-DS_HOST_DEVICE inline AdamCoefficients derive_adam_coefficients(const AdamHyperParams& hp,
-                                                                double lr, int64_t step) {
-  const double bc1 = hp.bias_correction ? 1.0 - pow(hp.beta1, double(step)) : 1.0;
-  const double bc2 = hp.bias_correction ? 1.0 - pow(hp.beta2, double(step)) : 1.0;
-  AdamCoefficients c;
-  c.beta1 = float(hp.beta1);
-  c.one_minus_beta1 = float(1.0 - hp.beta1);
-  c.beta2 = float(hp.beta2);
-  c.one_minus_beta2 = float(1.0 - hp.beta2);
-  c.eps = float(hp.eps);
-  c.l2_weight_decay = hp.adamw_mode ? 0.0f : float(hp.weight_decay);
-  c.decay_factor = hp.adamw_mode ? float(1.0 - lr * hp.weight_decay) : 1.0f;
-  c.neg_step_size = float(-lr / bc1);
-  c.inv_sqrt_bias_correction2 = float(1.0 / sqrt(bc2));
-  return c;
-}
-
 // The coefficients block `block` uses: folded on the host, unless lr or this tensor's step is
 // read from the device. Run once per block (on the GPU by one thread, shared with the others).
 DS_HOST_DEVICE inline AdamCoefficients block_coefficients(const FusedAdamLaunchArgs& args,
@@ -44,7 +23,7 @@ DS_HOST_DEVICE inline AdamCoefficients block_coefficients(const FusedAdamLaunchA
   }
   const double lr = args.lr != nullptr ? double(*args.lr) : args.hyper.lr;
   const int64_t step_number = step != nullptr ? int64_t(*step) : args.hyper.step;
-  return derive_adam_coefficients(args.hyper, lr, step_number);
+  return adam_coefficients(args.hyper, lr, step_number);
 }
 
 // Thread `thread` of `num_threads` updates elements thread, thread + num_threads, ... of the

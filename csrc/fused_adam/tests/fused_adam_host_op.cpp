@@ -173,30 +173,24 @@ at::Tensor to_float(const at::Tensor& values) {
   return out;
 }
 
-// make_adam_coefficients (host) and derive_adam_coefficients (the device's copy) for each
-// (lrs[i], steps[i]): two [n, 9] float32 tables that must be equal bit for bit.
-std::tuple<at::Tensor, at::Tensor> coefficients(const at::Tensor& lrs, const at::Tensor& steps,
-                                                double beta1, double beta2, double eps,
-                                                double weight_decay, bool bias_correction,
-                                                bool adamw_mode) {
+// adam_coefficients (what the kernel derives when lr or steps come from the device) for each
+// (lrs[i], steps[i]): an [n, 9] float32 table, for comparison with a float64 reference.
+at::Tensor coefficients(const at::Tensor& lrs, const at::Tensor& steps, double beta1, double beta2,
+                        double eps, double weight_decay, bool bias_correction, bool adamw_mode) {
   TORCH_CHECK(lrs.scalar_type() == at::kDouble && steps.scalar_type() == at::kLong &&
                   lrs.numel() == steps.numel(),
               "lrs must be float64 and steps int64, of equal lengths");
   const at::Tensor lr_values = lrs.contiguous();
   const at::Tensor step_values = steps.contiguous();
   constexpr int kFields = sizeof(AdamCoefficients) / sizeof(float);
-  at::Tensor host = at::empty({lrs.numel(), kFields}, at::kFloat);
-  at::Tensor derived = at::empty({lrs.numel(), kFields}, at::kFloat);
+  at::Tensor table = at::empty({lrs.numel(), kFields}, at::kFloat);
+  const AdamHyperParams hp{0.0, beta1, beta2, eps, weight_decay, 0, bias_correction, adamw_mode};
   for (int64_t i = 0; i < lrs.numel(); ++i) {
-    const AdamHyperParams hp{
-        lr_values.data_ptr<double>()[i],    beta1,           beta2,     eps, weight_decay,
-        step_values.data_ptr<int64_t>()[i], bias_correction, adamw_mode};
-    const AdamCoefficients a = make_adam_coefficients(hp);
-    const AdamCoefficients b = derive_adam_coefficients(hp, hp.lr, hp.step);
-    std::memcpy(host.data_ptr<float>() + i * kFields, &a, sizeof a);
-    std::memcpy(derived.data_ptr<float>() + i * kFields, &b, sizeof b);
+    const AdamCoefficients c =
+        adam_coefficients(hp, lr_values.data_ptr<double>()[i], step_values.data_ptr<int64_t>()[i]);
+    std::memcpy(table.data_ptr<float>() + i * kFields, &c, sizeof c);
   }
-  return {host, derived};
+  return table;
 }
 
 }  // namespace
@@ -221,6 +215,6 @@ TORCH_LIBRARY(deepspeed_cpp_fused_adam_test, m) {
   m.def("to_float(Tensor values) -> Tensor", &deepspeed_cpp::to_float);
   m.def(
       "coefficients(Tensor lrs, Tensor steps, float beta1, float beta2, float eps, "
-      "float weight_decay, bool bias_correction, bool adamw_mode) -> (Tensor, Tensor)",
+      "float weight_decay, bool bias_correction, bool adamw_mode) -> Tensor",
       &deepspeed_cpp::coefficients);
 }
