@@ -38,31 +38,33 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
     Returns the size of the published file in bytes. If ``write`` raises, the temporary file is
     removed and ``path`` is left as it was.
     """
-    path = Path(path)
-    temporary = _temporary_name(path)
-    try:
+
+    def write_and_sync(temporary: Path) -> None:
         with open(temporary, "wb") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
-        size = temporary.stat().st_size
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            temporary.unlink()
-        raise
-    fsync_directory(path.parent)
-    return size
+
+    return _publish_file(Path(path), write_and_sync)
 
 
 def write_atomically_by_name(path: str | os.PathLike, write: Callable[[Path], None]) -> int:
     """As ``write_atomically``, for writers that take a file name (``write(temporary_path)``)."""
-    path = Path(path)
-    temporary = _temporary_name(path)
-    try:
+
+    def write_and_sync(temporary: Path) -> None:
         write(temporary)
         with open(temporary, "rb+") as handle:
             os.fsync(handle.fileno())
+
+    return _publish_file(Path(path), write_and_sync)
+
+
+def _publish_file(path: Path, write_and_sync: Callable[[Path], None]) -> int:
+    """Runs ``write_and_sync(temporary)``, renames the temporary file over ``path`` and makes
+    the rename durable; on any error the temporary file is removed. Returns the file size."""
+    temporary = _temporary_name(path)
+    try:
+        write_and_sync(temporary)
         size = temporary.stat().st_size
         os.replace(temporary, path)
     except BaseException:
