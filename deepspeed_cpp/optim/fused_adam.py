@@ -160,15 +160,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _step_cuda(self, group, device, step, batch, grad_scale, found_inf) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = batch
-        beta1, beta2 = group["betas"]
-        hyper = dict(
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            bias_correction=group["bias_correction"],
-            adamw_mode=group["adam_w_mode"],
-        )
+        hyper = _hyper_parameters(group)
         lr = group["lr"]
         if not group["capturable"]:
             fused_adam(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=float(lr), **hyper)
@@ -197,21 +189,10 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _step_cpu(self, group, step, batch) -> None:
         params, grads, exp_avgs, exp_avg_sqs, _ = batch
-        beta1, beta2 = group["betas"]
         cpu_adam_step_multi(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            step=step,
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            bias_correction=group["bias_correction"],
-            adamw_mode=group["adam_w_mode"],
-        )
+            params, grads, exp_avgs, exp_avg_sqs, step=step, lr=float(group["lr"]),
+            **_hyper_parameters(group),
+        )  # fmt: skip
 
     def load_state_dict(self, state_dict) -> None:
         """Loads our own state dicts and those of torch.optim.Adam / AdamW."""
@@ -251,3 +232,16 @@ def _check_param(param: torch.Tensor, group: dict, group_index: int, param_index
             f"FusedAdam needs contiguous parameters; {where} has shape {tuple(param.shape)} and "
             f"strides {param.stride()}"
         )
+
+
+def _hyper_parameters(group: dict) -> dict:
+    """A param group's Adam hyper-parameters (all but lr) as the fused and CPU ops name them."""
+    beta1, beta2 = group["betas"]
+    return dict(
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        bias_correction=group["bias_correction"],
+        adamw_mode=group["adam_w_mode"],
+    )
