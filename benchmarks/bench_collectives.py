@@ -12,23 +12,16 @@ then waited, as the engine does:
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_on_ranks
 
 
-def worker(rank: int, args, port: int, results) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.procs), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+def worker(rank: int, args):
     torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo")
     world = args.procs
     bucket = int(args.bucket) // world * world
     total = int(args.elements) // bucket * bucket
@@ -88,8 +81,7 @@ def worker(rank: int, args, port: int, results) -> None:
             if repeat >= args.warmup:
                 times.append(elapsed)
         timings[name] = statistics.median(times)
-    results.put((rank, timings, total))
-    dist.destroy_process_group()
+    return rank, timings, total
 
 
 def main() -> None:
@@ -100,19 +92,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    processes = [
-        context.Process(target=worker, args=(r, args, port, results)) for r in range(args.procs)
-    ]
-    for process in processes:
-        process.start()
-    reports = [results.get() for _ in processes]
-    for process in processes:
-        process.join()
+    reports = run_on_ranks(args.procs, worker, args)
     total = reports[0][2]
     print(f"{args.procs} processes (gloo, CPU), {total / 1e6:.1f}M fp32 elements in buckets of "
           f"{args.bucket / 1e6:.1f}M, median of {args.repeats}; slowest rank")  # fmt: skip

@@ -15,15 +15,12 @@ CPU, DeepSpeed's 5e8 default leaves nothing to overlap).
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_on_ranks
 
 
 def make_model(layers: int, width: int, vocab: int, seed: int) -> torch.nn.Module:
@@ -57,12 +54,8 @@ def adam_moment_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def worker(rank: int, args, port: int, results) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.procs), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+def worker(rank: int, args):
     torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo")
     import deepspeed_cpp as deepspeed
 
     vocab, seq, batch = 4096, 64, args.micro_batch
@@ -149,9 +142,8 @@ def worker(rank: int, args, port: int, results) -> None:
         reducer_peaks[name] = zero.reducer.peak_held_bytes()
     if "FSDP2 fully_shard + AdamW" in steppers:
         moments["FSDP2 fully_shard + AdamW"] = (adam_moment_bytes(fsdp_optimizer), 0)
-    results.put((rank, n_params, {k: statistics.median(v) for k, v in times.items()}, moments,
-                 fsdp_note, reducer_peaks))  # fmt: skip
-    dist.destroy_process_group()
+    return (rank, n_params, {k: statistics.median(v) for k, v in times.items()}, moments,
+            fsdp_note, reducer_peaks)  # fmt: skip
 
 
 def main() -> None:
@@ -165,19 +157,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--bucket", type=float, default=5e6, help="reduce_bucket_size (elements)")
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    processes = [
-        context.Process(target=worker, args=(r, args, port, results)) for r in range(args.procs)
-    ]
-    for process in processes:
-        process.start()
-    reports = sorted(results.get() for _ in processes)
-    for process in processes:
-        process.join()
+    reports = run_on_ranks(args.procs, worker, args)
     _, n_params, _, moments, fsdp_note, _ = reports[0]
     print(f"{n_params / 1e6:.1f}M-parameter transformer, {args.procs} processes (gloo, CPU), "
           f"{args.threads} thread(s) each, median of {args.rounds} interleaved rounds")  # fmt: skip
