@@ -6,7 +6,13 @@ import torch
 
 def reference_adam_steps(param, grads, *, lr, betas, eps, weight_decay, adamw_mode,
                          bias_correction, dtype=torch.float64):  # fmt: skip
-    """Runs len(grads) steps in `dtype` (float64 by default) and returns the final parameter."""
+    """Runs len(grads) steps in `dtype` (float64 by default) and returns the final parameter.
+
+    weight_decay is used at its float32 value, the one every float32 implementation receives: in
+    L2 mode gradient + weight_decay * param nearly cancels for some elements, and there the
+    ~1e-8 relative difference between e.g. 0.1 and float32(0.1) decides the result.
+    """
+    weight_decay = float(torch.tensor(weight_decay, dtype=torch.float32))
     p = param.detach().to(dtype).clone()
     if bias_correction:
         cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
