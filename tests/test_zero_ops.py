@@ -198,9 +198,17 @@ def double_hand_over_job():
         reducer.add_grad(1, torch.ones(5))
     except RuntimeError as error:
         message += "\n" + str(error)
+    try:
+        reducer.add_grad(1, torch.ones(4, device="meta"))
+    except RuntimeError as error:
+        message += "\n" + str(error)
+    try:
+        reducer.accumulate_into([torch.zeros(plan.shard_size(0), device="meta")], 1.0)
+    except RuntimeError as error:
+        message += "\n" + str(error)
     reducer.add_grad(1, torch.ones(4))
     reducer.finish()
-    return message
+    return message + "\n" + reducer.device()
 
 
 def in_order_job(scatter_method: str):
@@ -313,3 +321,6 @@ def test_reducer_errors(pool3):
     for message in pool3.run(double_hand_over_job):
         assert "the gradient of param 0 was already handed over in this step" in message
         assert "param 1 has 4 elements but its gradient has 5" in message
+        assert "the gradient of param 1 is on meta but the reducer's buffers are on cpu" in message
+        assert "destination 0 is on meta but the reducer's buffers are on cpu" in message
+        assert message.endswith("\ncpu")

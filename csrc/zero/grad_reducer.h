@@ -10,6 +10,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
+#include "reducer_buffers.h"
+
 namespace deepspeed_cpp {
 
 class GradientReducer : public torch::CustomClassHolder {
@@ -25,13 +27,15 @@ class GradientReducer : public torch::CustomClassHolder {
   // all-reduce on gloo, whose all-reduce is faster than its own reduce-scatter (1.4x with
   // 6M-element buckets on 2 CPU processes, 1.9x on 3: benchmarks/bench_collectives.py),
   // reduce-scatter on other backends that have it. `device` ("cpu", "cuda:0", ...) is where
-  // gradients live: it picks the group's backend.
+  // gradients live: it picks the group's backend, every bucket buffer and reduced shard is
+  // allocated there, and gradients and destinations on any other device are refused.
   GradientReducer(const std::string& group_name, std::vector<int64_t> param_bucket,
                   std::vector<int64_t> param_offset, std::vector<int64_t> param_numel,
                   std::vector<int64_t> bucket_sizes, bool scatter,
                   const std::string& scatter_method, const std::string& device);
 
-  // Hands over parameter `param`'s gradient for this step (copied; the caller may free it).
+  // Hands over parameter `param`'s gradient for this step (copied, converted to fp32; the caller
+  // may free it). It must be on the reducer's device.
   void add_grad(int64_t param, const at::Tensor& grad);
 
   // Reduces what has not been reduced yet (parameters that got no gradient count as zeros),
@@ -40,8 +44,10 @@ class GradientReducer : public torch::CustomClassHolder {
   // Resets the reducer for the next step.
   std::vector<at::Tensor> finish();
 
-  // From now on each reduced bucket goes straight into `destinations[b]` (fp32, the size of the
-  // rank's shard, or of the bucket without scatter) as it completes: `destination += scale *
+  // From now on each reduced bucket goes straight into `destinations[b]` (fp32 on the reducer's
+  // device, the size of the rank's shard, or of the bucket without scatter; a destination
+  // elsewhere, such as CPU-offloaded shard gradients, is refused rather than copied each step,
+  // so that such a copy stays visible to its caller) as it completes: `destination += scale *
   // reduced`, or `destination = scale * reduced` for the next step after set_overwrite(true).
   // Nothing reduced is then kept until finish(). ZeRO's shard gradients are the destinations.
   void accumulate_into(std::vector<at::Tensor> destinations, double scale);
@@ -68,23 +74,20 @@ class GradientReducer : public torch::CustomClassHolder {
 
   int64_t rank() const { return rank_; }
   int64_t world_size() const { return world_size_; }
-  int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+  int64_t num_buckets() const { return buffers_.num_buckets(); }
+  std::string device() const { return buffers_.device().str(); }
 
  private:
+  // What the reducer adds to each of buffers_'s buckets (whose buffer is allocated on first use
+  // and released once reduced).
   struct Bucket {
-    int64_t size = 0;  // padded elements
-    int64_t used = 0;  // elements covered by parameters; the rest is zero padding
-    std::vector<int64_t> members;
-    int64_t arrived = 0;
-    at::Tensor buffer;  // allocated on first use, released once reduced
     at::Tensor shard;   // the native reduce-scatter's output
     at::Tensor result;  // what finish() returns for this bucket, once harvested
     c10::intrusive_ptr<c10d::Work> work;
   };
 
-  void ensure_buffer(Bucket& bucket);
   void launch_complete_buckets_in_order();
-  void launch(Bucket& bucket);
+  void launch(size_t bucket_index);
   // Waits for the bucket's reduction and keeps its result (or adds it into the bucket's
   // destination), releasing the full-size buffer. `copy_slice`: an all-reduced bucket's slice is
   // copied (during backward, so that the buffer can go) rather than returned as a view of it (in
@@ -93,18 +96,15 @@ class GradientReducer : public torch::CustomClassHolder {
   void harvest_beyond_window();
   void hold(const at::Tensor& tensor);
   void release(at::Tensor& tensor);
-  bool probe_reduce_scatter(const c10::Device& device);
-  bool choose_reduce_scatter(const std::string& scatter_method, const c10::Device& device);
+  bool probe_reduce_scatter();
+  bool choose_reduce_scatter(const std::string& scatter_method);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int64_t rank_;
   int64_t world_size_;
   bool scatter_;
   bool has_reduce_scatter_ = false;
-  std::vector<int64_t> param_bucket_;
-  std::vector<int64_t> param_offset_;
-  std::vector<int64_t> param_numel_;
-  std::vector<char> param_arrived_;
+  ReducerBuffers buffers_;  // the gradients' device, the plan and this step's bucket buffers
   std::vector<Bucket> buckets_;
   // Collectives must be issued in the same order on every rank, whatever order autograd hands
   // gradients over in: buckets are launched strictly by index, each once it and all before it

@@ -7,6 +7,7 @@
 
 #include "bucket_plan.h"
 #include "grad_reducer.h"
+#include "reducer_buffers.h"
 
 namespace deepspeed_cpp {
 namespace {
@@ -65,6 +66,39 @@ std::tuple<at::Tensor, at::Tensor> zero_plan_buckets(at::IntArrayRef numels, at:
 }
 
 }  // namespace
+
+// The reducer's buffers on their own, for tests: every allocation and device decision the
+// reducer makes, exercised with no process group (on `meta`, or a device the host lacks).
+class ReducerBuffersForTest : public torch::CustomClassHolder {
+ public:
+  ReducerBuffersForTest(std::vector<int64_t> param_bucket, std::vector<int64_t> param_offset,
+                        std::vector<int64_t> param_numel, std::vector<int64_t> bucket_sizes,
+                        const std::string& device)
+      : buffers_(std::move(param_bucket), std::move(param_offset), std::move(param_numel),
+                 std::move(bucket_sizes), ReducerBuffers::parse_device(device)) {}
+
+  std::string device() const { return buffers_.device().str(); }
+  bool add_grad(int64_t param, const at::Tensor& grad) { return buffers_.add_grad(param, grad); }
+  bool complete(int64_t bucket) const { return buffers_.complete(checked(bucket)); }
+  bool fill_missing(int64_t bucket) { return buffers_.fill_missing(checked(bucket)); }
+  // None until the bucket's first gradient (an undefined tensor reaches Python as None).
+  at::Tensor buffer(int64_t bucket) { return buffers_.buffer(checked(bucket)); }
+  void check_destination(int64_t bucket, const at::Tensor& destination, int64_t numel) const {
+    buffers_.check_destination(checked(bucket), destination, numel);
+  }
+  void reset() { buffers_.reset(); }
+
+ private:
+  // GradientReducer only passes valid bucket indices; Python callers may not.
+  int64_t checked(int64_t bucket) const {
+    TORCH_CHECK(bucket >= 0 && bucket < buffers_.num_buckets(), "ReducerBuffers: bucket ", bucket,
+                " is out of range [0, ", buffers_.num_buckets(), ")");
+    return bucket;
+  }
+
+  ReducerBuffers buffers_;
+};
+
 }  // namespace deepspeed_cpp
 
 TORCH_LIBRARY_IMPL(deepspeed_cpp, CompositeExplicitAutograd, m) {
@@ -73,8 +107,8 @@ TORCH_LIBRARY_IMPL(deepspeed_cpp, CompositeExplicitAutograd, m) {
   m.impl("zero_plan_buckets", &deepspeed_cpp::zero_plan_buckets);
 }
 
-// A custom class must be registered by the library that implements it, so this is the one
-// schema-like registration outside csrc/registration.cpp.
+// A custom class must be registered by the library that implements it, so these are the only
+// schema-like registrations outside csrc/registration.cpp.
 TORCH_LIBRARY_FRAGMENT(deepspeed_cpp, m) {
   m.class_<deepspeed_cpp::GradientReducer>("GradientReducer")
       .def(
@@ -90,5 +124,16 @@ TORCH_LIBRARY_FRAGMENT(deepspeed_cpp, m) {
       .def("peak_held_bytes", &deepspeed_cpp::GradientReducer::peak_held_bytes)
       .def("rank", &deepspeed_cpp::GradientReducer::rank)
       .def("world_size", &deepspeed_cpp::GradientReducer::world_size)
-      .def("num_buckets", &deepspeed_cpp::GradientReducer::num_buckets);
+      .def("num_buckets", &deepspeed_cpp::GradientReducer::num_buckets)
+      .def("device", &deepspeed_cpp::GradientReducer::device);
+  m.class_<deepspeed_cpp::ReducerBuffersForTest>("ReducerBuffers")
+      .def(torch::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<int64_t>, std::string>())
+      .def("device", &deepspeed_cpp::ReducerBuffersForTest::device)
+      .def("add_grad", &deepspeed_cpp::ReducerBuffersForTest::add_grad)
+      .def("complete", &deepspeed_cpp::ReducerBuffersForTest::complete)
+      .def("fill_missing", &deepspeed_cpp::ReducerBuffersForTest::fill_missing)
+      .def("buffer", &deepspeed_cpp::ReducerBuffersForTest::buffer)
+      .def("check_destination", &deepspeed_cpp::ReducerBuffersForTest::check_destination)
+      .def("reset", &deepspeed_cpp::ReducerBuffersForTest::reset);
 }

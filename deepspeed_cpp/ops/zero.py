@@ -1,4 +1,4 @@
-"""Python entry points of csrc/zero: flat buffers, bucket plans and the gradient reducer."""
+"""Python entry points of csrc/zero: flat buffers, bucket plans, grad reducer, fetch schedule."""
 
 from __future__ import annotations
 
@@ -113,3 +113,28 @@ def make_gradient_reducer(
         group.group_name, plan.param_bucket, plan.param_offset, plan.param_numel,
         plan.bucket_sizes, scatter, scatter_method, str(device),
     )  # fmt: skip
+
+
+def make_fetch_schedule(
+    unit_numel: Sequence[int],
+    *,
+    prefetch_bucket_size: int,
+    max_live_parameters: int,
+    max_reuse_distance: int,
+):
+    """A ``torch.classes.deepspeed_cpp.FetchSchedule``: ZeRO-3's gather/release decisions.
+
+    ``unit_numel[u]`` is the element count of fetch unit ``u``; budgets are in elements. Per
+    module: ``on_use(u)`` returns the units to gather now (``u`` first if released, then
+    prefetches while replaying a recorded trace); ``on_done(u)`` says whether to release ``u``;
+    ``end_pass()`` returns the units still gathered. Decisions depend only on the call sequence,
+    so all ranks agree. See csrc/zero/fetch_schedule.h for the rules.
+    """
+    if not _ready:
+        load_zero()
+    return torch.classes.deepspeed_cpp.FetchSchedule(
+        [int(n) for n in unit_numel],
+        int(prefetch_bucket_size),
+        int(max_live_parameters),
+        int(max_reuse_distance),
+    )

@@ -17,6 +17,10 @@ class CPUOptimizerBase(torch.optim.Optimizer):
     """Base of the CPU optimizers over the native ops. Subclasses set STATE_KEYS and implement
     ``_native_step(group, step, params, grads, states, params_lowp)``."""
 
+    # Each tensor has its own state and step count and tensors without a gradient are skipped,
+    # so stepping a subset of the tensors at a time equals one step over all (ZeRO relies on it).
+    steps_tensors_independently = True
+
     STATE_KEYS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params, defaults: dict, fp32_optimizer_states: bool):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections import defaultdict
 
 import torch
@@ -56,12 +57,16 @@ class DeepSpeedEngine(torch.nn.Module):
             accelerator.set_device(self.local_rank)
         self.device = torch.device(accelerator.device_name(self.local_rank))
 
-        self.module = model.to(self.device)
-        if self.fp16_enabled():
-            self.module.half()
-        elif self.bfloat16_enabled():
-            self.module.bfloat16()
-        self._broadcast_module_from_rank0()
+        _release_previous_engine(model)
+        self._is_boundary_override: bool | None = None
+        self.module = model
+        if self.zero_optimization_stage() < 3:
+            self.module.to(self.device)
+            if self.fp16_enabled():
+                self.module.half()
+            elif self.bfloat16_enabled():
+                self.module.bfloat16()
+            self._broadcast_module_from_rank0()
 
         self.global_steps = 0
         self.global_samples = 0
@@ -71,7 +76,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self._last_log = (time.perf_counter(), 0)
 
         self.loss_scaler = make_loss_scaler(config.fp16) if self.fp16_enabled() else None
-        self.optimizer = self._configure_zero_optimizer(optimizer, model_parameters)
+        stage = self._configure_zero_optimizer(optimizer, model_parameters)
+        self._zero_stage = stage  # at ZeRO-3 also without an optimizer: it gathers parameters
+        self.optimizer = stage if stage is not None and getattr(stage, "trains", True) else None
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
         self.training_dataloader = (
             make_distributed_loader(
@@ -94,10 +101,9 @@ class DeepSpeedEngine(torch.nn.Module):
                 self.world_size,
                 self.train_micro_batch_size_per_gpu(),
                 self.gradient_accumulation_steps(),
-                f", gradients reduced by {self.optimizer.reducer.collective()}"
-                if self.optimizer is not None
-                else "",
+                f", {self.optimizer.describe()}" if self.optimizer is not None else "",
             )
+        model._deepspeed_cpp_engine = weakref.ref(self)
 
     # --- construction -------------------------------------------------------------------------
     def _broadcast_module_from_rank0(self) -> None:
@@ -116,6 +122,8 @@ class DeepSpeedEngine(torch.nn.Module):
                 "section too; keep one of them"
             )
         zero = self.config.zero_optimization
+        if zero.stage == 3:
+            return self._configure_stage3(client_optimizer, model_parameters)
         common = dict(
             stage=zero.stage,
             group=self.group,
@@ -137,6 +145,33 @@ class DeepSpeedEngine(torch.nn.Module):
             config_optimizer.type, config_optimizer.params, self.device
         )
         return ZeroPartitionedOptimizer(factory, self._param_groups(model_parameters), **common)
+
+    def _configure_stage3(self, client_optimizer, model_parameters):
+        from .zero.stage3 import ZeroStage3
+
+        optimizer = client_optimizer
+        if optimizer is None and self.config.optimizer is not None:
+            optimizer = config_optimizer_factory(
+                self.config.optimizer.type, self.config.optimizer.params, self.device
+            )
+        dtype = (
+            torch.float16
+            if self.fp16_enabled()
+            else torch.bfloat16
+            if self.bfloat16_enabled()
+            else None
+        )
+        return ZeroStage3(
+            self.module,
+            optimizer,
+            self._param_groups(model_parameters) if optimizer is not None else None,
+            zero=self.config.zero_optimization,
+            group=self.group,
+            device=self.device,
+            dtype=dtype,
+            gradient_clipping=self.config.gradient_clipping,
+            loss_scaler=self.loss_scaler,
+        )
 
     def _param_groups(self, model_parameters) -> list[dict]:
         if model_parameters is None:
@@ -221,6 +256,34 @@ class DeepSpeedEngine(torch.nn.Module):
             self._timers["step"] += time.perf_counter() - start
             self._log_progress()
         self.micro_steps += 1
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Overrides whether the next backward/step ends an accumulation (DeepSpeed's manual
+        mode: set it before every forward/backward, True on the last micro-step)."""
+        self._is_boundary_override = bool(is_boundary)
+
+    def destroy(self) -> None:
+        """Removes every hook the engine installed on the model; a ZeRO-3 model stays
+        partitioned (calling it afterwards raises an error naming a parameter)."""
+        if self._zero_stage is not None:
+            self._zero_stage.destroy()
+        engine_ref = getattr(self.module, "_deepspeed_cpp_engine", None)
+        if engine_ref is not None and engine_ref() is self:
+            del self.module._deepspeed_cpp_engine
+
+    def full_module_state_dict(self, *, rank0_only: bool = False) -> dict:
+        """The module's state dict with every parameter whole (gathered under ZeRO-3);
+        collective. With ``rank0_only`` the other ranks get ``{}``."""
+        if self._zero_stage is None:
+            return {} if rank0_only and self.global_rank != 0 else self.module.state_dict()
+        return self._zero_stage.full_state_dict(self.module, rank0_only=rank0_only)
+
+    def load_full_module_state(self, state_dict: dict) -> None:
+        """Loads a full (consolidated) module state dict, partitioning it under ZeRO-3."""
+        if self._zero_stage is None:
+            self.module.load_state_dict(state_dict, strict=False)
+        else:
+            self._zero_stage.load_module_state(self.module, state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:
@@ -315,6 +378,8 @@ class DeepSpeedEngine(torch.nn.Module):
         return self.train(False)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._is_boundary_override is not None:
+            return self._is_boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def gradient_accumulation_steps(self) -> int:
@@ -352,3 +417,12 @@ class DeepSpeedEngine(torch.nn.Module):
     @property
     def communication_data_type(self) -> torch.dtype:
         return torch.float32
+
+
+def _release_previous_engine(model: torch.nn.Module) -> None:
+    """A model handed to a second engine must not keep the first one's hooks."""
+    engine_ref = getattr(model, "_deepspeed_cpp_engine", None)
+    previous = engine_ref() if engine_ref is not None else None
+    if previous is not None:
+        logger.info("deepspeed_cpp: the model had an engine; destroying its hooks first")
+        previous.destroy()

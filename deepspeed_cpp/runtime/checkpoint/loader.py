@@ -33,7 +33,11 @@ def _shape(value) -> list[int]:
 def check_module_matches(module: torch.nn.Module, saved: dict, strict: bool, allow_missing=()):
     """Refuses a saved module state_dict whose names or shapes differ from ``module``'s,
     naming the first difference."""
-    current = module.state_dict()
+    # A ZeRO-3 partitioned parameter's tensor is empty; ds_shape is its shape.
+    current = {
+        name: torch.empty(getattr(value, "ds_shape", value.shape), device="meta")
+        for name, value in module.state_dict(keep_vars=True).items()
+    }
     for name, tensor in current.items():
         if name not in saved:
             if strict and name not in allow_missing:
@@ -193,7 +197,7 @@ def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
 
 def _apply(engine, plan: _Plan, options: dict) -> None:
     payload = plan.module_payload
-    engine.module.load_state_dict(payload["module"], strict=False)
+    engine.load_full_module_state(payload["module"])
     zero = engine.optimizer
     if options["module_only"]:
         if zero is not None:

@@ -118,30 +118,31 @@ class ZeroLayout:
     ) -> ZeroLayout:
         """The layout of a live ``ZeroPartitionedOptimizer``; ``names_of`` maps ``id(param)`` to
         its names in the module, ``shard_file(rank)`` names a rank's file."""
-        plan = zero_optimizer.plan
+        layout = zero_optimizer.layout()
         params = []
-        for index, param in enumerate(zero_optimizer.params):
+        for index, param in enumerate(layout.params):
             names = names_of.get(id(param)) or [f"<optimizer parameter {index}>"]
+            bucket = layout.param_bucket[index]
             params.append(
                 ParamRecord(
                     names=tuple(names),
-                    shape=tuple(param.shape),
+                    shape=tuple(getattr(param, "ds_shape", param.shape)),
                     dtype=dtype_name(param.dtype),
-                    group=plan.bucket_groups[plan.param_bucket[index]],
-                    bucket=plan.param_bucket[index],
-                    offset=plan.param_offset[index],
+                    group=layout.bucket_groups[bucket],
+                    bucket=bucket,
+                    offset=layout.param_offset[index],
                 )
             )
-        world = zero_optimizer.world_size
+        world = layout.world_size
         buckets = []
-        for bucket, size in enumerate(plan.bucket_sizes):
-            if zero_optimizer.stage == 0:
+        for bucket, size in enumerate(layout.bucket_sizes):
+            if layout.replicated:
                 # Every rank holds the whole bucket, identical; rank 0's copy is saved.
                 slices = (ShardSlice(0, shard_file(0), 0, size),)
             else:
                 shard = size // world
                 slices = tuple(ShardSlice(r, shard_file(r), r * shard, shard) for r in range(world))
-            buckets.append(BucketRecord(size, plan.bucket_groups[bucket], slices))
+            buckets.append(BucketRecord(size, layout.bucket_groups[bucket], slices))
         return cls(zero_optimizer.stage, world, tuple(params), tuple(buckets))
 
     # --- JSON ---------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def _model_dtype(engine) -> str:
 
 
 def _trainable_ids(engine) -> set[int]:
-    return set() if engine.optimizer is None else {id(p) for p in engine.optimizer.params}
+    return set() if engine.optimizer is None else {id(p) for p in engine.optimizer.layout().params}
 
 
 def _bucket_entries(engine) -> dict[int, dict]:
@@ -73,8 +73,7 @@ def _bucket_entries(engine) -> dict[int, dict]:
     return entries
 
 
-def _module_payload(engine, exclude_frozen_parameters: bool) -> dict:
-    state_dict = engine.module.state_dict()
+def _module_payload(engine, state_dict: dict, exclude_frozen_parameters: bool) -> dict:
     if exclude_frozen_parameters:
         trainable = _trainable_ids(engine)
         for name, param in engine.module.named_parameters(remove_duplicate=False):
@@ -120,8 +119,10 @@ def _write_rank_files(engine, staging: Path, client_state, exclude_frozen: bool)
         {"name": shard_name, "role": f"shard of rank {rank}", "rank": rank,
          "bytes": save_torch_atomically(shard, staging / shard_name)}
     ]  # fmt: skip
+    # Collective at ZeRO-3 (the parameters are gathered to rank 0), so every rank takes part.
+    state_dict = engine.full_module_state_dict(rank0_only=True)
     if rank == 0:
-        module = _module_payload(engine, exclude_frozen)
+        module = _module_payload(engine, state_dict, exclude_frozen)
         written.append(
             {"name": MODULE_FILE, "role": "module states", "rank": 0,
              "bytes": save_torch_atomically(module, staging / MODULE_FILE)}
@@ -135,11 +136,10 @@ def _write_rank_files(engine, staging: Path, client_state, exclude_frozen: bool)
 
 
 def _state_kinds(engine) -> dict[str, str]:
-    zero = engine.optimizer
-    for master in zero.masters:
-        state = zero.optimizer.state.get(master)
-        if state:
-            return {key: classify_state(value, master) for key, value in state.items()}
+    for entry in engine.optimizer.shard_state():
+        if entry["state"]:
+            master = entry["master"]
+            return {key: classify_state(value, master) for key, value in entry["state"].items()}
     return {}  # no optimizer step yet: no state
 
 
@@ -150,7 +150,11 @@ def _metadata(engine, tag: str, files: list[dict], exclude_frozen: bool) -> dict
     names = names_by_parameter(engine.module)
     trainable = _trainable_ids(engine)
     frozen = [
-        {"names": names[id(p)], "shape": list(p.shape), "dtype": dtype_name(p.dtype)}
+        {
+            "names": names[id(p)],
+            "shape": list(getattr(p, "ds_shape", p.shape)),
+            "dtype": dtype_name(p.dtype),
+        }
         for p in engine.module.parameters()
         if id(p) not in trainable
     ]

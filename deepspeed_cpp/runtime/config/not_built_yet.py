@@ -13,12 +13,6 @@ from .sections import ZeroConfig
 def refuse_features_not_built_yet(zero: ZeroConfig) -> list[str]:
     """One problem per configured feature that the engine cannot run yet."""
     problems = []
-    # ZeRO stage 3 (parameter partitioning): lift when the ZeRO-3 engine lands.
-    if zero.stage == 3:
-        problems.append(
-            "zero_optimization.stage = 3: not supported yet by deepspeed_cpp (ZeRO stage 3, "
-            "parameter partitioning, is being built); expected 0, 1 or 2"
-        )
     # Offload of optimizer state or parameters to CPU/NVMe: lift with the offload issue.
     for part, device in zero.offload_devices().items():
         problems.append(

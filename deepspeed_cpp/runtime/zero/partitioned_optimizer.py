@@ -40,8 +40,8 @@ from ...ops.zero import (
     plan_buckets,
     unflatten_from,
 )
-from ...optim.cpu_optimizer_base import CPUOptimizerBase
 from .shard_gather import backend_for, launch_all_gather
+from .stage import PartitionLayout
 
 
 @dataclass
@@ -80,8 +80,8 @@ class ZeroPartitionedOptimizer:
         from param groups of master shards (a config optimizer); `param_groups` (dicts with
         "params" and hyper-parameters) is then required. `reduce_scatter=False` (DeepSpeed's
         ``zero_optimization.reduce_scatter``) reduces stage 1/2 gradients with all-reduce."""
-        if stage not in (0, 1, 2):
-            raise ValueError(f"ZeroPartitionedOptimizer handles stages 0, 1 and 2, got {stage}")
+        if stage not in self.STAGES:
+            raise ValueError(f"{type(self).__name__} handles stages {self.STAGES}, got {stage}")
         if isinstance(optimizer, torch.optim.Optimizer):
             param_groups = optimizer.param_groups
         elif param_groups is None:
@@ -95,22 +95,8 @@ class ZeroPartitionedOptimizer:
         self.global_grad_norm: float | None = None
         self.skipped_steps = 0
 
-        # Parameters in the order their gradients usually become ready (reverse registration
-        # order), grouped by optimizer param group so that a bucket never mixes groups.
-        ordered: list[tuple[int, torch.nn.Parameter]] = []
-        for group_index, param_group in enumerate(param_groups):
-            trainable = [p for p in param_group["params"] if p.requires_grad]
-            ordered.extend((group_index, p) for p in reversed(trainable))
-        if not ordered:
-            raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
-        self.params = [p for _, p in ordered]
         owned_whole = stage == 0
-        self.plan: BucketPlan = plan_buckets(
-            [p.numel() for p in self.params],
-            [g for g, _ in ordered],
-            capacity=max(1, int(reduce_bucket_size)),
-            world_size=1 if owned_whole else self.world_size,
-        )
+        self.params, self.plan = self._plan(param_groups, reduce_bucket_size, owned_whole)
         self.buckets = self._make_buckets(owned_whole)
         for bucket in self.buckets:
             self._view_params_in_flat(bucket)
@@ -125,7 +111,8 @@ class ZeroPartitionedOptimizer:
             self.optimizer = optimizer
         else:
             self.optimizer = optimizer(master_groups)
-        self._step_per_bucket = isinstance(self.optimizer, CPUOptimizerBase)
+        # Optimizers that step every tensor on its own (ours) can step bucket by bucket.
+        self._step_per_bucket = bool(getattr(self.optimizer, "steps_tensors_independently", False))
 
         device = self.params[0].device
         self.reducer = make_gradient_reducer(
@@ -153,7 +140,29 @@ class ZeroPartitionedOptimizer:
             for index, p in enumerate(self.params)
         ]
 
+    STAGES = (0, 1, 2)
+
     # --- construction -------------------------------------------------------------------------
+    def _plan(
+        self, param_groups: list[dict], reduce_bucket_size: int, owned_whole: bool
+    ) -> tuple[list[torch.nn.Parameter], BucketPlan]:
+        """The trainable parameters in the order their gradients usually become ready (reverse
+        registration order), grouped by param group so that a bucket never mixes groups, and
+        their bucket plan."""
+        ordered: list[tuple[int, torch.nn.Parameter]] = []
+        for group_index, param_group in enumerate(param_groups):
+            trainable = [p for p in param_group["params"] if p.requires_grad]
+            ordered.extend((group_index, p) for p in reversed(trainable))
+        if not ordered:
+            raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
+        plan = plan_buckets(
+            [p.numel() for _, p in ordered],
+            [g for g, _ in ordered],
+            capacity=max(1, int(reduce_bucket_size)),
+            world_size=1 if owned_whole else self.world_size,
+        )
+        return [p for _, p in ordered], plan
+
     def _make_buckets(self, owned_whole: bool) -> list[_Bucket]:
         buckets = []
         for b, size in enumerate(self.plan.bucket_sizes):
@@ -181,24 +190,23 @@ class ZeroPartitionedOptimizer:
 
     def _make_masters(self) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
         masters, grads = [], []
-        device = self.params[0].device
         for bucket in self.buckets:
-            if bucket.flat is not None and bucket.flat.dtype == torch.float32:
-                # fp32 parameters are their own master weights: the master slice is this rank's
-                # part of the flat parameters, so the optimizer updates the parameters in place
-                # and the all-gather only brings the other ranks' slices.
-                shard = bucket.flat.narrow(0, bucket.owned_start, bucket.owned_size)
-            else:
-                shard = self._owned_slice_of_params(bucket, device)
-            master = torch.nn.Parameter(shard, requires_grad=True)
-            grad = torch.zeros_like(shard)
+            master = torch.nn.Parameter(self._master_slice(bucket), requires_grad=True)
+            grad = torch.zeros_like(master)
             master.grad = grad
             masters.append(master)
             grads.append(grad)
         return masters, grads
 
-    @staticmethod
-    def _view_params_in_flat(bucket: _Bucket) -> None:
+    def _master_slice(self, bucket: _Bucket) -> torch.Tensor:
+        if bucket.flat is not None and bucket.flat.dtype == torch.float32:
+            # fp32 parameters are their own master weights: the master slice is this rank's
+            # part of the flat parameters, so the optimizer updates the parameters in place
+            # and the all-gather only brings the other ranks' slices.
+            return bucket.flat.narrow(0, bucket.owned_start, bucket.owned_size)
+        return self._owned_slice_of_params(bucket, self.params[0].device)
+
+    def _view_params_in_flat(self, bucket: _Bucket) -> None:
         dtypes = {p.dtype for p in bucket.params}
         devices = {p.device for p in bucket.params}
         if len(dtypes) != 1 or len(devices) != 1:
@@ -217,8 +225,7 @@ class ZeroPartitionedOptimizer:
             for p, pointer in zip(bucket.params, bucket.view_pointers)
         )
 
-    @staticmethod
-    def _owned_slice_of_params(bucket: _Bucket, device: torch.device) -> torch.Tensor:
+    def _owned_slice_of_params(self, bucket: _Bucket, device: torch.device) -> torch.Tensor:
         """The model parameters' current values over this rank's slice of `bucket`, in fp32."""
         flat = torch.zeros(bucket.size, dtype=torch.float32, device=device)
         flatten_into([p.detach() for p in bucket.params], flat, bucket.offsets)
@@ -266,13 +273,13 @@ class ZeroPartitionedOptimizer:
         if grad is not None:
             self.reducer.add_grad(index, grad)
         self._handed.add(index)
-        if self.stage == 2 or self._fp32_accumulators is not None:
+        if self.stage >= 2 or self._fp32_accumulators is not None:
             param.grad = None  # the reducer holds a copy; the full gradient is not kept
 
     # --- backward -----------------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
-        """Stage 2 reduces every micro-step; stages 0/1 accumulate locally until the boundary."""
-        self._reduce_during_backward = self.stage == 2 or boundary
+        """Stages 2/3 reduce every micro-step; 0/1 accumulate locally until the boundary."""
+        self._reduce_during_backward = self.stage >= 2 or boundary
         if self._reduce_during_backward:
             self.reducer.set_overwrite(self._shard_grads_zero_pending)
 
@@ -376,6 +383,17 @@ class ZeroPartitionedOptimizer:
             finally:
                 for master, grad in zip(self.masters, self.shard_grads):
                     master.grad = grad
+        self._finish_gathers(pending)
+
+    def write_params_from_masters(self) -> None:
+        """Writes the fp32 master slices into every rank's parameters (after a load)."""
+        with torch.no_grad():
+            self._finish_gathers(
+                [self._launch_gather(b, m) for b, m in zip(self.buckets, self.masters)]
+            )
+
+    @staticmethod
+    def _finish_gathers(pending) -> None:
         for bucket, full, works, in_place in pending:
             for work in works:
                 work.wait()
@@ -486,7 +504,33 @@ class ZeroPartitionedOptimizer:
                     total += value.numel() * value.element_size()
         return total
 
-    def remove_hooks(self) -> None:
+    def describe(self) -> str:
+        return f"gradients reduced by {self.reducer.collective()}"
+
+    def layout(self) -> PartitionLayout:
+        plan = self.plan
+        return PartitionLayout(
+            params=tuple(self.params),
+            param_bucket=tuple(plan.param_bucket),
+            param_offset=tuple(plan.param_offset),
+            bucket_sizes=tuple(plan.bucket_sizes),
+            bucket_groups=tuple(plan.bucket_groups),
+            world_size=self.world_size,
+            replicated=self.stage == 0,
+        )
+
+    def full_state_dict(self, module: torch.nn.Module, *, rank0_only: bool) -> dict:
+        """Stages 0-2 keep every parameter whole: the module's own state dict."""
+        return {} if rank0_only and self.rank != 0 else module.state_dict()
+
+    def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
+        """Loads a (full) module state dict into the model's parameters and buffers."""
+        module.load_state_dict(state_dict, strict=False)
+
+    def destroy(self) -> None:
+        """Removes the gradient hooks (a later engine on the same model starts clean)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+    remove_hooks = destroy

@@ -1,0 +1,131 @@
+#include "reducer_buffers.h"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <algorithm>
+
+namespace deepspeed_cpp {
+
+ReducerBuffers::ReducerBuffers(std::vector<int64_t> param_bucket, std::vector<int64_t> param_offset,
+                               std::vector<int64_t> param_numel, std::vector<int64_t> bucket_sizes,
+                               c10::Device device)
+    : device_(device),
+      param_bucket_(std::move(param_bucket)),
+      param_offset_(std::move(param_offset)),
+      param_numel_(std::move(param_numel)),
+      param_arrived_(param_bucket_.size(), 0),
+      buckets_(bucket_sizes.size()) {
+  const size_t num_params = param_bucket_.size();
+  TORCH_CHECK(param_offset_.size() == num_params && param_numel_.size() == num_params,
+              "GradientReducer: param_bucket, param_offset and param_numel must have equal "
+              "lengths, got ",
+              num_params, ", ", param_offset_.size(), ", ", param_numel_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    TORCH_CHECK(bucket_sizes[b] > 0, "GradientReducer: bucket ", b, " has size ", bucket_sizes[b],
+                "; expected a positive size");
+    buckets_[b].size = bucket_sizes[b];
+  }
+  for (size_t p = 0; p < num_params; ++p) {
+    const int64_t b = param_bucket_[p];
+    TORCH_CHECK(b >= 0 && b < static_cast<int64_t>(buckets_.size()), "GradientReducer: param ", p,
+                " is planned into bucket ", b, " but there are ", buckets_.size(), " buckets");
+    Bucket& bucket = buckets_[b];
+    const int64_t end = param_offset_[p] + param_numel_[p];
+    TORCH_CHECK(param_offset_[p] >= 0 && param_numel_[p] >= 0 && end <= bucket.size,
+                "GradientReducer: param ", p, " spans [", param_offset_[p], ", ", end,
+                ") outside bucket ", b, " of size ", bucket.size);
+    bucket.members.push_back(static_cast<int64_t>(p));
+    bucket.used = std::max(bucket.used, end);
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    TORCH_CHECK(!buckets_[b].members.empty(), "GradientReducer: bucket ", b, " has no parameter");
+  }
+}
+
+c10::Device ReducerBuffers::parse_device(const std::string& device) {
+  c10::Device parsed(c10::kCPU);
+  try {
+    parsed = c10::Device(device);
+  } catch (const c10::Error& error) {
+    TORCH_CHECK(false, "GradientReducer: cannot parse device '", device,
+                "': ", error.what_without_backtrace());
+  }
+  // CPU tensors report "cpu" with no index, so "cpu:0" would never match one.
+  if (parsed.is_cpu()) return c10::Device(c10::kCPU);
+  // Only here, for a bare accelerator type, is the accelerator itself asked anything.
+  if (!parsed.has_index() && c10::impl::hasDeviceGuardImpl(parsed.type())) {
+    const c10::Device current = c10::impl::getDeviceGuardImpl(parsed.type())->getDevice();
+    if (current.has_index()) return current;
+  }
+  return parsed;
+}
+
+bool ReducerBuffers::ensure_buffer(Bucket& bucket) {
+  if (bucket.buffer.defined()) return false;
+  // Parameters overwrite their own slices; only the padding needs zeros (the collective sums it
+  // and a shard may end in it).
+  bucket.buffer = at::empty({bucket.size}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  if (bucket.used < bucket.size)
+    bucket.buffer.narrow(0, bucket.used, bucket.size - bucket.used).zero_();
+  return true;
+}
+
+bool ReducerBuffers::add_grad(int64_t param, const at::Tensor& grad) {
+  TORCH_CHECK(param >= 0 && param < num_params(), "GradientReducer.add_grad: param index ", param,
+              " is out of range [0, ", num_params(), ")");
+  TORCH_CHECK(!param_arrived_[param], "GradientReducer.add_grad: the gradient of param ", param,
+              " was already handed over in this step");
+  TORCH_CHECK(grad.numel() == param_numel_[param], "GradientReducer.add_grad: param ", param,
+              " has ", param_numel_[param], " elements but its gradient has ", grad.numel(),
+              " (shape ", grad.sizes(), ")");
+  TORCH_CHECK(grad.device() == device_, "GradientReducer.add_grad: the gradient of param ", param,
+              " is on ", grad.device(), " but the reducer's buffers are on ", device_,
+              " (the device it was built for)");
+  Bucket& bucket = buckets_[param_bucket_[param]];
+  const bool allocated = ensure_buffer(bucket);
+  bucket.buffer.narrow(0, param_offset_[param], param_numel_[param]).copy_(grad.reshape({-1}));
+  param_arrived_[param] = 1;
+  ++bucket.arrived;
+  return allocated;
+}
+
+bool ReducerBuffers::fill_missing(int64_t bucket_index) {
+  Bucket& bucket = buckets_[bucket_index];
+  if (bucket.arrived == 0 && !bucket.buffer.defined()) {
+    // Nothing arrived: one zero fill of the whole buffer instead of padding plus every member.
+    bucket.buffer = at::zeros({bucket.size}, at::TensorOptions().dtype(at::kFloat).device(device_));
+    for (int64_t p : bucket.members) param_arrived_[p] = 1;
+    bucket.arrived = static_cast<int64_t>(bucket.members.size());
+    return true;
+  }
+  const bool allocated = ensure_buffer(bucket);
+  for (int64_t p : bucket.members) {
+    if (param_arrived_[p]) continue;
+    bucket.buffer.narrow(0, param_offset_[p], param_numel_[p]).zero_();
+    param_arrived_[p] = 1;
+    ++bucket.arrived;
+  }
+  return allocated;
+}
+
+void ReducerBuffers::check_destination(int64_t bucket, const at::Tensor& destination,
+                                       int64_t numel) const {
+  TORCH_CHECK(destination.scalar_type() == at::kFloat && destination.dim() == 1 &&
+                  destination.numel() == numel && destination.is_contiguous(),
+              "GradientReducer.accumulate_into: destination ", bucket,
+              " must be a contiguous 1-D float32 tensor of ", numel, " elements, got dtype ",
+              destination.scalar_type(), " and shape ", destination.sizes());
+  TORCH_CHECK(destination.device() == device_, "GradientReducer.accumulate_into: destination ",
+              bucket, " is on ", destination.device(), " but the reducer's buffers are on ",
+              device_, "; reduced buckets are not copied between devices");
+}
+
+void ReducerBuffers::reset() {
+  for (Bucket& bucket : buckets_) {
+    bucket.buffer = at::Tensor();
+    bucket.arrived = 0;
+  }
+  std::fill(param_arrived_.begin(), param_arrived_.end(), 0);
+}
+
+}  // namespace deepspeed_cpp

@@ -1,0 +1,77 @@
+// The bucket buffers of the ZeRO gradient reducer, apart from any communication: where they are
+// allocated, how they are padded and which gradients may be copied into them. Kept free of c10d
+// so that every allocation and device decision can be exercised with no process group, on the
+// `meta` device (tests/test_reducer_device.py, through the ReducerBuffers class in zero_op.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+namespace deepspeed_cpp {
+
+class ReducerBuffers {
+ public:
+  // A plan from zero_plan_buckets (see GradientReducer) and the device the gradients live on:
+  // every buffer is a float32 tensor on `device`, whatever the device of the caller's tensors.
+  ReducerBuffers(std::vector<int64_t> param_bucket, std::vector<int64_t> param_offset,
+                 std::vector<int64_t> param_numel, std::vector<int64_t> bucket_sizes,
+                 c10::Device device);
+
+  // "cpu", "cuda:0", "meta", ... as a device tensors compare equal to. Needs no accelerator,
+  // except that a bare accelerator type ("cuda") is pinned to the current device of that type:
+  // gradients always carry an index, so an unpinned device would never match them.
+  static c10::Device parse_device(const std::string& device);
+
+  const c10::Device& device() const { return device_; }
+  int64_t num_params() const { return static_cast<int64_t>(param_bucket_.size()); }
+  int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+  int64_t bucket_size(int64_t bucket) const { return buckets_[bucket].size; }
+  int64_t bucket_of(int64_t param) const { return param_bucket_[param]; }
+
+  // Copies `param`'s gradient (any dtype, converted to float32) into its bucket's buffer,
+  // allocating the buffer first if needed. A gradient on another device than the buffers' is
+  // refused: moving it (or the buffer) silently would cost a full copy on every step.
+  // Returns whether a buffer was allocated, for the caller's memory accounting.
+  bool add_grad(int64_t param, const at::Tensor& grad);
+
+  // Whether every member of `bucket` has been handed over (or zero-filled) in this step.
+  bool complete(int64_t bucket) const {
+    return buckets_[bucket].arrived == static_cast<int64_t>(buckets_[bucket].members.size());
+  }
+
+  // Completes `bucket` with zeros for the members that got no gradient in this step (unused
+  // parameters count as zero gradients). Returns whether a buffer was allocated.
+  bool fill_missing(int64_t bucket);
+
+  // The bucket's buffer: undefined before the first gradient of the step and after release().
+  at::Tensor& buffer(int64_t bucket) { return buckets_[bucket].buffer; }
+
+  // Fails unless `destination` is a contiguous 1-D float32 tensor of `numel` elements on the
+  // buffers' device: reduced buckets are added into it in place, without a copy between devices.
+  void check_destination(int64_t bucket, const at::Tensor& destination, int64_t numel) const;
+
+  // Forgets this step's gradients: no buffer is kept and every parameter is expected again.
+  void reset();
+
+ private:
+  struct Bucket {
+    int64_t size = 0;  // padded elements
+    int64_t used = 0;  // elements covered by parameters; the rest is zero padding
+    std::vector<int64_t> members;
+    int64_t arrived = 0;
+    at::Tensor buffer;
+  };
+
+  bool ensure_buffer(Bucket& bucket);
+
+  c10::Device device_;
+  std::vector<int64_t> param_bucket_;
+  std::vector<int64_t> param_offset_;
+  std::vector<int64_t> param_numel_;
+  std::vector<char> param_arrived_;
+  std::vector<Bucket> buckets_;
+};
+
+}  // namespace deepspeed_cpp

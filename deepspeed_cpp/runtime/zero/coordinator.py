@@ -1,0 +1,215 @@
+"""ZeRO-3 hooks: gather a module's parameters just before it runs, release them after, and
+prefetch what comes next, as the C++ fetch schedule (csrc/zero/fetch_schedule) decides.
+
+Fetch units: every module with partitioned parameters of its own (or registered with
+``register_external_parameter``) is one unit; a parameter shared by two modules (tied weights)
+belongs to both, and is held whole while either holds it. One pass is a forward and its backward
+(or a forward alone, in evaluation). Per unit:
+
+- before the module's forward: gather (waiting for a prefetch in flight, or fetching on demand);
+- after its forward: release unless the schedule keeps it for a use soon; when the outputs need
+  gradients, a hook on them gathers the unit again before the module's backward runs;
+- after its backward: released once autograd has accumulated the gradient of every trainable
+  parameter of the unit (later backward nodes cannot need them), or at the end of the pass for a
+  unit with frozen parameters (a later node may still read those).
+
+The schedule records the order of unit uses in the first pass and prefetches along it in later
+ones; when the order changes it falls back to fetching on demand and records again. Collectives
+follow the order of uses, which is the same on every rank when the ranks run the same modules in
+the same order, as ZeRO-3 requires (see ``check_same_order``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...ops.zero import make_fetch_schedule
+from ...utils.logging import logger
+from . import partition_parameters as pp
+
+
+class ParameterCoordinator:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        group,
+        *,
+        prefetch_bucket_size: int,
+        max_live_parameters: int,
+        max_reuse_distance: int,
+    ):
+        self.group = group
+        self.module = module
+        self.unit_of_module: dict[int, int] = {}
+        self.units: list[list[torch.nn.Parameter]] = []
+        self.unit_names: list[str] = []
+        for name, submodule in module.named_modules():
+            params = {id(p): p for p in submodule.parameters(recurse=False) if pp.is_partitioned(p)}
+            for param in submodule.__dict__.get("_ds_external_params", {}).values():
+                if pp.is_partitioned(param):
+                    params[id(param)] = param
+            if params:
+                self.unit_of_module[id(submodule)] = len(self.units)
+                self.units.append(list(params.values()))
+                self.unit_names.append(name or "<root>")
+        self.schedule = make_fetch_schedule(
+            [sum(pp.padded_numel(p.ds_numel, 1) for p in unit) for unit in self.units],
+            prefetch_bucket_size=int(prefetch_bucket_size),
+            max_live_parameters=int(max_live_parameters),
+            max_reuse_distance=int(max_reuse_distance),
+        )
+        self._held = [False] * len(self.units)
+        self._trainable_left: list[int] = [0] * len(self.units)
+        self._releases_after_grads = [all(p.requires_grad for p in u) for u in self.units]
+        self._units_of_param: dict[int, list[int]] = {}
+        for index, unit in enumerate(self.units):
+            for param in unit:
+                self._units_of_param.setdefault(id(param), []).append(index)
+        self._pass_open = False
+        self._logged_divergence = 0
+        self._hooks = []
+        self._install_hooks()
+
+    # --- hooks ------------------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        self._hooks.append(self.module.register_forward_pre_hook(self._root_pre_forward))
+        for submodule in self.module.modules():
+            unit = self.unit_of_module.get(id(submodule))
+            self._hooks.append(
+                submodule.register_forward_pre_hook(self._make_pre_forward(submodule, unit))
+            )
+            if unit is None:
+                continue
+            self._hooks.append(submodule.register_forward_hook(self._make_post_forward(unit)))
+        seen = set()
+        for unit in self.units:
+            for param in unit:
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    self._hooks.append(
+                        param.register_post_accumulate_grad_hook(self._after_accumulate)
+                    )
+
+    def _root_pre_forward(self, module, inputs) -> None:
+        if self._pass_open:
+            self.end_pass()  # the previous forward had no backward (evaluation)
+        self._pass_open = True
+
+    def _make_pre_forward(self, submodule: torch.nn.Module, unit: int | None):
+        def pre_forward(module, inputs) -> None:
+            _check_registered(submodule, self.module)
+            if unit is not None:
+                self.fetch(unit)
+
+        return pre_forward
+
+    def _make_post_forward(self, unit: int):
+        def post_forward(module, inputs, output) -> None:
+            self.done(unit)
+            if torch.is_grad_enabled():
+                tensors = [t for t in _tensors_in(output) if t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda grads: self._pre_backward(unit), mode="any"
+                    )
+
+        return post_forward
+
+    def _pre_backward(self, unit: int) -> None:
+        self._trainable_left[unit] = sum(1 for p in self.units[unit] if p.requires_grad)
+        self.fetch(unit)
+
+    def _after_accumulate(self, param: torch.Tensor) -> None:
+        for unit in self._units_of_param.get(id(param), ()):
+            if not self._held[unit] or not self._releases_after_grads[unit]:
+                continue
+            self._trainable_left[unit] -= 1
+            if self._trainable_left[unit] == 0:
+                self.done(unit)
+
+    # --- fetch and release ------------------------------------------------------------------------
+    def fetch(self, unit: int) -> None:
+        for gathered in self.schedule.on_use(unit):
+            self._held[gathered] = True
+            for param in self.units[gathered]:
+                pp.launch_gather(param)
+        if self.schedule.diverged() and self._logged_divergence < self.schedule.divergences():
+            self._logged_divergence = self.schedule.divergences()
+            if self._logged_divergence == 1:
+                logger.info(
+                    "deepspeed_cpp: ZeRO-3: the modules ran in another order than in the "
+                    "recorded pass (at %s); fetching on demand and recording again",
+                    self.unit_names[unit],
+                )
+        for param in self.units[unit]:
+            pp.wait_gather(param)
+
+    def done(self, unit: int) -> None:
+        if self._held[unit] and self.schedule.on_done(unit):
+            self._release(unit)
+
+    def _release(self, unit: int) -> None:
+        self._held[unit] = False
+        for param in self.units[unit]:
+            pp.release(param)
+
+    def end_pass(self) -> None:
+        """Releases every unit still held and lets the schedule adopt or drop its trace."""
+        for unit in self.schedule.end_pass():
+            if self._held[unit]:
+                self._release(unit)
+        self._pass_open = False
+
+    # --- accounting and teardown ------------------------------------------------------------------
+    def live_numel(self) -> int:
+        return int(self.schedule.live_numel())
+
+    def peak_live_numel(self) -> int:
+        return int(self.schedule.peak_live_numel())
+
+    def destroy(self) -> None:
+        """Removes the hooks; calling the model afterwards raises an error naming a partitioned
+        parameter instead of failing on an empty tensor."""
+        if self._pass_open:
+            self.end_pass()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for submodule in self.module.modules():
+            unit = self.unit_of_module.get(id(submodule))
+            if unit is not None:
+                name = self.unit_names[unit]
+                self._hooks.append(submodule.register_forward_pre_hook(_destroyed_guard(name)))
+
+
+def _destroyed_guard(name: str):
+    def guard(module, inputs) -> None:
+        raise RuntimeError(
+            f"module '{name}' has ZeRO-3 partitioned parameters and the engine that gathered "
+            f"them was destroyed; gather them with deepspeed_cpp.zero.GatheredParameters or "
+            f"wrap the model in a new engine"
+        )
+
+    return guard
+
+
+def _check_registered(module: torch.nn.Module, root: torch.nn.Module) -> None:
+    for name, param in module.named_parameters(recurse=False):
+        if not pp.is_zero_param(param):
+            raise RuntimeError(
+                f"parameter '{name}' of {type(module).__name__} (shape {list(param.shape)}) is "
+                f"not a ZeRO-3 parameter: it was created after deepspeed_cpp.initialize "
+                f"partitioned the model, outside zero.Init; create it before initialize (or "
+                f"under zero.Init) so that it is partitioned"
+            )
+
+
+def _tensors_in(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)

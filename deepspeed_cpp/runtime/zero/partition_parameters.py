@@ -1,0 +1,383 @@
+"""ZeRO-3 parameters: each split into equal, padded shards, one per rank, whole only while used.
+
+A partitioned parameter keeps DeepSpeed's attributes:
+
+- ``ds_id`` (unique per process), ``ds_shape``, ``ds_numel``: the whole parameter's;
+- ``ds_tensor``: this rank's shard, 1-D, ``ceil(ds_numel / world)`` elements rounded up so that
+  every shard is a multiple of 16 elements (the padding is zeros at the end of the last shards);
+- ``ds_status``: ``ZeroParamStatus.NOT_AVAILABLE`` (only the shard is here), ``INFLIGHT`` (a
+  gather is under way) or ``AVAILABLE`` (whole);
+- ``ds_persist``: small parameters (``stage3_param_persistence_threshold``) stay whole on every
+  rank; their ``ds_tensor`` is the whole tensor.
+
+While not available, ``param.data`` is an empty tensor of the parameter's dtype, so ``param.shape``
+is ``(0,)`` and ``param.numel()`` is 0, as in DeepSpeed; use ``ds_shape``/``ds_numel``. Gathering
+all-gathers the shards into one flat tensor of the padded size that the parameter then views (no
+copy); several holders (a module, ``GatheredParameters``, a tied use) may hold a parameter at
+once: it is released when the last lets go (``ds_active``).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from .shard_gather import backend_for, launch_all_gather
+
+SHARD_ALIGNMENT = 16  # elements; the bucket planner pads with the same multiple
+
+
+class ZeroParamStatus(enum.Enum):
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+_ids = itertools.count()
+
+
+def is_zero_param(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a ZeRO-3 parameter that is not kept whole (persistent)."""
+    return hasattr(param, "ds_id") and not param.ds_persist
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    multiple = world_size * SHARD_ALIGNMENT
+    return max(1, -(-numel // multiple)) * multiple
+
+
+def _world(group) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def partition_parameter(
+    param: torch.nn.Parameter,
+    group=None,
+    *,
+    persist: bool = False,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """Makes a whole ``param`` a ZeRO-3 parameter: every rank takes rank 0's values (broadcast,
+    so that all ranks agree whatever their random initialisation) and, unless ``persist``, keeps
+    only its shard. Transiently holds the whole parameter once."""
+    world, rank = _world(group)
+    with torch.no_grad():
+        data = param.data
+        if device is not None or dtype is not None:
+            data = data.to(device=device or data.device, dtype=dtype or data.dtype)
+        if world > 1:
+            data = data.contiguous()
+            dist.broadcast(data, group_src=0, group=group)
+        param.ds_id = next(_ids)
+        param.ds_shape = tuple(data.shape)
+        param.ds_numel = data.numel()
+        param.ds_persist = bool(persist)
+        param.ds_active = 0
+        param.ds_group = group
+        param.ds_works = None
+        if persist:
+            param.data = data
+            param.ds_tensor = data
+            param.ds_status = ZeroParamStatus.AVAILABLE
+            return
+        shard = padded_numel(data.numel(), world) // world
+        flat = torch.zeros(shard * world, dtype=data.dtype, device=data.device)
+        flat[: data.numel()].copy_(data.reshape(-1))
+        param.ds_tensor = flat.narrow(0, rank * shard, shard).clone()
+        param.data = torch.empty(0, dtype=data.dtype, device=data.device)
+        param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def unpartition_parameter(param: torch.nn.Parameter) -> None:
+    """Makes a partitioned parameter whole and persistent (collective)."""
+    if not is_partitioned(param):
+        return
+    launch_gather(param)
+    wait_gather(param)
+    param.ds_persist = True
+    param.ds_tensor = param.data
+
+
+def launch_gather(param: torch.nn.Parameter) -> None:
+    """Starts gathering ``param`` (and counts one more holder); a parameter already whole or in
+    flight is only counted. Every rank must launch the same gathers in the same order."""
+    param.ds_active += 1
+    if param.ds_persist or param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+        return
+    group = param.ds_group
+    world, _ = _world(group)
+    shard = param.ds_tensor
+    full = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
+    if world == 1:
+        full.copy_(shard)
+        works = []
+    else:
+        by_broadcast = backend_for(group or dist.group.WORLD, shard.device) == "gloo"
+        works = launch_all_gather(full, shard, group or dist.group.WORLD, by_broadcast=by_broadcast)
+    param.ds_works = (full, works)
+    param.ds_status = ZeroParamStatus.INFLIGHT
+
+
+def wait_gather(param: torch.nn.Parameter) -> None:
+    """Waits for ``param``'s gather, after which it is whole (views the gathered flat tensor)."""
+    if param.ds_status != ZeroParamStatus.INFLIGHT:
+        return
+    full, works = param.ds_works
+    for work in works:
+        work.wait()
+    param.ds_works = None
+    param.data = full.narrow(0, 0, param.ds_numel).view(param.ds_shape)
+    param.ds_status = ZeroParamStatus.AVAILABLE
+
+
+def release(param: torch.nn.Parameter) -> None:
+    """One holder lets go; the last one frees the whole tensor (waiting for a gather still in
+    flight first: its buffer may not be freed under a running collective)."""
+    if param.ds_active <= 0:
+        raise RuntimeError(
+            f"ZeRO-3 parameter ds_id={param.ds_id} (shape {list(param.ds_shape)}) released more "
+            f"often than gathered"
+        )
+    param.ds_active -= 1
+    if param.ds_active or param.ds_persist:
+        return
+    wait_gather(param)
+    if param.data.numel() != param.ds_numel or tuple(param.data.shape) != param.ds_shape:
+        raise RuntimeError(
+            f"ZeRO-3 parameter ds_id={param.ds_id} changed shape while gathered: it was "
+            f"{list(param.ds_shape)}, it is {list(param.data.shape)}; a partitioned parameter's "
+            f"shape is fixed (re-create it under zero.Init to change it)"
+        )
+    param.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=param.ds_tensor.device)
+    param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def write_back(param: torch.nn.Parameter) -> None:
+    """Copies a whole ``param``'s current values (identical on every rank) into its shard."""
+    if param.ds_persist:
+        return
+    _, rank = _world(param.ds_group)
+    shard = param.ds_tensor
+    flat = param.data.reshape(-1)
+    start = rank * shard.numel()
+    end = min(start + shard.numel(), flat.numel())
+    with torch.no_grad():
+        shard.zero_()
+        if end > start:
+            shard[: end - start].copy_(flat[start:end])
+
+
+def gather_all(params) -> None:
+    """Gathers ``params`` (launching every gather before waiting for any)."""
+    params = list(params)
+    for param in params:
+        launch_gather(param)
+    for param in params:
+        wait_gather(param)
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Declares that ``module``'s forward uses ``parameter`` although another module owns it, so
+    that ZeRO-3 gathers it for ``module`` too. Call it before ``deepspeed_cpp.initialize``."""
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise TypeError(
+            f"register_external_parameter expects a torch.nn.Parameter, got {type(parameter)}"
+        )
+    external = module.__dict__.setdefault("_ds_external_params", {})
+    external[id(parameter)] = parameter
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    module.__dict__.get("_ds_external_params", {}).pop(id(parameter), None)
+
+
+class GatheredParameters:
+    """Gathers ZeRO-3 parameters for the duration of a ``with`` block.
+
+    With ``modifier_rank`` set, the values that rank holds at the end of the block are broadcast
+    and written back into every rank's shard (to initialise weights, resize an embedding, load
+    values); without it, changes are discarded. Parameters that are not ZeRO-3 ones are left
+    alone, so the same code runs at any stage. Every rank must enter the block. Changing values
+    after ``initialize`` does not change the fp32 master weights (as in DeepSpeed): do it before.
+    """
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled=True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = [p for p in params if is_zero_param(p)] if enabled else []
+        self.modifier_rank = modifier_rank
+        if enabled and modifier_rank is not None:
+            world, _ = _world(self.params[0].ds_group if self.params else None)
+            if not isinstance(modifier_rank, int) or not 0 <= modifier_rank < world:
+                raise ValueError(
+                    f"GatheredParameters: modifier_rank={modifier_rank!r} is out of range; "
+                    f"expected a rank in [0, {world}) or None"
+                )
+        if fwd_module is not None:
+            for param in self.params:
+                register_external_parameter(fwd_module, param)
+
+    def __enter__(self):
+        gather_all(self.params)
+        return self.params
+
+    def __exit__(self, *exc_info):
+        if self.modifier_rank is not None and exc_info[0] is None:
+            with torch.no_grad():
+                for param in self.params:
+                    world, _ = _world(param.ds_group)
+                    if world > 1:
+                        data = param.data.contiguous()
+                        dist.broadcast(data, group_src=self.modifier_rank, group=param.ds_group)
+                        param.data.copy_(data)
+                    write_back(param)
+        for param in self.params:
+            release(param)
+        return False
+
+
+def _all_module_classes(root=torch.nn.Module):
+    seen, stack = [], [root]
+    while stack:
+        cls = stack.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                stack.append(sub)
+    return [root, *seen]
+
+
+class Init:
+    """Partitions every module's parameters as soon as the module is constructed, so that a
+    model too big for one rank can be built: under it, building an S-byte model on N ranks holds
+    about S/N plus the largest module's parameters per rank.
+
+    DeepSpeed's signature. ``config_dict_or_path`` (or ``config``) supplies
+    ``stage3_param_persistence_threshold`` (parameters that small stay whole) and, when ``dtype``
+    is None, the fp16/bf16 dtype. Refused: ``remote_device`` other than None/"none" (parameter
+    offload is not built yet) and ``mpu`` (no model parallelism). ``mem_efficient_linear`` is
+    accepted and has no effect (a partitioned weight is gathered again for the backward anyway).
+
+    A module's own parameters are partitioned when its ``__init__`` returns: initialise weights
+    inside ``__init__`` (or under ``GatheredParameters(..., modifier_rank=0)`` afterwards).
+    Models built inside go straight into ``initialize``, which takes the partitioned parameters
+    as they are.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,
+        data_parallel_group=None,
+        mem_efficient_linear: bool = True,
+        remote_device=None,
+        pin_memory: bool = False,
+        config_dict_or_path=None,
+        config=None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu=None,
+    ):
+        if remote_device not in (None, "none"):
+            raise NotImplementedError(
+                f"zero.Init(remote_device={remote_device!r}): parameter offload is not supported "
+                f"yet by deepspeed_cpp; expected None"
+            )
+        if mpu is not None:
+            raise NotImplementedError("zero.Init(mpu=...): model parallelism is not supported")
+        self.enabled = enabled
+        self.group = data_parallel_group
+        self.persistence_threshold, config_dtype = _init_settings(config_dict_or_path or config)
+        self.dtype = dtype or config_dtype
+        self._patched: list[tuple[type, str, object]] = []
+        if module is not None and enabled:
+            for submodule in module.modules():
+                self._partition_own(submodule)
+
+    def _partition_own(self, module: torch.nn.Module) -> None:
+        for param in module.parameters(recurse=False):
+            if not is_zero_param(param):
+                partition_parameter(
+                    param,
+                    self.group,
+                    persist=param.numel() <= self.persistence_threshold,
+                    dtype=self.dtype if param.is_floating_point() else None,
+                )
+
+    def _wrap(self, cls: type) -> None:
+        original = cls.__dict__.get("__init__")
+        if original is None:
+            return
+        context = self
+
+        def init_then_partition(module, *args, **kwargs):
+            depth = module.__dict__.get("_ds_init_depth", 0)
+            object.__setattr__(module, "_ds_init_depth", depth + 1)
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                object.__setattr__(module, "_ds_init_depth", depth)
+            if depth == 0:
+                del module.__dict__["_ds_init_depth"]
+                context._partition_own(module)
+
+        cls.__init__ = init_then_partition
+        self._patched.append((cls, "__init__", original))
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        for cls in _all_module_classes():
+            self._wrap(cls)
+        context = self
+        original_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+
+        def wrap_new_class(cls, **kwargs):
+            # Classes defined inside the block are wrapped too.
+            if original_init_subclass is not None:
+                original_init_subclass.__func__(cls, **kwargs)
+            else:
+                super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            context._wrap(cls)
+
+        torch.nn.Module.__init_subclass__ = classmethod(wrap_new_class)
+        self._patched.append((torch.nn.Module, "__init_subclass__", original_init_subclass))
+        return self
+
+    def __exit__(self, *exc_info):
+        for cls, name, original in reversed(self._patched):
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+        self._patched.clear()
+        return False
+
+
+def _init_settings(config) -> tuple[int, torch.dtype | None]:
+    """(persistence threshold, dtype) from a ds_config dict or path (DeepSpeed's defaults)."""
+    if config is None:
+        return 100_000, None
+    if not isinstance(config, dict):
+        import json
+        from pathlib import Path
+
+        config = json.loads(Path(config).read_text())
+    zero = config.get("zero_optimization") or {}
+    threshold = zero.get("stage3_param_persistence_threshold", 100_000)
+    threshold = threshold if isinstance(threshold, int) else 100_000  # "auto": the default
+    dtype = None
+    if (config.get("fp16") or {}).get("enabled") is True:
+        dtype = torch.float16
+    elif (config.get("bf16") or config.get("bfloat16") or {}).get("enabled") is True:
+        dtype = torch.bfloat16
+    return threshold, dtype

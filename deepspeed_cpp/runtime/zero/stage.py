@@ -1,0 +1,82 @@
+"""The one interface between the engine (and checkpoints) and a ZeRO stage.
+
+Every stage (0-2: ``ZeroPartitionedOptimizer``; 3: ``ZeroStage3``) implements ``ZeroStage``; the
+engine and ``runtime/checkpoint`` use nothing else of it. ``PartitionLayout`` is the plain-data
+description of where every trainable parameter lives in the flat fp32 master buckets, from which
+checkpoint metadata is written and resharded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class PartitionLayout:
+    """Where each trainable parameter lives: bucket ``param_bucket[i]`` at element
+    ``param_offset[i]``. Rank r owns ``[r * size / world_size, (r + 1) * size / world_size)`` of
+    every bucket, or (``replicated``, stage 0) every rank holds whole, identical buckets."""
+
+    params: tuple[torch.nn.Parameter, ...]
+    param_bucket: tuple[int, ...]
+    param_offset: tuple[int, ...]
+    bucket_sizes: tuple[int, ...]
+    bucket_groups: tuple[int, ...]
+    world_size: int
+    replicated: bool
+
+
+class ZeroStage(Protocol):
+    """What a ZeRO stage offers the engine. ``optimizer`` is the torch optimizer stepping this
+    rank's fp32 master shards (schedulers drive it); ``param_groups`` are its groups."""
+
+    stage: int
+    world_size: int
+    optimizer: torch.optim.Optimizer
+    skipped_steps: int
+    global_grad_norm: float | None
+
+    @property
+    def param_groups(self) -> list[dict]: ...
+
+    # --- training -------------------------------------------------------------------------------
+    def begin_backward(self, boundary: bool) -> None:
+        """Before ``loss.backward()``; ``boundary``: this micro-step ends an accumulation."""
+
+    def end_backward(self) -> None:
+        """After ``loss.backward()``: every gradient of the micro-step has been reduced."""
+
+    def step(self) -> bool:
+        """The optimizer step at an accumulation boundary; False when skipped (fp16 overflow)."""
+
+    def zero_grad(self) -> None: ...
+
+    def describe(self) -> str:
+        """One line for the engine's start-up log (how gradients are reduced)."""
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def layout(self) -> PartitionLayout: ...
+
+    def owned_ranges(self) -> list[tuple[int, int]]:
+        """``(start, size)`` of each bucket's slice this rank owns."""
+
+    def shard_state(self) -> list[dict]:
+        """Per bucket: ``{"master": fp32 slice, "state": optimizer state of that slice}``."""
+
+    def load_shard_state(self, masters: list[torch.Tensor], states: list[dict] | None) -> None:
+        """Replaces the master slices (and state) and writes the parameters from them."""
+
+    def refresh_masters_from_params(self) -> None:
+        """Re-reads the master slices from the parameters (after weights were loaded)."""
+
+    def full_state_dict(self, module: torch.nn.Module, *, rank0_only: bool) -> dict:
+        """``module.state_dict()`` with every parameter whole (gathered at stage 3); with
+        ``rank0_only`` the other ranks take part and get ``{}``."""
+
+    def state_bytes(self) -> int: ...
+
+    def destroy(self) -> None:
+        """Removes every hook this stage installed on the model."""

@@ -1,0 +1,293 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state partitioned across the ranks.
+
+``ZeroStage3`` puts the pieces together behind the ``ZeroStage`` interface:
+
+- the model's parameters are partitioned (``partition_parameters``; those built under
+  ``zero.Init`` already are), except small ones (``stage3_param_persistence_threshold``, within
+  ``stage3_model_persistence_threshold`` in all), which stay whole on every rank;
+- ``ParameterCoordinator`` gathers them per module while the model runs;
+- ``Stage3Optimizer`` is the stage-2 machinery over the shards: every partitioned parameter is a
+  bucket of its own whose rank-r shard is the parameter's ``ds_tensor`` (fp32 parameters are
+  their own master weights; fp16/bf16 ones get fp32 masters written back into ``ds_tensor`` after
+  each step), so gradients are reduce-scattered straight into the owner's shard by the C++
+  reducer, and the optimizer steps shards only; the persistent parameters share stage-2 buckets
+  (all after the partitioned ones, so they never hold back a partitioned bucket's reduction).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...ops.zero import BucketPlan, plan_buckets
+from . import partition_parameters as pp
+from .coordinator import ParameterCoordinator
+from .partitioned_optimizer import ZeroPartitionedOptimizer, _Bucket
+from .stage import PartitionLayout
+
+
+class Stage3Optimizer(ZeroPartitionedOptimizer):
+    """Stage-2 reduction and stepping over ZeRO-3 shards (see the module docstring)."""
+
+    STAGES = (3,)
+
+    def _plan(self, param_groups, reduce_bucket_size, owned_whole):
+        partitioned: list[tuple[int, torch.nn.Parameter]] = []
+        persistent: list[tuple[int, torch.nn.Parameter]] = []
+        for group_index, param_group in enumerate(param_groups):
+            for param in reversed([p for p in param_group["params"] if p.requires_grad]):
+                kind = partitioned if pp.is_partitioned(param) else persistent
+                kind.append((group_index, param))
+        if not partitioned and not persistent:
+            raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
+        plans = [
+            plan_buckets(
+                [p.ds_numel if pp.is_zero_param(p) else p.numel() for _, p in members],
+                [g for g, _ in members],
+                capacity=capacity,
+                world_size=self.world_size,
+                alignment=pp.SHARD_ALIGNMENT,
+            )
+            for members, capacity in ((partitioned, 1), (persistent, max(1, reduce_bucket_size)))
+            if members
+        ]
+        params = [p for _, p in partitioned + persistent]
+        return params, _concatenate(plans)
+
+    @staticmethod
+    def _partitioned(bucket: _Bucket) -> bool:
+        return len(bucket.params) == 1 and pp.is_partitioned(bucket.params[0])
+
+    def _view_params_in_flat(self, bucket: _Bucket) -> None:
+        if not self._partitioned(bucket):
+            super()._view_params_in_flat(bucket)
+
+    def _master_slice(self, bucket: _Bucket) -> torch.Tensor:
+        if not self._partitioned(bucket):
+            return super()._master_slice(bucket)
+        shard = bucket.params[0].ds_tensor
+        return shard if shard.dtype == torch.float32 else shard.float()
+
+    def _owned_slice_of_params(self, bucket: _Bucket, device: torch.device) -> torch.Tensor:
+        if not self._partitioned(bucket):
+            return super()._owned_slice_of_params(bucket, device)
+        return bucket.params[0].ds_tensor.float().clone()
+
+    def _launch_gather(self, bucket: _Bucket, master: torch.Tensor):
+        if not self._partitioned(bucket):
+            return super()._launch_gather(bucket, master)
+        # The next forward gathers the shard; only a low-precision copy needs writing.
+        shard = bucket.params[0].ds_tensor
+        if shard.data_ptr() != master.data_ptr():
+            shard.copy_(master.detach())
+        return bucket, None, [], True
+
+
+def _concatenate(plans: list[BucketPlan]) -> BucketPlan:
+    param_bucket, param_offset, param_numel, sizes, groups = [], [], [], [], []
+    for plan in plans:
+        param_bucket.extend(b + len(sizes) for b in plan.param_bucket)
+        param_offset.extend(plan.param_offset)
+        param_numel.extend(plan.param_numel)
+        sizes.extend(plan.bucket_sizes)
+        groups.extend(plan.bucket_groups)
+    return BucketPlan(param_bucket, param_offset, param_numel, sizes, groups, plans[0].world_size)
+
+
+class ZeroStage3:
+    """The ``ZeroStage`` of stage 3 (see the module docstring). ``optimizer`` None: inference
+    or evaluation only (parameters partitioned and gathered, nothing trained)."""
+
+    stage = 3
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer,
+        param_groups: list[dict] | None,
+        *,
+        zero,
+        group,
+        device: torch.device,
+        dtype: torch.dtype | None,
+        gradient_clipping: float = 0.0,
+        loss_scaler=None,
+    ):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        partition_module(
+            module,
+            group,
+            device=device,
+            dtype=dtype,
+            param_threshold=int(zero.param_persistence_threshold),
+            model_threshold=int(zero.model_persistence_threshold),
+        )
+        self.coordinator = ParameterCoordinator(
+            module,
+            group,
+            prefetch_bucket_size=zero.prefetch_bucket_size,
+            max_live_parameters=zero.max_live_parameters,
+            max_reuse_distance=zero.max_reuse_distance,
+        )
+        self.partitioned = None
+        if optimizer is not None:
+            self.partitioned = Stage3Optimizer(
+                optimizer,
+                param_groups,
+                stage=3,
+                group=group,
+                reduce_bucket_size=int(zero.reduce_bucket_size),
+                reduce_scatter=zero.reduce_scatter,
+                gradient_clipping=gradient_clipping,
+                loss_scaler=loss_scaler,
+            )
+
+    # --- what the engine reads like an optimizer --------------------------------------------------
+    def __getattr__(self, name):
+        # optimizer, reducer, param_groups, skipped_steps, global_grad_norm, checkpoint calls
+        partitioned = self.__dict__.get("partitioned")
+        if partitioned is None:
+            raise AttributeError(f"ZeRO-3 without an optimizer has no '{name}'")
+        return getattr(partitioned, name)
+
+    def __setattr__(self, name, value):
+        if name == "skipped_steps" and self.__dict__.get("partitioned") is not None:
+            self.partitioned.skipped_steps = value
+        else:
+            object.__setattr__(self, name, value)
+
+    @property
+    def trains(self) -> bool:
+        return self.partitioned is not None
+
+    # --- training ---------------------------------------------------------------------------------
+    def begin_backward(self, boundary: bool) -> None:
+        self.partitioned.begin_backward(boundary)
+
+    def end_backward(self) -> None:
+        self.coordinator.end_pass()
+        self.partitioned.end_backward()
+
+    def step(self) -> bool:
+        return self.partitioned.step()
+
+    def zero_grad(self) -> None:
+        if self.partitioned is not None:
+            self.partitioned.zero_grad()
+
+    def describe(self) -> str:
+        units = len(self.coordinator.units)
+        reduce = self.partitioned.describe() if self.partitioned is not None else "no optimizer"
+        return f"{units} fetch units, {reduce}"
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def layout(self) -> PartitionLayout:
+        return self.partitioned.layout()
+
+    def load_shard_state(self, masters, states) -> None:
+        self.partitioned.load_shard_state(masters, states)
+        self.partitioned.write_params_from_masters()
+
+    def refresh_masters_from_params(self) -> None:
+        self.partitioned.refresh_masters_from_params()
+
+    def full_state_dict(self, module: torch.nn.Module, *, rank0_only: bool) -> dict:
+        """The module's state dict with every partitioned parameter gathered one at a time (on
+        rank 0 only with ``rank0_only``: the other ranks never hold more than one)."""
+        result = {}
+        keep = not rank0_only or self.rank == 0
+        for name, value in module.state_dict(keep_vars=True).items():
+            if pp.is_partitioned(value):
+                with pp.GatheredParameters([value]):
+                    if keep:
+                        result[name] = value.detach().clone()
+            elif keep:
+                result[name] = value.detach()
+        return result
+
+    def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
+        """Loads whole tensors: partitioned parameters keep their shard of each."""
+        rest = {}
+        current = module.state_dict(keep_vars=True)
+        for name, value in state_dict.items():
+            target = current.get(name)
+            if target is not None and pp.is_partitioned(target):
+                _load_into_shard(target, value)
+            else:
+                rest[name] = value
+        module.load_state_dict(rest, strict=False)
+
+    def destroy(self) -> None:
+        self.coordinator.destroy()
+        if self.partitioned is not None:
+            self.partitioned.destroy()
+
+
+def _load_into_shard(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    if tuple(value.shape) != param.ds_shape:
+        raise ValueError(
+            f"cannot load a tensor of shape {list(value.shape)} into ZeRO-3 parameter "
+            f"ds_id={param.ds_id} of shape {list(param.ds_shape)}"
+        )
+    rank = dist.get_rank(param.ds_group)
+    shard = param.ds_tensor
+    flat = value.reshape(-1)
+    start, end = rank * shard.numel(), min((rank + 1) * shard.numel(), flat.numel())
+    with torch.no_grad():
+        shard.zero_()
+        if end > start:
+            shard[: end - start].copy_(flat[start:end])
+
+
+def partition_module(
+    module: torch.nn.Module,
+    group,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    param_threshold: int,
+    model_threshold: int,
+) -> None:
+    """Partitions every parameter of ``module`` not yet partitioned (rank 0's values), makes
+    the small ones persistent, and moves and casts buffers and shards to ``device``/``dtype``."""
+    persistent_total = 0
+    seen = set()
+    for param in module.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        numel = param.ds_numel if pp.is_zero_param(param) else param.numel()
+        persist = numel <= param_threshold and persistent_total + numel <= model_threshold
+        if persist:
+            persistent_total += numel
+        cast = dtype if param.is_floating_point() or pp.is_zero_param(param) else None
+        if not pp.is_zero_param(param):
+            pp.partition_parameter(param, group, persist=persist, dtype=cast, device=device)
+            continue
+        if persist and pp.is_partitioned(param):
+            pp.unpartition_parameter(param)
+        elif not persist and param.ds_persist:
+            data = param.data
+            del param.ds_id
+            param.data = data
+            pp.partition_parameter(param, group, persist=False)
+        if (cast is not None and param.ds_tensor.dtype != cast) or param.ds_tensor.device != device:
+            _move_zero_param(param, device, cast or param.ds_tensor.dtype)
+    for buffer_owner in module.modules():
+        for name, buffer in buffer_owner.named_buffers(recurse=False):
+            moved = buffer.to(device)
+            if dtype is not None and buffer.is_floating_point():
+                moved = moved.to(dtype)
+            if dist.get_world_size(group) > 1:
+                dist.broadcast(moved, group_src=0, group=group)
+            buffer_owner._buffers[name] = moved
+
+
+def _move_zero_param(param, device: torch.device, dtype: torch.dtype) -> None:
+    param.ds_tensor = param.ds_tensor.to(device=device, dtype=dtype)
+    if param.ds_persist:
+        param.data = param.ds_tensor
+    else:
+        param.data = torch.empty(0, dtype=dtype, device=device)
