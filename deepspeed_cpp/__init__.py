@@ -16,7 +16,7 @@ _LAZY = {
     "add_config_arguments": ".runtime.initialize",
     "DeepSpeedEngine": ".runtime.engine",
 }
-_LAZY_MODULES = ("accelerator", "moe", "runtime", "utils")
+_LAZY_MODULES = ("accelerator", "moe", "runtime", "utils", "zero")
 
 
 def __getattr__(name: str):

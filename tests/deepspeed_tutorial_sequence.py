@@ -129,7 +129,9 @@ class Net(nn.Module):
 
 
 def parameter_digest(module):
-    flat = torch.cat([p.detach().float().flatten() for p in module.parameters()])
+    # Under ZeRO-3 the parameters are partitioned: gathered for the digest (a no-op otherwise).
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        flat = torch.cat([p.detach().float().flatten() for p in module.parameters()])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 

@@ -122,7 +122,9 @@ def test_every_config_is_accepted_by_the_engine():
     # One plain process (a world of one) builds an engine from each file and takes two steps:
     # the engine rejects unknown keys, so this proves every key of every file is understood.
     paths = [
-        f"ds_config_zero{stage}_{dtype}.json" for stage in (0, 1, 2) for dtype in ("fp32", "bf16")
+        f"ds_config_zero{stage}_{dtype}.json"
+        for stage in (0, 1, 2, 3)
+        for dtype in ("fp32", "bf16")
     ]
     for path in paths:
         config = json.loads((EXAMPLE_DIR / path).read_text())
@@ -168,6 +170,12 @@ def test_example_zero2_two_processes_learns(tmp_path):
     assert losses[-1] < 0.85 * losses[0], losses
     assert metrics["final_test_accuracy"] > 0.3, metrics["final_test_accuracy"]  # chance: 0.1
     assert "Accuracy of the network on the 2000 test images" in run.stdout
+    # ZeRO-3 (two of the four weights partitioned, the small ones persistent) trains the same
+    # network on the same data: the same curve up to float32 reduction order.
+    _, zero3 = run_example(tmp_path / "zero3", "ds_config_zero3_fp32.json", 120, 20)
+    zero3_losses = [loss for _, loss in zero3["loss_curve"]]
+    assert zero3_losses == pytest.approx(losses, rel=1e-3), (zero3_losses, losses)
+    assert abs(zero3["final_test_accuracy"] - metrics["final_test_accuracy"]) <= 0.01
 
 
 # ---- DeepSpeedExamples' CIFAR-10 API sequence ----------------------------------------------
@@ -184,6 +192,8 @@ SEQUENCE = REPO_ROOT / "tests" / "deepspeed_tutorial_sequence.py"
         (0, "bf16", ["--moe-param-group"]),
         (1, "bf16", []),
         (2, "bf16", ["--moe-param-group"]),
+        (3, "fp32", ["--moe-param-group"]),
+        (3, "bf16", []),
     ],
 )
 def test_deepspeed_examples_api_sequence(tmp_path, stage, dtype, extra):

@@ -22,6 +22,7 @@ the same order, as ZeRO-3 requires (see ``check_same_order``).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ...ops.zero import make_fetch_schedule
 from ...utils.logging import logger
@@ -38,8 +39,12 @@ class ParameterCoordinator:
         max_live_parameters: int,
         max_reuse_distance: int,
     ):
-        self.group = group
         self.module = module
+        self.world_size = dist.get_world_size(group)
+        # Gathers and use checks get a group of their own (see the module docstring).
+        self.fetch_group = (
+            dist.new_group(dist.get_process_group_ranks(group)) if self.world_size > 1 else None
+        )
         self.unit_of_module: dict[int, int] = {}
         self.units: list[list[torch.nn.Parameter]] = []
         self.unit_names: list[str] = []
@@ -53,7 +58,10 @@ class ParameterCoordinator:
                 self.units.append(list(params.values()))
                 self.unit_names.append(name or "<root>")
         self.schedule = make_fetch_schedule(
-            [sum(pp.padded_numel(p.ds_numel, 1) for p in unit) for unit in self.units],
+            [
+                sum(pp.padded_numel(p.ds_numel, self.world_size) for p in unit)
+                for unit in self.units
+            ],
             prefetch_bucket_size=int(prefetch_bucket_size),
             max_live_parameters=int(max_live_parameters),
             max_reuse_distance=int(max_reuse_distance),
@@ -129,10 +137,11 @@ class ParameterCoordinator:
 
     # --- fetch and release ------------------------------------------------------------------------
     def fetch(self, unit: int) -> None:
+        self._agree_on_use(unit)
         for gathered in self.schedule.on_use(unit):
             self._held[gathered] = True
             for param in self.units[gathered]:
-                pp.launch_gather(param)
+                pp.launch_gather(param, self.fetch_group)
         if self.schedule.diverged() and self._logged_divergence < self.schedule.divergences():
             self._logged_divergence = self.schedule.divergences()
             if self._logged_divergence == 1:
@@ -153,12 +162,36 @@ class ParameterCoordinator:
         for param in self.units[unit]:
             pp.release(param)
 
+    _END = -1
+
+    def _agree_on_use(self, unit: int) -> None:
+        """Raises on every rank when the ranks are not all about to use ``unit`` (``_END``: at
+        the end of the pass)."""
+        if self.fetch_group is None:
+            return
+        mine = torch.tensor([unit], dtype=torch.int64)
+        every = torch.empty(self.world_size, dtype=torch.int64)
+        dist.all_gather_into_tensor(every, mine, group=self.fetch_group)
+        uses = every.tolist()
+        if len(set(uses)) == 1:
+            return
+        described = ", ".join(
+            f"rank {r}: {'end of the pass' if u == self._END else repr(self.unit_names[u])}"
+            for r, u in enumerate(uses)
+        )
+        raise RuntimeError(
+            f"ZeRO-3: the ranks ran different modules at the same point of a forward/backward "
+            f"pass ({described}); every rank must run the modules that have partitioned "
+            f"parameters in the same order, because their parameters are gathered collectively"
+        )
+
     def end_pass(self) -> None:
         """Releases every unit still held and lets the schedule adopt or drop its trace."""
+        self._pass_open = False
+        self._agree_on_use(self._END)
         for unit in self.schedule.end_pass():
             if self._held[unit]:
                 self._release(unit)
-        self._pass_open = False
 
     # --- accounting and teardown ------------------------------------------------------------------
     def live_numel(self) -> int:
@@ -175,6 +208,9 @@ class ParameterCoordinator:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self.fetch_group is not None:
+            dist.destroy_process_group(self.fetch_group)
+            self.fetch_group = None
         for submodule in self.module.modules():
             unit = self.unit_of_module.get(id(submodule))
             if unit is not None:

@@ -108,13 +108,20 @@ def unpartition_parameter(param: torch.nn.Parameter) -> None:
     param.ds_tensor = param.data
 
 
-def launch_gather(param: torch.nn.Parameter) -> None:
-    """Starts gathering ``param`` (and counts one more holder); a parameter already whole or in
-    flight is only counted. Every rank must launch the same gathers in the same order."""
+def launch_gather(param: torch.nn.Parameter, group=None) -> None:
+    """Starts gathering ``param`` (and counts one more holder) over ``group`` (default: the
+    group it was partitioned over, or another of the same ranks); a parameter already whole or
+    in flight is only counted. Every rank must launch the same gathers in the same order."""
+    if param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.data.numel() != 0:
+        raise RuntimeError(
+            f"ZeRO-3 parameter ds_id={param.ds_id} (shape {list(param.ds_shape)}) was given new "
+            f"data of shape {list(param.data.shape)} while partitioned; change a partitioned "
+            f"parameter inside deepspeed_cpp.zero.GatheredParameters(..., modifier_rank=...)"
+        )
     param.ds_active += 1
     if param.ds_persist or param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
         return
-    group = param.ds_group
+    group = group if group is not None else param.ds_group
     world, _ = _world(group)
     shard = param.ds_tensor
     full = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
