@@ -336,6 +336,22 @@ class DeepSpeedEngine(torch.nn.Module):
             self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
         )
 
+    def save_16bit_model(
+        self, save_dir, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters=False
+    ) -> bool:
+        """Writes the whole model's ``state_dict`` (its own dtype) to ``save_dir/save_filename``
+        from rank 0, atomically; safetensors when the name ends in ``.safetensors``. Under ZeRO-3
+        only with ``stage3_gather_16bit_weights_on_model_save`` (parameters gathered one at a
+        time to rank 0); without it nothing is saved and False is returned, as in DeepSpeed.
+        Every rank must call it."""
+        from .checkpoint.model_save import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name for ``save_16bit_model``."""
+        return self.save_16bit_model(save_dir, save_filename)
+
     def load_checkpoint(
         self,
         load_dir,
@@ -350,7 +366,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
         Returns ``(path, client_state)``, or ``(None, None)`` when no tag is given and there is
         no ``latest`` file. The checkpoint may come from another world size or ZeRO stage
-        (0-2): it is resharded. Every rank must call it.
+        (0-3): it is resharded. Every rank must call it.
         """
         if custom_load_fn is not None:
             raise NotImplementedError(

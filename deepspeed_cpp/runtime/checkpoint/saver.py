@@ -44,6 +44,7 @@ from .layout import (
     read_latest_tag,
 )
 from .metadata import ZeroLayout, dtype_name, names_by_parameter, plain, to_json_text
+from .model_save import share_tied
 from .rank_agreement import agree_on
 from .reshard import classify_state
 from .rng_state import capture_rng_states
@@ -104,7 +105,9 @@ def _module_payload(engine, state_dict: dict, exclude_frozen_parameters: bool) -
     }
 
 
-def _write_rank_files(engine, staging: Path, client_state, exclude_frozen: bool) -> list[dict]:
+def _write_rank_files(
+    engine, staging: Path, client_state, exclude_frozen: bool, state_dict: dict
+) -> list[dict]:
     rank = engine.global_rank
     if before_rank_files is not None:
         before_rank_files(staging, rank)
@@ -119,10 +122,8 @@ def _write_rank_files(engine, staging: Path, client_state, exclude_frozen: bool)
         {"name": shard_name, "role": f"shard of rank {rank}", "rank": rank,
          "bytes": save_torch_atomically(shard, staging / shard_name)}
     ]  # fmt: skip
-    # Collective at ZeRO-3 (the parameters are gathered to rank 0), so every rank takes part.
-    state_dict = engine.full_module_state_dict(rank0_only=True)
     if rank == 0:
-        module = _module_payload(engine, state_dict, exclude_frozen)
+        module = _module_payload(engine, share_tied(engine.module, state_dict), exclude_frozen)
         written.append(
             {"name": MODULE_FILE, "role": "module states", "rank": 0,
              "bytes": save_torch_atomically(module, staging / MODULE_FILE)}
@@ -242,8 +243,20 @@ def save_checkpoint(
         what=f"checkpoint '{tag}': creating {staging} ({unchanged})",
         error_type=CheckpointSaveError,
     )
+    # ZeRO-3 gathers the parameters to rank 0 one at a time: collectives, so they run in a step
+    # of their own, before any rank-local failure (a full disk) could leave the other ranks
+    # waiting in a gather. The other ranks keep nothing; rank 0 keeps the consolidated state.
+    module_state: dict = {}
+    agree_on(
+        lambda: module_state.update(engine.full_module_state_dict(rank0_only=True)),
+        group=group,
+        what=f"checkpoint '{tag}': gathering the module state to rank 0 ({unchanged})",
+        error_type=CheckpointSaveError,
+    )
     written = agree_on(
-        lambda: _write_rank_files(engine, staging, client_state or {}, exclude_frozen_parameters),
+        lambda: _write_rank_files(
+            engine, staging, client_state or {}, exclude_frozen_parameters, module_state
+        ),
         group=group,
         what=f"checkpoint '{tag}': writing the rank files into {staging} ({unchanged})",
         error_type=CheckpointSaveError,
