@@ -302,15 +302,26 @@ def module_only_job(directory: str, seed: int):
     engine.load_checkpoint(directory, load_module_only=True)
     steps, loaded = engine.global_steps, weights(engine)
     train(engine, global_batches(seed + 2, 1))
-    return weights(source), steps, loaded, weights(engine)
+
+    # A ZeRO-3 engine without an optimizer (inference) loads the weights into its shards.
+    import deepspeed_cpp as deepspeed
+
+    zero = {"stage": 3, "stage3_param_persistence_threshold": PERSIST}
+    inference, *_ = deepspeed.initialize(
+        model=make_model(seed + 3),
+        config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero},
+    )
+    inference.load_checkpoint(directory)
+    return weights(source), steps, loaded, weights(engine), weights(inference)
 
 
 def test_load_module_only(pools, tmp_path):
     seed = int(torch.randint(0, 2**30, (1,)))
     results = pools(2).run(module_only_job, str(tmp_path), seed)
-    saved, steps, loaded, trained = results[0]
+    saved, steps, loaded, trained, inference = results[0]
     assert steps == 0
     _assert_same(saved, loaded, "weights")
+    _assert_same(saved, inference, "inference engine")
     for other in results[1:]:
         _assert_same(other[3], trained, "ranks agree")
     # Training restarts from the loaded weights (the fp32 masters re-read from them) with a

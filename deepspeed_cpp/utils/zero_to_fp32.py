@@ -1,4 +1,4 @@
-"""Consolidates a deepspeed_cpp ZeRO checkpoint (stages 0-2, any world size) into one fp32
+"""Consolidates a deepspeed_cpp ZeRO checkpoint (stages 0-3, any world size) into one fp32
 ``state_dict``, with no engine and no process group.
 
 ```

@@ -5,8 +5,9 @@ engine as it was. Every rank reads the module-states file and the parts of the s
 own slices need (through the saved layout: the checkpoint may come from another world size or
 another ZeRO stage, see ``reshard.py``), and the ranks agree that all of them succeeded.
 
-Cross-stage loading: stages 0, 1 and 2 keep the same fp32 masters and element-wise optimizer
-state, only cut differently, so a checkpoint from any of them loads into any of them.
+Cross-stage loading: stages 0-3 keep the same fp32 masters and element-wise optimizer state,
+only cut differently (at stage 3 each partitioned parameter is a bucket of its own), so a
+checkpoint from any of them loads into any of them.
 """
 
 from __future__ import annotations
