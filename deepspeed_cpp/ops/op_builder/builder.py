@@ -125,12 +125,15 @@ class OpBuilder:
         return [root / source for source in self.sources()]
 
     def source_digest(self) -> str:
-        """Digest of torch's version, the flags, this op's sources and every header in csrc/."""
+        """Digest of torch's version, the flags, this op's sources and every header in csrc/, and
+        where csrc/ is: a build's ninja file names its sources by absolute path, so two checkouts
+        of the same sources must not take turns rebuilding one cache folder."""
         import torch
 
         root = csrc_dir()
         digest = hashlib.sha256()
         digest.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}".encode())
+        digest.update(str(root.resolve()).encode())
         flags = self.extra_cflags() + self.extra_ldflags() + self.extra_cuda_cflags()
         digest.update("|".join(flags).encode())
         headers = sorted(p for p in root.rglob("*") if p.suffix in (".h", ".cuh", ".hpp"))
