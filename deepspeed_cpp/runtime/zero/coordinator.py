@@ -76,6 +76,9 @@ class ParameterCoordinator:
         self._pass_open = False
         self._logged_divergence = 0
         self._hooks = []
+        # A destroyed engine's guards would refuse every forward of this new one.
+        for handle in module.__dict__.pop("_ds_destroyed_guards", ()):
+            handle.remove()
         self._install_hooks()
 
     # --- hooks ------------------------------------------------------------------------------------
@@ -216,6 +219,8 @@ class ParameterCoordinator:
             if unit is not None:
                 name = self.unit_names[unit]
                 self._hooks.append(submodule.register_forward_pre_hook(_destroyed_guard(name)))
+        # Kept on the model so that the next engine's coordinator removes them.
+        self.module.__dict__["_ds_destroyed_guards"] = list(self._hooks)
 
 
 def _destroyed_guard(name: str):
