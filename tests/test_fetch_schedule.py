@@ -91,13 +91,14 @@ def test_max_live_cuts_prefetch_but_demand_goes_over_budget():
     sched.reset_peak()
     got = drive(sched, chain(CHAIN))
     # use 0: 10 + 20 = 30 fits, + 30 does not. Unit 3 (40) alone exceeds the budget: fetched
-    # anyway when demanded, and nothing else is prefetched while over.
+    # anyway when demanded, and nothing else is prefetched while over; not kept for its reuse
+    # right after either (that would stay over the budget).
     assert got == [
         [0, 1], True,
         [], True,
         [2], True,
-        [3], False,
-        [], True,
+        [3], True,
+        [3], True,
         [2], True,
         [1, 0], True,
         [], True,
@@ -129,6 +130,17 @@ def test_reuse_distance_boundary_is_inclusive(reuse, keeps_2):
     assert got[10] == ([] if keeps_2 else [2])  # use 2 in backward
     # Unit 0's next use is 180 elements away, 1's 140: released.
     assert got[1] is True and got[3] is True
+
+
+def test_reuse_is_kept_only_within_the_live_budget():
+    # Every next use is within the reuse distance; units 0 and 1 (30 elements) are kept, but
+    # keeping unit 2 too would leave 60 gathered with a budget of 50: released.
+    sched = schedule(bucket=0, live=50, reuse=1000)
+    drive(sched, chain(CHAIN))
+    got = drive(sched, chain(CHAIN))
+    assert got[1] is False and got[3] is False  # done 0, done 1: kept
+    assert got[5] is True  # done 2 in forward
+    assert got[10] == [2]  # gathered again for its backward
 
 
 def test_unit_used_twice_in_one_forward():
@@ -270,7 +282,12 @@ class ReferenceSchedule:
 
     def on_done(self, unit):
         assert unit in self.gathered
-        if self.replay and not self.div and unit in self.trace[self.pos :]:
+        if (
+            self.replay
+            and not self.div
+            and self.live() <= self.max_live
+            and unit in self.trace[self.pos :]
+        ):
             nxt = self.trace.index(unit, self.pos)
             if sum(self.numel[t] for t in self.trace[self.pos : nxt]) <= self.reuse:
                 return False

@@ -113,7 +113,9 @@ bool FetchSchedule::on_done(int64_t unit) {
     throw std::invalid_argument("FetchSchedule.on_done: unit " + std::to_string(unit) +
                                 " is not gathered");
   }
-  if (replay_ready_ && !diverged_) {
+  // Kept for a reuse only while the gathered total stays within max_live_parameters (DeepSpeed's
+  // "resident before releasing"), so that a long reuse distance cannot hold the whole model.
+  if (replay_ready_ && !diverged_ && live_numel_ <= max_live_parameters_) {
     // Next use at or after the next expected entry; the distance counts every trace entry
     // strictly between (repeats included), as DeepSpeed counts numel fetched in between.
     const std::vector<int64_t>& at = positions_[unit];

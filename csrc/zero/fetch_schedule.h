@@ -17,7 +17,8 @@ class FetchSchedule {
   //  - prefetch_bucket_size: most elements gathered ahead of their use (0: gather on demand only);
   //  - max_live_parameters: prefetch never takes the gathered total above this (a demanded unit
   //    is still gathered beyond it: progress over budget);
-  //  - max_reuse_distance: on_done keeps a unit whose next use is at most this many elements away.
+  //  - max_reuse_distance: on_done keeps a unit whose next use is at most this many elements away
+  //    (and only while the gathered total is within max_live_parameters).
   // Throws std::invalid_argument naming the bad value.
   FetchSchedule(std::vector<int64_t> unit_numel, int64_t prefetch_bucket_size,
                 int64_t max_live_parameters, int64_t max_reuse_distance);
