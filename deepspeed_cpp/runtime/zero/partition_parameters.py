@@ -48,6 +48,13 @@ def is_partitioned(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id") and not param.ds_persist
 
 
+def describe(param: torch.Tensor) -> str:
+    """``'name' (ds_id=N, shape [...])``: names are known once an engine has seen the model."""
+    name = getattr(param, "ds_name", None)
+    where = f"'{name}' " if name else ""
+    return f"{where}(ds_id={param.ds_id}, shape {list(param.ds_shape)})"
+
+
 def padded_numel(numel: int, world_size: int) -> int:
     multiple = world_size * SHARD_ALIGNMENT
     return max(1, -(-numel // multiple)) * multiple
@@ -114,7 +121,7 @@ def launch_gather(param: torch.nn.Parameter, group=None) -> None:
     in flight is only counted. Every rank must launch the same gathers in the same order."""
     if param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.data.numel() != 0:
         raise RuntimeError(
-            f"ZeRO-3 parameter ds_id={param.ds_id} (shape {list(param.ds_shape)}) was given new "
+            f"ZeRO-3 parameter {describe(param)} was given new "
             f"data of shape {list(param.data.shape)} while partitioned; change a partitioned "
             f"parameter inside deepspeed_cpp.zero.GatheredParameters(..., modifier_rank=...)"
         )
@@ -151,17 +158,14 @@ def release(param: torch.nn.Parameter) -> None:
     """One holder lets go; the last one frees the whole tensor (waiting for a gather still in
     flight first: its buffer may not be freed under a running collective)."""
     if param.ds_active <= 0:
-        raise RuntimeError(
-            f"ZeRO-3 parameter ds_id={param.ds_id} (shape {list(param.ds_shape)}) released more "
-            f"often than gathered"
-        )
+        raise RuntimeError(f"ZeRO-3 parameter {describe(param)} released more often than gathered")
     param.ds_active -= 1
     if param.ds_active or param.ds_persist:
         return
     wait_gather(param)
     if param.data.numel() != param.ds_numel or tuple(param.data.shape) != param.ds_shape:
         raise RuntimeError(
-            f"ZeRO-3 parameter ds_id={param.ds_id} changed shape while gathered: it was "
+            f"ZeRO-3 parameter {describe(param)} changed shape while gathered: it was "
             f"{list(param.ds_shape)}, it is {list(param.data.shape)}; a partitioned parameter's "
             f"shape is fixed (re-create it under zero.Init to change it)"
         )

@@ -229,7 +229,7 @@ def _load_into_shard(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     if tuple(value.shape) != param.ds_shape:
         raise ValueError(
             f"cannot load a tensor of shape {list(value.shape)} into ZeRO-3 parameter "
-            f"ds_id={param.ds_id} of shape {list(param.ds_shape)}"
+            f"{pp.describe(param)}"
         )
     rank = dist.get_rank(param.ds_group)
     shard = param.ds_tensor
@@ -254,6 +254,9 @@ def partition_module(
     the small ones persistent, and moves and casts buffers and shards to ``device``/``dtype``."""
     persistent_total = 0
     seen = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if getattr(param, "ds_name", None) is None:
+            param.ds_name = name  # for error messages
     for param in module.parameters():
         if id(param) in seen:
             continue
