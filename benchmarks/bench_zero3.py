@@ -21,7 +21,8 @@ The same ~50M-parameter transformer as ``bench_zero.py``, N processes on gloo (C
 DeepSpeed runs when it can be imported (with ``--deepspeed-path`` prepended to ``sys.path`` in
 its rank processes only) with ``DS_ACCELERATOR=cpu``; otherwise the tables say why and go on.
 Both ZeRO-3s get the same ``zero_optimization`` keys (reduce bucket ``--bucket``, prefetch bucket
-``--prefetch`` elements; persistence threshold, live and reuse limits at DeepSpeed's defaults).
+``--prefetch``, reuse distance ``--max-reuse-distance`` elements; persistence threshold and live
+limit at DeepSpeed's defaults).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def stage3_keys(args) -> dict:
         "stage3_prefetch_bucket_size": int(args.prefetch),
         "stage3_param_persistence_threshold": 100_000,
         "stage3_max_live_parameters": 1_000_000_000,
-        "stage3_max_reuse_distance": 1_000_000_000,
+        "stage3_max_reuse_distance": int(args.max_reuse_distance),
     }
 
 
@@ -327,6 +328,10 @@ def main() -> None:
     add_model_args(parser)
     parser.add_argument("--prefetch", type=float, default=5e6,
                         help="stage3_prefetch_bucket_size (elements), both ZeRO-3s")  # fmt: skip
+    parser.add_argument("--max-reuse-distance", type=float, default=1e9,
+                        help="stage3_max_reuse_distance (elements), both ZeRO-3s; DeepSpeed's "
+                        "default keeps every parameter gathered from its forward to its backward; "
+                        "0 gathers it again for the backward (less memory)")  # fmt: skip
     parser.add_argument("--deepspeed-path", default="", help="prepended to sys.path for DeepSpeed")
     parser.add_argument("--rss-rounds", type=int, default=3)
     parser.add_argument("--memory-steps", type=int, default=2)
