@@ -103,14 +103,11 @@ def zero_config(args, stage: int, **zero) -> dict:
     }
 
 
-def build_zero(args, stage: int, prepare=None, **zero):
-    """(phases, engine) of deepspeed_cpp at ``stage`` over ``make_model`` (given to
-    ``prepare`` first when set)."""
+def build_zero(args, stage: int, **zero):
+    """(phases, engine) of deepspeed_cpp at ``stage`` over ``make_model``."""
     import deepspeed_cpp
 
     model = make_model(args.layers, args.width, VOCAB, 0)
-    if prepare is not None:
-        prepare(model)
     engine, _, _, _ = deepspeed_cpp.initialize(model=model, config=zero_config(args, stage, **zero))
     return engine_phases(engine), engine
 

@@ -89,24 +89,13 @@ def build_deepspeed(args):
     return engine_phases(engine), engine
 
 
-def register_out_proj(model: torch.nn.Module) -> None:
-    """nn.MultiheadAttention reads ``out_proj.weight`` in its own forward and never calls
-    ``out_proj``: our ZeRO-3 gathers it only when told (DeepSpeed's ``register_external_parameter``;
-    DeepSpeed itself detects such reads)."""
-    from deepspeed_cpp.runtime.zero.partition_parameters import register_external_parameter
-
-    for module in model.modules():
-        if isinstance(module, torch.nn.MultiheadAttention):
-            register_external_parameter(module, module.out_proj.weight)
-
-
 def build(name: str, args):
     if name == DDP:
         return build_ddp(args)
     if name == OURS2:
         return build_zero(args, 2)
     if name == OURS3:
-        return build_zero(args, 3, prepare=register_out_proj, **stage3_keys(args))
+        return build_zero(args, 3, **stage3_keys(args))
     if name == FSDP2:
         return build_fsdp2(args)
     return build_deepspeed(args)

@@ -84,14 +84,18 @@ class ParameterCoordinator:
     # --- hooks ------------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
         self._hooks.append(self.module.register_forward_pre_hook(self._root_pre_forward))
+        # Units each module needs: its own (first), then those it was seen to borrow.
+        self._module_units: dict[int, list[int]] = {}
+        self._running: list[int] = []  # ids of the modules whose forward is under way
         for submodule in self.module.modules():
             unit = self.unit_of_module.get(id(submodule))
-            self._hooks.append(
-                submodule.register_forward_pre_hook(self._make_pre_forward(submodule, unit))
-            )
-            if unit is None:
-                continue
-            self._hooks.append(submodule.register_forward_hook(self._make_post_forward(unit)))
+            self._module_units[id(submodule)] = [] if unit is None else [unit]
+            self._hooks.append(submodule.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(submodule.register_forward_hook(self._post_forward))
+            if any(pp.is_partitioned(p) for p in submodule._parameters.values() if p is not None):
+                submodule.__dict__["_parameters"] = _FetchOnAccess(
+                    submodule._parameters, self._fetch_on_access
+                )
         seen = set()
         for unit in self.units:
             for param in unit:
@@ -105,30 +109,43 @@ class ParameterCoordinator:
         if self._pass_open:
             self.end_pass()  # the previous forward had no backward (evaluation)
         self._pass_open = True
+        self._running.clear()  # a forward that raised left its modules on the stack
 
-    def _make_pre_forward(self, submodule: torch.nn.Module, unit: int | None):
-        def pre_forward(module, inputs) -> None:
-            _check_registered(submodule, self.module)
-            if unit is not None:
-                self.fetch(unit)
+    def _pre_forward(self, module, inputs) -> None:
+        _check_registered(module)
+        self._running.append(id(module))
+        for unit in self._module_units[id(module)]:
+            self.fetch(unit)
 
-        return pre_forward
-
-    def _make_post_forward(self, unit: int):
-        def post_forward(module, inputs, output) -> None:
+    def _post_forward(self, module, inputs, output) -> None:
+        self._running.pop()
+        units = list(self._module_units[id(module)])
+        for unit in units:
             self.done(unit)
-            if torch.is_grad_enabled():
-                tensors = [t for t in _tensors_in(output) if t.requires_grad]
-                if tensors:
-                    torch.autograd.graph.register_multi_grad_hook(
-                        tensors, lambda grads: self._pre_backward(unit), mode="any"
-                    )
+        if units and torch.is_grad_enabled():
+            tensors = [t for t in _tensors_in(output) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads: self._pre_backward(units), mode="any"
+                )
 
-        return post_forward
-
-    def _pre_backward(self, unit: int) -> None:
-        self._trainable_left[unit] = sum(1 for p in self.units[unit] if p.requires_grad)
+    def _fetch_on_access(self, param: torch.nn.Parameter) -> None:
+        """A running module read a partitioned parameter it does not own (``MultiheadAttention``
+        reads ``out_proj.weight`` without calling ``out_proj``): gather it now, and from now on
+        with the module's own (the reads happen at the same point on every rank, so the gathers
+        still match)."""
+        if not self._running or not self._pass_open:
+            return  # outside a forward: the parameter stays partitioned (ds_shape tells its shape)
+        unit = self._units_of_param[id(param)][0]
+        borrowed = self._module_units[self._running[-1]]
+        if unit not in borrowed:
+            borrowed.append(unit)
         self.fetch(unit)
+
+    def _pre_backward(self, units: list[int]) -> None:
+        for unit in units:
+            self._trainable_left[unit] = sum(1 for p in self.units[unit] if p.requires_grad)
+            self.fetch(unit)
 
     def _after_accumulate(self, param: torch.Tensor) -> None:
         for unit in self._units_of_param.get(id(param), ()):
@@ -211,6 +228,9 @@ class ParameterCoordinator:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        for submodule in self.module.modules():
+            if isinstance(submodule._parameters, _FetchOnAccess):
+                submodule.__dict__["_parameters"] = dict(submodule._parameters)
         if self.fetch_group is not None:
             dist.destroy_process_group(self.fetch_group)
             self.fetch_group = None
@@ -234,7 +254,26 @@ def _destroyed_guard(name: str):
     return guard
 
 
-def _check_registered(module: torch.nn.Module, root: torch.nn.Module) -> None:
+class _FetchOnAccess(dict):
+    """A module's ``_parameters`` that reports reads of a partitioned, not gathered parameter
+    (``module.weight`` goes through ``__getitem__``; iteration does not)."""
+
+    def __init__(self, parameters: dict, on_miss):
+        super().__init__(parameters)
+        self.on_miss = on_miss
+
+    def __getitem__(self, name):
+        param = super().__getitem__(name)
+        if (
+            param is not None
+            and pp.is_partitioned(param)
+            and param.ds_status != pp.ZeroParamStatus.AVAILABLE
+        ):
+            self.on_miss(param)
+        return param
+
+
+def _check_registered(module: torch.nn.Module) -> None:
     for name, param in module.named_parameters(recurse=False):
         if not pp.is_zero_param(param):
             raise RuntimeError(

@@ -92,6 +92,7 @@ def partition_parameter(
         param.ds_active = 0
         param.ds_group = group
         param.ds_works = None
+        param.ds_whole = None
         if persist:
             param.data = data
             param.ds_tensor = data
@@ -131,7 +132,7 @@ def launch_gather(param: torch.nn.Parameter, group=None) -> None:
     group = group if group is not None else param.ds_group
     world, _ = _world(group)
     shard = param.ds_tensor
-    full = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
+    full = _whole_buffer(param, shard.numel() * world)
     if world == 1:
         full.copy_(shard)
         works = []
@@ -170,7 +171,25 @@ def release(param: torch.nn.Parameter) -> None:
             f"shape is fixed (re-create it under zero.Init to change it)"
         )
     param.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=param.ds_tensor.device)
+    # Autograd keeps views of the whole parameter that the forward made (a linear layer saves
+    # weight.t()), which would keep every gathered tensor alive until the backward; emptying
+    # the storage frees the memory now, and the next gather refills the same storage, so those
+    # views hold the right values again when the backward reads them (FSDP2 does the same).
+    param.ds_whole.untyped_storage().resize_(0)
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def _whole_buffer(param: torch.nn.Parameter, numel: int) -> torch.Tensor:
+    """The parameter's flat, padded whole tensor: one storage for its lifetime, emptied between
+    uses (see ``release``)."""
+    whole = getattr(param, "ds_whole", None)
+    shard = param.ds_tensor
+    if whole is None or whole.dtype != shard.dtype or whole.device != shard.device:
+        whole = torch.empty(numel, dtype=shard.dtype, device=shard.device)
+        param.ds_whole = whole
+    else:
+        whole.untyped_storage().resize_(numel * whole.element_size())
+    return whole
 
 
 def write_back(param: torch.nn.Parameter) -> None:

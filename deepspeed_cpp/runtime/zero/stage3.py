@@ -290,6 +290,7 @@ def partition_module(
 
 def _move_zero_param(param, device: torch.device, dtype: torch.dtype) -> None:
     param.ds_tensor = param.ds_tensor.to(device=device, dtype=dtype)
+    param.ds_whole = None
     if param.ds_persist:
         param.data = param.ds_tensor
     else:
