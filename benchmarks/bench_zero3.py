@@ -125,9 +125,9 @@ class GatherTimer:
         self.waited, self.launched = 0.0, []
         pp.launch_gather, pp.wait_gather = self._launch, self._wait
 
-    def _launch(self, param) -> None:
+    def _launch(self, param, group=None) -> None:
         starts = not param.ds_persist and param.ds_status == self.pp.ZeroParamStatus.NOT_AVAILABLE
-        self.launch(param)
+        self.launch(param, group)
         if starts:
             self.launched.append(param)
 

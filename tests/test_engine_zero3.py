@@ -163,3 +163,47 @@ def test_manual_accumulation_boundaries_equal_automatic_ones(pool2):
             assert torch.equal(manual_rank["params"][name], tensor), name
     reference = h.reference(seed, steps, 2, 2, 0.5)
     assert h.max_relative_difference(manual[0]["params"], h.named_state(reference)) <= 1e-6
+
+
+def fp16_job(stage: int, seed: int, steps: int, overflow_step: int):
+    """fp16 with dynamic loss scaling; the last rank's gradient overflows at ``overflow_step``."""
+    import deepspeed_cpp as deepspeed
+
+    config = h.config("fp32", 1, 0.5, 50)
+    config["zero_optimization"]["stage"] = stage
+    config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    model = h.make_model(seed)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    history = []
+    for step, micro_batches in enumerate(h.global_batches(seed, steps, 1, world)):
+        x, y = micro_batches[0]
+        handle = None
+        if step == overflow_step and rank == world - 1:
+            handle = engine.module.left.weight.register_hook(lambda g: g * float("inf"))
+        loss = h.loss_of(engine(h.rank_slice(x, rank)), h.rank_slice(y, rank).half())
+        engine.backward(loss)
+        engine.step()
+        if handle is not None:
+            handle.remove()
+        history.append((engine.get_loss_scale(), h.full_params(engine)))
+    return {"history": history, "skipped": engine.skipped_steps}
+
+
+def test_fp16_at_stage3_equals_stage2_and_skips_the_overflowing_step(pool2):
+    seed, steps, overflow_step = _seed(), 5, 2
+    zero2 = pool2.run(fp16_job, 2, seed, steps, overflow_step)
+    zero3 = pool2.run(fp16_job, 3, seed, steps, overflow_step)
+    for two, three in zip(zero2, zero3):
+        assert three["skipped"] == two["skipped"] == 1
+        scales = [scale for scale, _ in three["history"]]
+        assert scales == [scale for scale, _ in two["history"]]
+        assert scales[overflow_step] == scales[overflow_step - 1] / 2
+        before, during = three["history"][overflow_step - 1][1], three["history"][overflow_step][1]
+        assert all(torch.equal(before[n], during[n]) for n in before), "changed on overflow"
+        final2, final3 = two["history"][-1][1], three["history"][-1][1]
+        assert all(t.dtype == torch.float16 for t in final3.values())
+        # Same fp32 masters and updates; the fp16 copies agree to within one fp16 rounding.
+        assert h.max_relative_difference(final3, final2) <= 2**-10
+        initial = {n: p.detach().half() for n, p in h.make_model(seed).named_parameters()}
+        assert any(not torch.equal(final3[n], initial[n]) for n in final3), "nothing trained"

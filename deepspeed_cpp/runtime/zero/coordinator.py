@@ -13,10 +13,25 @@ belongs to both, and is held whole while either holds it. One pass is a forward 
   parameter of the unit (later backward nodes cannot need them), or at the end of the pass for a
   unit with frozen parameters (a later node may still read those).
 
+A module that reads a partitioned parameter it does not own during its forward
+(``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling ``out_proj``) is caught by the
+owner's ``_parameters`` mapping: the owner's unit is gathered then, and from then on together with
+the reading module's own.
+
 The schedule records the order of unit uses in the first pass and prefetches along it in later
-ones; when the order changes it falls back to fetching on demand and records again. Collectives
-follow the order of uses, which is the same on every rank when the ranks run the same modules in
-the same order, as ZeRO-3 requires (see ``check_same_order``).
+ones; when the order changes it falls back to fetching on demand and records again. Its decisions
+depend only on the sequence of uses, so ranks that run the same modules in the same order issue
+the same gathers.
+
+Ranks that do not (a data-dependent branch taken on some ranks only) would pair one rank's
+gather with another's and hang or mix up parameters. So every use is agreed first: each rank
+contributes the unit it is about to use to a one-integer-per-rank all-gather, and at the end of a
+pass an "end" marker. When the ranks disagree, every rank raises an error naming the module each
+rank was about to run. A rank launches gathers only after the check agreed, so the gathers are
+issued in the same order everywhere. The checks and the gathers run on two process groups of
+their own (the same ranks): gathers are never interleaved with the gradient reductions that
+autograd hooks launch on the engine's group and do not queue behind them, and a check does not
+queue behind the broadcasts of a prefetch (on gloo that made each check cost milliseconds).
 """
 
 from __future__ import annotations
@@ -41,10 +56,12 @@ class ParameterCoordinator:
     ):
         self.module = module
         self.world_size = dist.get_world_size(group)
-        # Gathers and use checks get a group of their own (see the module docstring).
-        self.fetch_group = (
-            dist.new_group(dist.get_process_group_ranks(group)) if self.world_size > 1 else None
-        )
+        # Gathers and use checks get groups of their own (see the module docstring).
+        ranks = dist.get_process_group_ranks(group)
+        self.fetch_group = dist.new_group(ranks) if self.world_size > 1 else None
+        self.check_group = dist.new_group(ranks) if self.world_size > 1 else None
+        first = next((p for p in module.parameters() if pp.is_zero_param(p)), None)
+        self.device = first.ds_tensor.device if first is not None else torch.device("cpu")
         self.unit_of_module: dict[int, int] = {}
         self.units: list[list[torch.nn.Parameter]] = []
         self.unit_names: list[str] = []
@@ -74,6 +91,7 @@ class ParameterCoordinator:
             for param in unit:
                 self._units_of_param.setdefault(id(param), []).append(index)
         self._pass_open = False
+        self._pending = None  # (agreement in flight, gathers to launch once it succeeds)
         self._logged_divergence = 0
         self._hooks = []
         # A destroyed engine's guards would refuse every forward of this new one.
@@ -157,11 +175,16 @@ class ParameterCoordinator:
 
     # --- fetch and release ------------------------------------------------------------------------
     def fetch(self, unit: int) -> None:
-        self._agree_on_use(unit)
-        for gathered in self.schedule.on_use(unit):
-            self._held[gathered] = True
-            for param in self.units[gathered]:
-                pp.launch_gather(param, self.fetch_group)
+        """Gathers ``unit`` for a use now (waiting for it) and launches the prefetches the
+        schedule decides. Gathers are launched only once the ranks agreed on this use; the
+        agreement is waited for at once only when ``unit`` itself must be gathered, otherwise
+        (it was prefetched) at the next fetch or release, behind this module's compute."""
+        self._settle()
+        check = self._start_check(unit)
+        launches = self.schedule.on_use(unit)
+        self._pending = (check, launches)
+        if unit in launches:
+            self._settle()
         if self.schedule.diverged() and self._logged_divergence < self.schedule.divergences():
             self._logged_divergence = self.schedule.divergences()
             if self._logged_divergence == 1:
@@ -172,8 +195,27 @@ class ParameterCoordinator:
                 )
         for param in self.units[unit]:
             pp.wait_gather(param)
+        # The agreement has usually arrived while this unit's gather was waited for: launch the
+        # prefetches now rather than after the module's compute.
+        if self._pending is not None:
+            check = self._pending[0]
+            if check is None or check[0].is_completed():
+                self._settle()
+
+    def _settle(self) -> None:
+        """Waits for the pending agreement and launches the gathers decided with it."""
+        if self._pending is None:
+            return
+        check, launches = self._pending
+        self._pending = None
+        self._finish_check(check)
+        for gathered in launches:
+            self._held[gathered] = True
+            for param in self.units[gathered]:
+                pp.launch_gather(param, self.fetch_group)
 
     def done(self, unit: int) -> None:
+        self._settle()
         if self._held[unit] and self.schedule.on_done(unit):
             self._release(unit)
 
@@ -184,14 +226,22 @@ class ParameterCoordinator:
 
     _END = -1
 
-    def _agree_on_use(self, unit: int) -> None:
-        """Raises on every rank when the ranks are not all about to use ``unit`` (``_END``: at
-        the end of the pass)."""
-        if self.fetch_group is None:
+    def _start_check(self, unit: int):
+        """Starts agreeing that every rank is about to use ``unit`` (``_END``: ends the pass):
+        a one-integer-per-rank all-gather; ``_finish_check`` raises on every rank if not."""
+        if self.check_group is None:
+            return None
+        # On the parameters' device: an NCCL group takes no CPU tensors.
+        mine = torch.tensor([unit], dtype=torch.int64, device=self.device)
+        every = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+        work = dist.all_gather_into_tensor(every, mine, group=self.check_group, async_op=True)
+        return work, every
+
+    def _finish_check(self, check) -> None:
+        if check is None:
             return
-        mine = torch.tensor([unit], dtype=torch.int64)
-        every = torch.empty(self.world_size, dtype=torch.int64)
-        dist.all_gather_into_tensor(every, mine, group=self.fetch_group)
+        work, every = check
+        work.wait()
         uses = every.tolist()
         if len(set(uses)) == 1:
             return
@@ -208,7 +258,8 @@ class ParameterCoordinator:
     def end_pass(self) -> None:
         """Releases every unit still held and lets the schedule adopt or drop its trace."""
         self._pass_open = False
-        self._agree_on_use(self._END)
+        self._settle()
+        self._finish_check(self._start_check(self._END))
         for unit in self.schedule.end_pass():
             if self._held[unit]:
                 self._release(unit)
@@ -231,9 +282,10 @@ class ParameterCoordinator:
         for submodule in self.module.modules():
             if isinstance(submodule._parameters, _FetchOnAccess):
                 submodule.__dict__["_parameters"] = dict(submodule._parameters)
-        if self.fetch_group is not None:
-            dist.destroy_process_group(self.fetch_group)
-            self.fetch_group = None
+        for name in ("fetch_group", "check_group"):
+            if getattr(self, name) is not None:
+                dist.destroy_process_group(getattr(self, name))
+                setattr(self, name, None)
         for submodule in self.module.modules():
             unit = self.unit_of_module.get(id(submodule))
             if unit is not None:
