@@ -21,7 +21,7 @@ from .zero.partitioned_optimizer import ZeroPartitionedOptimizer
 
 
 class DeepSpeedEngine(torch.nn.Module):
-    """Wraps the user's module; ``backward`` and ``step`` run ZeRO stage 0, 1 or 2.
+    """Wraps the user's module; ``backward`` and ``step`` run ZeRO stage 0, 1, 2 or 3.
 
     ``step()`` is called after every micro-batch, as with DeepSpeed: it steps the optimizer only
     at gradient-accumulation boundaries and otherwise just counts the micro-step.
@@ -61,6 +61,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._is_boundary_override: bool | None = None
         self.module = model
         if self.zero_optimization_stage() < 3:
+            _refuse_partitioned_parameters(model, self.zero_optimization_stage())
             self.module.to(self.device)
             if self.fp16_enabled():
                 self.module.half()
@@ -150,6 +151,8 @@ class DeepSpeedEngine(torch.nn.Module):
         from .zero.stage3 import ZeroStage3
 
         optimizer = client_optimizer
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._check_optimizer_covers_module(optimizer)
         if optimizer is None and self.config.optimizer is not None:
             optimizer = config_optimizer_factory(
                 self.config.optimizer.type, self.config.optimizer.params, self.device
@@ -442,3 +445,13 @@ def _release_previous_engine(model: torch.nn.Module) -> None:
     if previous is not None:
         logger.info("deepspeed_cpp: the model had an engine; destroying its hooks first")
         previous.destroy()
+
+
+def _refuse_partitioned_parameters(model: torch.nn.Module, stage: int) -> None:
+    for name, param in model.named_parameters():
+        if hasattr(param, "ds_id") and not param.ds_persist:
+            raise ValueError(
+                f"parameter '{name}' is partitioned by ZeRO-3 (built under zero.Init or by a "
+                f"ZeRO-3 engine) but the config asks for ZeRO stage {stage}; use stage 3, or "
+                f"build the model outside zero.Init"
+            )

@@ -59,9 +59,9 @@ class ParameterCoordinator:
         # Gathers and use checks get groups of their own (see the module docstring).
         ranks = dist.get_process_group_ranks(group)
         self.fetch_group = dist.new_group(ranks) if self.world_size > 1 else None
-        self.check_group = dist.new_group(ranks) if self.world_size > 1 else None
-        first = next((p for p in module.parameters() if pp.is_zero_param(p)), None)
-        self.device = first.ds_tensor.device if first is not None else torch.device("cpu")
+        # gloo whatever the accelerator: a check is one integer per rank, and reading it on the
+        # host must not wait for a device stream.
+        self.check_group = dist.new_group(ranks, backend="gloo") if self.world_size > 1 else None
         self.unit_of_module: dict[int, int] = {}
         self.units: list[list[torch.nn.Parameter]] = []
         self.unit_names: list[str] = []
@@ -137,6 +137,10 @@ class ParameterCoordinator:
 
     def _post_forward(self, module, inputs, output) -> None:
         self._running.pop()
+        if torch._C._current_graph_task_id() != -1:
+            # A forward run again inside the backward (activation checkpointing recomputes):
+            # its unit is held for this backward and released after it, not now.
+            return
         units = list(self._module_units[id(module)])
         for unit in units:
             self.done(unit)
@@ -178,7 +182,9 @@ class ParameterCoordinator:
         """Gathers ``unit`` for a use now (waiting for it) and launches the prefetches the
         schedule decides. Gathers are launched only once the ranks agreed on this use; the
         agreement is waited for at once only when ``unit`` itself must be gathered, otherwise
-        (it was prefetched) at the next fetch or release, behind this module's compute."""
+        (it was prefetched) at the next fetch or release, behind this module's compute. Both
+        are points every rank reaches in the same order, so the gathers interleave with the
+        gradient reductions identically on every rank (NCCL needs that across groups)."""
         self._settle()
         check = self._start_check(unit)
         launches = self.schedule.on_use(unit)
@@ -195,12 +201,6 @@ class ParameterCoordinator:
                 )
         for param in self.units[unit]:
             pp.wait_gather(param)
-        # The agreement has usually arrived while this unit's gather was waited for: launch the
-        # prefetches now rather than after the module's compute.
-        if self._pending is not None:
-            check = self._pending[0]
-            if check is None or check[0].is_completed():
-                self._settle()
 
     def _settle(self) -> None:
         """Waits for the pending agreement and launches the gathers decided with it."""
@@ -231,9 +231,8 @@ class ParameterCoordinator:
         a one-integer-per-rank all-gather; ``_finish_check`` raises on every rank if not."""
         if self.check_group is None:
             return None
-        # On the parameters' device: an NCCL group takes no CPU tensors.
-        mine = torch.tensor([unit], dtype=torch.int64, device=self.device)
-        every = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+        mine = torch.tensor([unit], dtype=torch.int64)
+        every = torch.empty(self.world_size, dtype=torch.int64)
         work = dist.all_gather_into_tensor(every, mine, group=self.check_group, async_op=True)
         return work, every
 

@@ -326,6 +326,15 @@ class Init:
             raise NotImplementedError("zero.Init(mpu=...): model parallelism is not supported")
         self.enabled = enabled
         self.group = data_parallel_group
+        self.device = None
+        if enabled:
+            from ...accelerator import get_accelerator
+            from ...comm import init_distributed
+
+            # As DeepSpeed: shards must be split over the real world size, and live on the
+            # accelerator (an NCCL group takes no CPU tensors).
+            init_distributed()
+            self.device = torch.device(get_accelerator().current_device_name())
         self.persistence_threshold, config_dtype = _init_settings(config_dict_or_path or config)
         self.dtype = dtype or config_dtype
         self._patched: list[tuple[type, str, object]] = []
@@ -341,6 +350,7 @@ class Init:
                     self.group,
                     persist=param.numel() <= self.persistence_threshold,
                     dtype=self.dtype if param.is_floating_point() else None,
+                    device=self.device,
                 )
 
     def _wrap(self, cls: type) -> None:

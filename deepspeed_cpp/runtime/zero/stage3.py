@@ -31,6 +31,11 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
 
     STAGES = (3,)
 
+    def __init__(self, optimizer, param_groups, *, model_order: dict[int, int], **kwargs):
+        """``model_order``: ``id(param)`` -> its position in the model's registration order."""
+        self.model_order = model_order
+        super().__init__(optimizer, param_groups, **kwargs)
+
     def _plan(self, param_groups, reduce_bucket_size, owned_whole):
         partitioned: list[tuple[int, torch.nn.Parameter]] = []
         persistent: list[tuple[int, torch.nn.Parameter]] = []
@@ -38,6 +43,11 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
             for param in reversed([p for p in param_group["params"] if p.requires_grad]):
                 kind = partitioned if pp.is_partitioned(param) else persistent
                 kind.append((group_index, param))
+        # The reducer launches buckets strictly in order: put each partitioned parameter where
+        # its gradient usually arrives, reverse registration order in the model, not group order
+        # (layer-wise learning-rate groups would otherwise hold back every later bucket).
+        position = self.model_order
+        partitioned.sort(key=lambda item: -position.get(id(item[1]), -1))
         if not partitioned and not persistent:
             raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
         plans = [
@@ -61,6 +71,9 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
     def _view_params_in_flat(self, bucket: _Bucket) -> None:
         if not self._partitioned(bucket):
             super()._view_params_in_flat(bucket)
+            for param in bucket.params:  # a persistent parameter's ds_tensor is itself
+                if pp.is_zero_param(param):
+                    param.ds_tensor = param.data
 
     def _master_slice(self, bucket: _Bucket) -> torch.Tensor:
         if not self._partitioned(bucket):
@@ -132,10 +145,13 @@ class ZeroStage3:
             max_reuse_distance=zero.max_reuse_distance,
         )
         self.partitioned = None
-        if optimizer is not None:
+        if optimizer is None:
+            return
+        try:
             self.partitioned = Stage3Optimizer(
                 optimizer,
                 param_groups,
+                model_order={id(p): i for i, p in enumerate(module.parameters())},
                 stage=3,
                 group=group,
                 reduce_bucket_size=int(zero.reduce_bucket_size),
@@ -143,6 +159,9 @@ class ZeroStage3:
                 gradient_clipping=gradient_clipping,
                 loss_scaler=loss_scaler,
             )
+        except BaseException:
+            self.coordinator.destroy()  # no hooks left behind on the model
+            raise
 
     # --- what the engine reads like an optimizer --------------------------------------------------
     def __getattr__(self, name):
@@ -201,8 +220,8 @@ class ZeroStage3:
         for name, value in module.state_dict(keep_vars=True).items():
             if pp.is_partitioned(value):
                 with pp.GatheredParameters([value]):
-                    if keep:
-                        result[name] = value.detach().clone()
+                    if keep:  # on the host: the whole model need not fit the device
+                        result[name] = value.detach().to("cpu", copy=True)
             elif keep:
                 result[name] = value.detach()
         return result
@@ -265,10 +284,14 @@ def partition_module(
         persist = numel <= param_threshold and persistent_total + numel <= model_threshold
         if persist:
             persistent_total += numel
-        cast = dtype if param.is_floating_point() or pp.is_zero_param(param) else None
+        floating = (param.ds_tensor if pp.is_zero_param(param) else param).is_floating_point()
+        cast = dtype if floating else None
         if not pp.is_zero_param(param):
             pp.partition_parameter(param, group, persist=persist, dtype=cast, device=device)
             continue
+        # Moved and cast first: the collectives below need the shards on the group's device.
+        if (cast is not None and param.ds_tensor.dtype != cast) or param.ds_tensor.device != device:
+            _move_zero_param(param, device, cast or param.ds_tensor.dtype)
         if persist and pp.is_partitioned(param):
             pp.unpartition_parameter(param)
         elif not persist and param.ds_persist:
@@ -276,8 +299,6 @@ def partition_module(
             del param.ds_id
             param.data = data
             pp.partition_parameter(param, group, persist=False)
-        if (cast is not None and param.ds_tensor.dtype != cast) or param.ds_tensor.device != device:
-            _move_zero_param(param, device, cast or param.ds_tensor.dtype)
     for buffer_owner in module.modules():
         for name, buffer in buffer_owner.named_buffers(recurse=False):
             moved = buffer.to(device)

@@ -1,6 +1,8 @@
-"""ZeRO-3 with a module that reads a parameter it does not own: ``nn.MultiheadAttention`` uses
-``out_proj.weight`` without calling ``out_proj``. The read gathers it, the module keeps it in its
-fetch list from then on, and training equals ZeRO-2 (2 real gloo processes)."""
+"""ZeRO-3 with module patterns real models use, each training equal to ZeRO-2 (2 real gloo
+processes): a module that reads a parameter it does not own (``nn.MultiheadAttention`` uses
+``out_proj.weight`` without calling ``out_proj``: the read gathers it and the module keeps it in
+its fetch list from then on), and activation checkpointing (a block's forward run again inside the
+backward, reentrant or not)."""
 
 from __future__ import annotations
 
@@ -20,22 +22,31 @@ def pool2():
 
 
 class AttentionNet(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, checkpointing: str = "none"):
         super().__init__()
         self.attn = torch.nn.MultiheadAttention(WIDTH, HEADS, batch_first=True)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.Tanh(), torch.nn.Linear(2 * WIDTH, WIDTH)
+        )
         self.head = torch.nn.Linear(WIDTH, 3)
+        self.checkpointing = checkpointing
 
     def forward(self, x):
         h, _ = self.attn(x, x, x)
+        if self.checkpointing == "none":
+            h = h + self.mlp(h)
+        else:
+            reentrant = self.checkpointing == "reentrant"
+            h = h + torch.utils.checkpoint.checkpoint(self.mlp, h, use_reentrant=reentrant)
         return self.head(torch.tanh(h))
 
 
-def train_job(stage: int, seed: int, steps: int):
+def train_job(stage: int, seed: int, steps: int, checkpointing: str = "none"):
     import deepspeed_cpp as deepspeed
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    model = AttentionNet()
+    model = AttentionNet(checkpointing)
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
@@ -69,5 +80,17 @@ def test_multihead_attention_at_stage3_equals_stage2(pool2):
         for name, expected in zero2[rank].items():
             got = zero3[rank][name]
             assert got.shape == expected.shape, name
+            scale = expected.abs().max().item()
+            assert (got - expected).abs().max().item() <= 1e-6 * scale, name
+
+
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non_reentrant"])
+def test_activation_checkpointing_at_stage3_equals_stage2(pool2, checkpointing):
+    seed = int(torch.randint(0, 2**30, ()).item())
+    zero2 = pool2.run(train_job, 2, seed, 3, checkpointing)
+    zero3 = pool2.run(train_job, 3, seed, 3, checkpointing)
+    for rank in range(2):
+        for name, expected in zero2[rank].items():
+            got = zero3[rank][name]
             scale = expected.abs().max().item()
             assert (got - expected).abs().max().item() <= 1e-6 * scale, name
