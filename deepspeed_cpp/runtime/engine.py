@@ -79,7 +79,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.loss_scaler = make_loss_scaler(config.fp16) if self.fp16_enabled() else None
         stage = self._configure_zero_optimizer(optimizer, model_parameters)
         self._zero_stage = stage  # at ZeRO-3 also without an optimizer: it gathers parameters
-        self.optimizer = stage if stage is not None and getattr(stage, "trains", True) else None
+        self.optimizer = stage if stage is not None and stage.trains else None
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
         self.training_dataloader = (
             make_distributed_loader(

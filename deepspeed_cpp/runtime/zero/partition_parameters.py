@@ -194,11 +194,21 @@ def _whole_buffer(param: torch.nn.Parameter, numel: int) -> torch.Tensor:
 
 def write_back(param: torch.nn.Parameter) -> None:
     """Copies a whole ``param``'s current values (identical on every rank) into its shard."""
-    if param.ds_persist:
-        return
+    if not param.ds_persist:
+        write_shard(param, param.data)
+
+
+def write_shard(param: torch.nn.Parameter, whole: torch.Tensor) -> None:
+    """Sets ``param``'s shard to this rank's part of ``whole`` (the parameter's values, any
+    device), zero padding included."""
+    if tuple(whole.shape) != param.ds_shape:
+        raise ValueError(
+            f"cannot write a tensor of shape {list(whole.shape)} into ZeRO-3 parameter "
+            f"{describe(param)}"
+        )
     _, rank = _world(param.ds_group)
     shard = param.ds_tensor
-    flat = param.data.reshape(-1)
+    flat = whole.reshape(-1)
     start = rank * shard.numel()
     end = min(start + shard.numel(), flat.numel())
     with torch.no_grad():

@@ -141,6 +141,7 @@ class ZeroPartitionedOptimizer:
         ]
 
     STAGES = (0, 1, 2)
+    trains = True
 
     # --- construction -------------------------------------------------------------------------
     def _plan(
@@ -532,5 +533,3 @@ class ZeroPartitionedOptimizer:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-
-    remove_hooks = destroy

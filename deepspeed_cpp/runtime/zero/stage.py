@@ -35,6 +35,7 @@ class ZeroStage(Protocol):
 
     stage: int
     world_size: int
+    trains: bool  # False: a ZeRO-3 engine without an optimizer (inference)
     optimizer: torch.optim.Optimizer
     skipped_steps: int
     global_grad_norm: float | None
@@ -71,6 +72,10 @@ class ZeroStage(Protocol):
 
     def refresh_masters_from_params(self) -> None:
         """Re-reads the master slices from the parameters (after weights were loaded)."""
+
+    def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
+        """Loads a whole (consolidated) module state dict (partitioned parameters keep their
+        shard of each tensor)."""
 
     def full_state_dict(self, module: torch.nn.Module, *, rank0_only: bool) -> dict:
         """``module.state_dict()`` with every parameter whole (gathered at stage 3); with

@@ -233,7 +233,7 @@ class ZeroStage3:
         for name, value in state_dict.items():
             target = current.get(name)
             if target is not None and pp.is_partitioned(target):
-                _load_into_shard(target, value)
+                pp.write_shard(target, value)
             else:
                 rest[name] = value
         module.load_state_dict(rest, strict=False)
@@ -242,22 +242,6 @@ class ZeroStage3:
         self.coordinator.destroy()
         if self.partitioned is not None:
             self.partitioned.destroy()
-
-
-def _load_into_shard(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    if tuple(value.shape) != param.ds_shape:
-        raise ValueError(
-            f"cannot load a tensor of shape {list(value.shape)} into ZeRO-3 parameter "
-            f"{pp.describe(param)}"
-        )
-    rank = dist.get_rank(param.ds_group)
-    shard = param.ds_tensor
-    flat = value.reshape(-1)
-    start, end = rank * shard.numel(), min((rank + 1) * shard.numel(), flat.numel())
-    with torch.no_grad():
-        shard.zero_()
-        if end > start:
-            shard[: end - start].copy_(flat[start:end])
 
 
 def partition_module(
