@@ -7,6 +7,7 @@ ranks, loads at M ranks (another ZeRO stage too) and trains on must match it to 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -533,10 +534,21 @@ def test_process_killed_mid_save_leaves_latest_at_previous(tmp_path):
 # ---- missing, incomplete and mismatching checkpoints -------------------------------------------
 
 
+class RunsCode:
+    """Unpickling it creates the file ``marker``: what a hostile checkpoint would do."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
 def errors_job(directory: str, seed: int):
     from deepspeed_cpp.runtime.checkpoint import (
         CheckpointMismatchError,
         CheckpointNotFoundError,
+        CheckpointSaveError,
         IncompleteCheckpointError,
     )
 
@@ -571,6 +583,26 @@ def errors_job(directory: str, seed: int):
         else:
             (copy / "checkpoint_meta.json").unlink()
         attempt(f"damaged_{damage}", same, directory, tag=f"damaged_{damage}")
+    # A client_state.pt whose pickle would run code (the metadata's byte count made to match):
+    # refused, nothing executed.
+    hostile = root / "hostile"
+    shutil.copytree(checkpoint, hostile)
+    torch.save(
+        {"client_state": {"x": RunsCode(str(root / "code_ran"))}}, hostile / "client_state.pt"
+    )
+    meta = json.loads((hostile / "checkpoint_meta.json").read_text())
+    for entry in meta["files"]:
+        if entry["name"] == "client_state.pt":
+            entry["bytes"] = (hostile / "client_state.pt").stat().st_size
+    (hostile / "checkpoint_meta.json").write_text(json.dumps(meta))
+    attempt("hostile", same, directory, tag="hostile")
+    messages["code_ran"] = (root / "code_ran").exists()
+    try:
+        saver.save_checkpoint(directory, tag="objects", client_state={"x": RunsCode("unused")})
+        messages["object_saved"] = "saved"
+    except CheckpointSaveError as error:
+        messages["object_saved"] = str(error)
+    messages["object_tag_exists"] = (root / "objects").exists()
     attempt("no_such_tag", same, directory, tag="global_step99")
     attempt("wider", lambda: build_engine(seed, 1, 1, hidden=HIDDEN + 1), directory)
     attempt("extra_layer", lambda: build_engine(seed, 1, 1, extra_layer=True), directory)
@@ -611,6 +643,12 @@ def test_missing_incomplete_and_mismatching_checkpoints(pools, tmp_path):
     assert "mp_rank_00_model_states.pt (module states) has 100 bytes" in module
     meta = messages["damaged_meta"]
     assert "incomplete: checkpoint_meta.json is missing" in meta and "files present" in meta
+    hostile = messages["hostile"]
+    assert hostile.startswith("IncompleteCheckpointError") and "client_state.pt" in hostile
+    assert "does not unpickle" in hostile
+    assert messages["code_ran"] is False
+    assert "client_state holds objects other than tensors" in messages["object_saved"]
+    assert messages["object_tag_exists"] is False
     missing = messages["no_such_tag"]
     assert (
         missing.startswith("CheckpointNotFoundError") and "global_step99 does not exist" in missing

@@ -125,15 +125,12 @@ def _client_state(directory: Path) -> dict:
     except FileNotFoundError as error:
         raise IncompleteCheckpointError(f"checkpoint file {path} is missing") from error
     except Exception as error:  # noqa: BLE001 - the pickle names a type outside weights_only
-        # client_state is the caller's own dict; DeepSpeed restores any object in it. Only this
-        # file is unpickled in full, and only after the safe loader refused it.
-        logger.warning(
-            "deepspeed_cpp: %s holds objects other than tensors and plain data (%s); loading "
-            "it with weights_only=False",
-            path,
-            str(error).splitlines()[0],
-        )
-        return torch.load(path, map_location="cpu", weights_only=False)["client_state"]
+        # A checkpoint may come from anyone: loading it must never run code, so nothing beyond
+        # what weights_only=True accepts (tensors and plain data) is unpickled.
+        raise IncompleteCheckpointError(
+            f"{path} holds objects other than tensors and plain data, which deepspeed_cpp does "
+            f"not unpickle (it could run code): {str(error).splitlines()[0]}"
+        ) from error
 
 
 def _read_and_check(engine, directory: Path, options: dict) -> _Plan:

@@ -15,10 +15,12 @@ directory named after a tag that lacks its metadata.
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from ...utils.logging import logger
@@ -136,6 +138,21 @@ def _write_rank_files(
     return written
 
 
+def _check_plain(client_state: dict) -> None:
+    """Refuses a ``client_state`` that loading could not read back: checkpoints are loaded
+    with ``weights_only=True`` (tensors and plain data), never unpickled in full."""
+    buffer = io.BytesIO()
+    torch.save({"client_state": client_state}, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - the pickle names a type outside weights_only
+        raise ValueError(
+            f"client_state holds objects other than tensors and plain data, which "
+            f"load_checkpoint refuses to unpickle: {str(error).splitlines()[0]}"
+        ) from error
+
+
 def _state_kinds(engine) -> dict[str, str]:
     for entry in engine.optimizer.shard_state():
         if entry["state"]:
@@ -198,7 +215,8 @@ def _metadata(engine, tag: str, files: list[dict], exclude_frozen: bool) -> dict
     }
 
 
-def _prepare(save_dir: Path, staging: Path) -> None:
+def _prepare(save_dir: Path, staging: Path, client_state: dict) -> None:
+    _check_plain(client_state)  # before anything is written
     save_dir.mkdir(parents=True, exist_ok=True)
     remove_tree(staging)
     staging.mkdir()
@@ -238,7 +256,7 @@ def save_checkpoint(
         previous = None
     unchanged = f"nothing was published; {save_dir / LATEST_FILE} still names {previous!r}"
     agree_on(
-        lambda: _prepare(save_dir, staging) if rank == 0 else None,
+        lambda: _prepare(save_dir, staging, client_state or {}) if rank == 0 else None,
         group=group,
         what=f"checkpoint '{tag}': creating {staging} ({unchanged})",
         error_type=CheckpointSaveError,
