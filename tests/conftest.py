@@ -25,3 +25,22 @@ def pytest_runtest_makereport(item, call):
             if key == "seed":
                 report.sections.append(("seed", f"reproduce with DS_TEST_SEED={value}"))
     return report
+
+
+# One pool of real gloo worker processes per test module and world size (tests/dist_pool.py).
+@pytest.fixture(scope="module")
+def pool2():
+    from dist_pool import DistributedPool
+
+    pool = DistributedPool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    from dist_pool import DistributedPool
+
+    pool = DistributedPool(3)
+    yield pool
+    pool.close()

@@ -9,7 +9,6 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from dist_pool import DistributedPool
 
 MICRO_BATCH = 4
 IN, HIDDEN, OUT = 11, 37, 5
@@ -17,20 +16,6 @@ IN, HIDDEN, OUT = 11, 37, 5
 # difference at the next step that, for elements with gradients near zero, it amplifies by up to
 # lr / eps. With 1e-8 two correct float32 implementations drift apart by ~1e-6 in 5 steps.
 LR, WEIGHT_DECAY, BETAS, EPS = 1e-2, 0.05, (0.9, 0.99), 1e-6
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = DistributedPool(2)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def pool3():
-    pool = DistributedPool(3)
-    yield pool
-    pool.close()
 
 
 class TiedNet(torch.nn.Module):

@@ -12,21 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import zero3_helpers as h
-from dist_pool import DistributedPool
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = DistributedPool(2)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def pool3():
-    pool = DistributedPool(3)
-    yield pool
-    pool.close()
 
 
 def train_job(config: dict, seed: int, steps: int, flip_every: bool, rare_at):

@@ -8,14 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import zero3_helpers as h
-from dist_pool import DistributedPool
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = DistributedPool(2)
-    yield pool
-    pool.close()
 
 
 def _seed() -> int:

@@ -6,16 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_pool import DistributedPool
 
 from deepspeed_cpp.runtime.zero.shard_gather import backend_for, launch_all_gather
-
-
-@pytest.fixture(scope="module")
-def pool3():
-    pool = DistributedPool(3)
-    yield pool
-    pool.close()
 
 
 def _shard_of(rank: int, size: int, seed: int) -> torch.Tensor:

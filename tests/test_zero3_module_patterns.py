@@ -9,16 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_pool import DistributedPool
 
 WIDTH, HEADS, SEQ, MICRO = 32, 4, 5, 2
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = DistributedPool(2)
-    yield pool
-    pool.close()
 
 
 class AttentionNet(torch.nn.Module):

@@ -3,20 +3,11 @@ rank, never hang or pair one rank's parameter with another's (2 real gloo proces
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
-from dist_pool import DistributedPool
 
 # A hang would show as the pool's timeout; a correct run takes well under a second per job.
 JOB_TIMEOUT = 120.0
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = DistributedPool(2)
-    yield pool
-    pool.close()
 
 
 class BranchNet(torch.nn.Module):

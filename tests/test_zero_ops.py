@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_pool import DistributedPool
 
 from deepspeed_cpp.ops.zero import (
     flatten_into,
@@ -105,13 +104,6 @@ def test_opcheck():
         plan_args,
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )
-
-
-@pytest.fixture(scope="module")
-def pool3():
-    pool = DistributedPool(3)
-    yield pool
-    pool.close()
 
 
 def reducer_job(scatter: bool, order_seed: int, scatter_method: str = "auto"):
