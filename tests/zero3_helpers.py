@@ -117,10 +117,14 @@ def one_thread():
 
 
 def reference(seed, steps, gas, world, clip, dtype=torch.float32, *, flip_every=False,
-              rare_at=None, eps=EPS, model=None):  # fmt: skip
+              rare_at=None, eps=EPS, model=None, delayed_after=None):  # fmt: skip
     """One process, the same global batch, torch.optim.AdamW over fp32 masters; gradients are
     summed as ZeRO-2/3 sum them (over ranks per micro-step, then over micro-steps: the order
-    matters at 1e-6, see test_engine_zero._reference) and unused parameters get zero gradients."""
+    matters at 1e-6, see test_engine_zero._reference) and unused parameters get zero gradients.
+
+    ``delayed_after``: the delayed parameter update after that many ordinary steps: step t's
+    update reaches the model only at step t+1, after step t+1's gradients were computed (and
+    at the end, as reading the engine's parameters finishes the last one)."""
     with one_thread():
         model = (model if model is not None else make_model(seed)).to(dtype)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -129,7 +133,13 @@ def reference(seed, steps, gas, world, clip, dtype=torch.float32, *, flip_every=
             masters, lr=LR, betas=BETAS, eps=eps, weight_decay=WEIGHT_DECAY
         )
         micro = 0
-        for micro_batches in global_batches(seed, steps, gas, world):
+
+        def write_masters():
+            with torch.no_grad():
+                for p, master in zip(params, masters):
+                    p.copy_(master)
+
+        for step, micro_batches in enumerate(global_batches(seed, steps, gas, world), start=1):
             for master in masters:
                 master.grad = torch.zeros_like(master)
             for x, y in micro_batches:
@@ -148,12 +158,15 @@ def reference(seed, steps, gas, world, clip, dtype=torch.float32, *, flip_every=
                         for grad in grads[1:]:
                             total += grad
                         master.grad += total * (1.0 / world)
+            delayed = delayed_after is not None and step > delayed_after
+            if delayed and step > delayed_after + 1:
+                write_masters()  # the previous step's update, applied now
             norm = torch.nn.utils.clip_grad_norm_(masters, clip if clip else float("inf"))
             model.last_grad_norm = float(norm)  # the engine's get_global_grad_norm()
             optimizer.step()
-            with torch.no_grad():
-                for p, master in zip(params, masters):
-                    p.copy_(master)
+            if not delayed:
+                write_masters()
+        write_masters()
         return model
 
 

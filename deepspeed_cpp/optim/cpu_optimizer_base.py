@@ -87,7 +87,15 @@ class CPUOptimizerBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         copy_targets = _normalise_copy_groups(fp16_param_groups, len(self.param_groups))
-        for group_index, group in enumerate(self.param_groups):
+        self.step_groups(self.param_groups, copy_targets)
+        return loss
+
+    @torch.no_grad()
+    def step_groups(self, groups: list[dict], copy_targets=None) -> None:
+        """``step()`` over ``groups``: this optimizer's param groups or a snapshot of them (a
+        delayed update steps with the hyper-parameters of the step that launched it while the
+        LR scheduler moves the live groups on)."""
+        for group_index, group in enumerate(groups):
             # One native call per distinct (step, dtypes), normally exactly one per group.
             batches: dict[tuple, tuple[list, list, list, list]] = defaultdict(
                 lambda: ([], [], [[] for _ in self.STATE_KEYS], [])
@@ -130,7 +138,6 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                 self._native_step(group, step, params, grads, states, params_lowp or None)
             for buffer, target in copy_back:
                 target.copy_(buffer)
-        return loss
 
     def _copy_buffer(self, copy_targets, group_index: int, param_index: int, param):
         """(tensor the kernel writes, target to copy it to afterwards or None), or None."""

@@ -17,6 +17,7 @@ from .config_optimizer import config_optimizer_factory
 from .dataloader import make_distributed_loader
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
+from .zero.offload.optimizer_offload import OptimizerOffload
 from .zero.partitioned_optimizer import ZeroPartitionedOptimizer
 
 
@@ -123,8 +124,13 @@ class DeepSpeedEngine(torch.nn.Module):
                 "section too; keep one of them"
             )
         zero = self.config.zero_optimization
+        offload = OptimizerOffload.from_config(zero, getattr(self.config, "aio", None))
+        # Offloaded master shards are stepped on the host: the config optimizer is a CPU one.
+        optimizer_device = self.device if offload is None else torch.device("cpu")
         if zero.stage == 3:
-            return self._configure_stage3(client_optimizer, model_parameters)
+            return self._configure_stage3(
+                client_optimizer, model_parameters, offload, optimizer_device
+            )
         common = dict(
             stage=zero.stage,
             group=self.group,
@@ -132,6 +138,7 @@ class DeepSpeedEngine(torch.nn.Module):
             reduce_scatter=zero.reduce_scatter,
             gradient_clipping=self.config.gradient_clipping,
             loss_scaler=self.loss_scaler,
+            offload=offload,
         )
         if client_optimizer is not None:
             if not isinstance(client_optimizer, torch.optim.Optimizer) and callable(
@@ -143,11 +150,11 @@ class DeepSpeedEngine(torch.nn.Module):
         if config_optimizer is None:
             return None  # inference or evaluation only; step() will say so
         factory = config_optimizer_factory(
-            config_optimizer.type, config_optimizer.params, self.device
+            config_optimizer.type, config_optimizer.params, optimizer_device
         )
         return ZeroPartitionedOptimizer(factory, self._param_groups(model_parameters), **common)
 
-    def _configure_stage3(self, client_optimizer, model_parameters):
+    def _configure_stage3(self, client_optimizer, model_parameters, offload, optimizer_device):
         from .zero.stage3 import ZeroStage3
 
         optimizer = client_optimizer
@@ -155,7 +162,7 @@ class DeepSpeedEngine(torch.nn.Module):
             self._check_optimizer_covers_module(optimizer)
         if optimizer is None and self.config.optimizer is not None:
             optimizer = config_optimizer_factory(
-                self.config.optimizer.type, self.config.optimizer.params, self.device
+                self.config.optimizer.type, self.config.optimizer.params, optimizer_device
             )
         dtype = (
             torch.float16
@@ -174,6 +181,7 @@ class DeepSpeedEngine(torch.nn.Module):
             dtype=dtype,
             gradient_clipping=self.config.gradient_clipping,
             loss_scaler=self.loss_scaler,
+            offload=offload,
         )
 
     def _param_groups(self, model_parameters) -> list[dict]:

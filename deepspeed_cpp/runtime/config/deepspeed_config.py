@@ -154,6 +154,14 @@ class DeepSpeedConfig(ConfigSection):
                 f"at stage {zero.stage}"
             )
         offload_optimizer = zero.offload_optimizer
+        if offload_optimizer is not None and offload_optimizer.device != "none":
+            warnings += _offload_keys_without_effect(offload_optimizer)
+            if offload_optimizer.delayed_param_update and offload_optimizer.device != "cpu":
+                problems.append(
+                    f"zero_optimization.offload_optimizer.delayed_param_update = true needs "
+                    f'offload_optimizer.device "cpu" (the step runs on the host beside the next '
+                    f'forward); got device "{offload_optimizer.device}"'
+                )
         ratio = offload_optimizer.ratio if offload_optimizer is not None else 1.0
         if not is_auto(ratio) and ratio < 1.0 and zero.stage != 3:
             problems.append(
@@ -255,3 +263,26 @@ def _unknown_key(loc: tuple[str, ...], value: Any) -> str:
         join_path(parent)
     )
     return unknown_key_problem(loc, value, candidates, _known_key_paths())
+
+
+def _offload_keys_without_effect(part) -> list[str]:
+    """DeepSpeed's offload_optimizer tuning keys that change nothing in deepspeed_cpp."""
+    where = "zero_optimization.offload_optimizer"
+    said = []
+    if part.fast_init:
+        said.append(
+            f"{where}.fast_init = true has no effect in deepspeed_cpp: the NVMe state files are "
+            f"always written one sub-group at a time from the fp32 masters"
+        )
+    if not part.convert_grad_on_cpu:
+        said.append(
+            f"{where}.convert_grad_on_cpu = false has no effect in deepspeed_cpp: gradients are "
+            f"reduced in fp32 on the device and copied to the host as they are"
+        )
+    if part.cpuadam_cores_perc != 0.8:
+        said.append(
+            f"{where}.cpuadam_cores_perc = {part.cpuadam_cores_perc} has no effect in "
+            f"deepspeed_cpp: the CPU optimizer uses torch's intra-op threads "
+            f"(torch.set_num_threads / OMP_NUM_THREADS)"
+        )
+    return said

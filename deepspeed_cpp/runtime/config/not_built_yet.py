@@ -13,10 +13,24 @@ from .sections import ZeroConfig
 def refuse_features_not_built_yet(zero: ZeroConfig) -> list[str]:
     """One problem per configured feature that the engine cannot run yet."""
     problems = []
-    # Offload of optimizer state or parameters to CPU/NVMe: lift with the offload issue.
-    for part, device in zero.offload_devices().items():
+    offload_param = zero.offload_param
+    if offload_param is not None and offload_param.device != "none" and zero.stage == 3:
         problems.append(
-            f'zero_optimization.{part}.device = "{device}": not supported yet by deepspeed_cpp '
-            f'(offload to {device} is being built); expected "none", or remove {part}'
+            f'zero_optimization.offload_param.device = "{offload_param.device}": not supported '
+            f'yet by deepspeed_cpp (parameter offload is being built); expected "none", or '
+            f"remove offload_param (offload_optimizer is supported)"
+        )
+    part = zero.offload_optimizer
+    if part is None or part.device == "none":
+        return problems
+    if part.ratio < 1.0:
+        problems.append(
+            f"zero_optimization.offload_optimizer.ratio = {part.ratio}: partial offload "
+            f"(ZeRO-Offload++) is not supported yet by deepspeed_cpp; expected 1.0"
+        )
+    if part.super_offload:
+        problems.append(
+            "zero_optimization.offload_optimizer.super_offload = true: DeepSpeed's SuperOffload "
+            "(for Grace-Hopper superchips) is not supported by deepspeed_cpp; expected false"
         )
     return problems

@@ -70,6 +70,12 @@ class OffloadOptimizerConfig(_OffloadConfig):
     """Share of the optimizer step run on the CPU (below 1 only with ZeRO stage 3)."""
     pipeline_read: boolean() = False
     pipeline_write: boolean() = False
+    delayed_param_update: boolean() = False
+    """deepspeed_cpp extension: the ZeRO-Offload paper's delayed parameter update (device cpu):
+    after the warm-up steps, step t's CPU optimizer step runs while step t+1's forward and
+    backward run on parameters one step stale."""
+    delayed_param_update_warmup_steps: integer(0) = 10
+    """Ordinary steps taken before the delayed parameter update starts."""
     super_offload: boolean() = False
     convert_grad_on_cpu: boolean() = True
     cpuadam_cores_perc: number(0.0, 1.0) = 0.8

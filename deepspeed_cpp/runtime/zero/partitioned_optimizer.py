@@ -40,6 +40,8 @@ from ...ops.zero import (
     plan_buckets,
     unflatten_from,
 )
+from .offload.optimizer_offload import OptimizerOffload
+from .offload.stepping import OffloadedStepping
 from .shard_gather import backend_for, launch_all_gather
 from .stage import PartitionLayout
 
@@ -60,7 +62,7 @@ class _Bucket:
     view_pointers: tuple[int, ...] = ()
 
 
-class ZeroPartitionedOptimizer:
+class ZeroPartitionedOptimizer(OffloadedStepping):
     """Owns the plan, fp32 master shards, shard gradients and the reducer for one engine."""
 
     def __init__(
@@ -74,12 +76,15 @@ class ZeroPartitionedOptimizer:
         gradient_clipping: float = 0.0,
         loss_scaler=None,
         reduce_scatter: bool = True,
+        offload: OptimizerOffload | None = None,
     ):
         """`optimizer` is either a torch optimizer over the model's parameters (the user's: its
         param groups are re-pointed at the master shards in place) or a factory that builds one
         from param groups of master shards (a config optimizer); `param_groups` (dicts with
         "params" and hyper-parameters) is then required. `reduce_scatter=False` (DeepSpeed's
-        ``zero_optimization.reduce_scatter``) reduces stage 1/2 gradients with all-reduce."""
+        ``zero_optimization.reduce_scatter``) reduces stage 1/2 gradients with all-reduce.
+        ``offload`` puts the master shards and optimizer state on the host or NVMe (see
+        ``offload/optimizer_homes.py``)."""
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} handles stages {self.STAGES}, got {stage}")
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -96,11 +101,21 @@ class ZeroPartitionedOptimizer:
         self.skipped_steps = 0
 
         owned_whole = stage == 0
+        if offload is not None and owned_whole:
+            raise ValueError(
+                f"zero_optimization.offload_optimizer.device = {offload.device!r} needs ZeRO "
+                f"stage 1, 2 or 3 (it offloads the partitioned optimizer state); got stage 0"
+            )
         self.params, self.plan = self._plan(param_groups, reduce_bucket_size, owned_whole)
         self.buckets = self._make_buckets(owned_whole)
         for bucket in self.buckets:
             self._view_params_in_flat(bucket)
-        self.masters, self.shard_grads = self._make_masters()
+        device = self.params[0].device
+        # Per-element optimizer state tensors a home reserves room for (Adam's two).
+        self.home = (offload or OptimizerOffload()).make_home(
+            [b.owned_size for b in self.buckets], device, rank=self.rank, state_slots=2
+        )
+        self.masters, self.shard_grads = self._make_masters(device)
         master_groups = self._master_param_groups(param_groups)
         if isinstance(optimizer, torch.optim.Optimizer):
             # The optimizer object stays the user's (schedulers and code holding it keep
@@ -113,8 +128,9 @@ class ZeroPartitionedOptimizer:
             self.optimizer = optimizer(master_groups)
         # Optimizers that step every tensor on its own (ours) can step bucket by bucket.
         self._step_per_bucket = bool(getattr(self.optimizer, "steps_tensors_independently", False))
+        self._delayed = self._check_offload(offload)
+        self.home.attach(self.masters, self.optimizer)
 
-        device = self.params[0].device
         self.reducer = make_gradient_reducer(
             group,
             self.plan,
@@ -189,12 +205,18 @@ class ZeroPartitionedOptimizer:
             )
         return buckets
 
-    def _make_masters(self) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    def _make_masters(self, device) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
         masters, grads = [], []
         for bucket in self.buckets:
-            master = torch.nn.Parameter(self._master_slice(bucket), requires_grad=True)
-            grad = torch.zeros_like(master)
-            master.grad = grad
+            values = self._master_slice(bucket)
+            if self.home.kind != "none":
+                values = self.home.make_master(values)
+            master = torch.nn.Parameter(values, requires_grad=True)
+            # The reducer writes shard gradients on the device; offloaded masters get theirs
+            # copied to the host for each step.
+            grad = torch.zeros(bucket.owned_size, dtype=torch.float32, device=device)
+            if self.home.kind == "none":
+                master.grad = grad
             masters.append(master)
             grads.append(grad)
         return masters, grads
@@ -368,6 +390,9 @@ class ZeroPartitionedOptimizer:
         so stepping the buckets one at a time equals one step over all. Other optimizers (the
         user's may keep per-group counters) step once, then everything is gathered.
         """
+        if self.home.kind != "none":
+            self._step_offloaded()
+            return
         if not (self._step_per_bucket and self.stage != 0 and len(self.masters) > 1):
             self.optimizer.step()
             pending = [self._launch_gather(b, m) for b, m in zip(self.buckets, self.masters)]
@@ -388,10 +413,13 @@ class ZeroPartitionedOptimizer:
 
     def write_params_from_masters(self) -> None:
         """Writes the fp32 master slices into every rank's parameters (after a load)."""
+        self.apply_pending_update()
+        pending = []
         with torch.no_grad():
-            self._finish_gathers(
-                [self._launch_gather(b, m) for b, m in zip(self.buckets, self.masters)]
-            )
+            for members in self.home.sub_groups:
+                with self.home.resident(members):
+                    pending.extend(self._gather_from_master(b) for b in members)
+            self._finish_gathers(pending)
 
     @staticmethod
     def _finish_gathers(pending) -> None:
@@ -438,16 +466,29 @@ class ZeroPartitionedOptimizer:
     def shard_state(self) -> list[dict]:
         """This rank's part of the training state, per bucket: ``{"master": its fp32 slice,
         "state": the optimizer's state for that slice}`` (the live tensors, except that a master
-        slice viewing the flat parameters is copied: torch.save writes a view's whole storage)."""
-        return [
-            {
-                "master": master.detach().clone()
-                if master.untyped_storage().nbytes() != master.nbytes
-                else master.detach(),
-                "state": dict(self.optimizer.state.get(master, {})),
-            }
-            for master in self.masters
-        ]
+        slice viewing the flat parameters is copied: torch.save writes a view's whole storage;
+        with NVMe offload everything is copied out of the swap buffers)."""
+        self.apply_pending_update()
+        copy_all = self.home.kind == "nvme"
+        entries = []
+        for members in self.home.sub_groups:
+            with self.home.resident(members):
+                for index in members:
+                    master = self.masters[index]
+                    state = dict(self.optimizer.state.get(master, {}))
+                    if copy_all:
+                        state = {
+                            k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()
+                        }
+                    whole = master.untyped_storage().nbytes() == master.nbytes
+                    keep = whole and not copy_all
+                    entries.append(
+                        {
+                            "master": master.detach() if keep else master.detach().clone(),
+                            "state": state,
+                        }
+                    )
+        return entries
 
     def load_shard_state(self, masters: list[torch.Tensor], states: list[dict] | None) -> None:
         """Replaces every bucket's fp32 master slice with ``masters[b]`` and, when ``states`` is
@@ -465,39 +506,48 @@ class ZeroPartitionedOptimizer:
                     f"load_shard_state: bucket {bucket}: the slice has shape "
                     f"{tuple(values.shape)}, this rank owns {tuple(master.shape)}"
                 )
-        with torch.no_grad():
-            for master, values in zip(self.masters, masters):
-                master.copy_(values)
-        if states is not None:
-            on_device = {
-                id(p): bool(g.get("capturable") or g.get("fused"))
-                for g in self.optimizer.param_groups
-                for p in g["params"]
-            }
-            for master, state in zip(self.masters, states):
-                self.optimizer.state.pop(master, None)
-                if state:
-                    # As torch's Optimizer.load_state_dict: per-element state on the master's
-                    # device, scalar counters on the CPU unless the group steps on the device.
-                    self.optimizer.state[master] = {
-                        key: value.to(master.device)
-                        if torch.is_tensor(value) and (value.dim() > 0 or on_device[id(master)])
-                        else value
-                        for key, value in state.items()
-                    }
+        self.apply_pending_update()
+        on_device = {
+            id(p): bool(g.get("capturable") or g.get("fused"))
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+        }
+        for members in self.home.sub_groups:
+            with self.home.resident(members), torch.no_grad():
+                for index in members:
+                    master = self.masters[index]
+                    master.copy_(masters[index])
+                    if states is None:
+                        continue
+                    self.optimizer.state.pop(master, None)
+                    if states[index]:
+                        # As torch's Optimizer.load_state_dict: per-element state on the master's
+                        # device, scalar counters on the CPU unless the group steps on the device.
+                        self.optimizer.state[master] = {
+                            key: value.to(master.device)
+                            if torch.is_tensor(value) and (value.dim() > 0 or on_device[id(master)])
+                            else value
+                            for key, value in states[index].items()
+                        }
         self.zero_grad()
 
     def refresh_masters_from_params(self) -> None:
         """Re-reads the fp32 master slices from the model's parameters (after the caller loaded
         weights into them); the optimizer state is kept, pending gradients are dropped."""
-        with torch.no_grad():
-            for bucket, master in zip(self.buckets, self.masters):
-                master.copy_(self._owned_slice_of_params(bucket, master.device))
+        self.apply_pending_update()
+        for members in self.home.sub_groups:
+            with self.home.resident(members), torch.no_grad():
+                for index in members:
+                    master = self.masters[index]
+                    master.copy_(self._owned_slice_of_params(self.buckets[index], master.device))
         self.zero_grad()
 
     # --- accounting ---------------------------------------------------------------------------
     def state_bytes(self) -> int:
-        """Bytes of optimizer state and fp32 master shards this rank holds."""
+        """Bytes of optimizer state and fp32 master shards this rank holds in memory (with
+        offload: the host bytes of masters, state and gradient buffers, or NVMe's swap buffers)."""
+        if self.home.kind != "none":
+            return self.home.host_bytes()
         total = sum(m.numel() * m.element_size() for m in self.masters)
         for state in self.optimizer.state.values():
             for value in state.values():
@@ -506,7 +556,10 @@ class ZeroPartitionedOptimizer:
         return total
 
     def describe(self) -> str:
-        return f"gradients reduced by {self.reducer.collective()}"
+        where = (
+            "" if self.home.kind == "none" else f", optimizer state offloaded to {self.home.kind}"
+        )
+        return f"gradients reduced by {self.reducer.collective()}{where}"
 
     def layout(self) -> PartitionLayout:
         plan = self.plan
@@ -522,6 +575,7 @@ class ZeroPartitionedOptimizer:
 
     def full_state_dict(self, module: torch.nn.Module, *, rank0_only: bool) -> dict:
         """Stages 0-2 keep every parameter whole: the module's own state dict."""
+        self.apply_pending_update()
         return {} if rank0_only and self.rank != 0 else module.state_dict()
 
     def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
@@ -529,7 +583,12 @@ class ZeroPartitionedOptimizer:
         module.load_state_dict(state_dict, strict=False)
 
     def destroy(self) -> None:
-        """Removes the gradient hooks (a later engine on the same model starts clean)."""
+        """Removes the gradient hooks (a later engine on the same model starts clean), finishes
+        a delayed step and removes swap files."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        try:
+            self.apply_pending_update()
+        finally:
+            self.home.close()

@@ -55,6 +55,9 @@ class ZeroStage(Protocol):
 
     def zero_grad(self) -> None: ...
 
+    def apply_pending_update(self) -> None:
+        """Finishes a delayed (DPU) optimizer step still running and writes it into the model."""
+
     def describe(self) -> str:
         """One line for the engine's start-up log (how gradients are reduced)."""
 

@@ -86,6 +86,11 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
             return super()._owned_slice_of_params(bucket, device)
         return bucket.params[0].ds_tensor.float().clone()
 
+    def _owned_device_target(self, bucket: _Bucket) -> torch.Tensor:
+        if not self._partitioned(bucket):
+            return super()._owned_device_target(bucket)
+        return bucket.params[0].ds_tensor
+
     def _launch_gather(self, bucket: _Bucket, master: torch.Tensor):
         if not self._partitioned(bucket):
             return super()._launch_gather(bucket, master)
@@ -125,6 +130,7 @@ class ZeroStage3:
         dtype: torch.dtype | None,
         gradient_clipping: float = 0.0,
         loss_scaler=None,
+        offload=None,
     ):
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -158,6 +164,7 @@ class ZeroStage3:
                 reduce_scatter=zero.reduce_scatter,
                 gradient_clipping=gradient_clipping,
                 loss_scaler=loss_scaler,
+                offload=offload,
             )
         except BaseException:
             self.coordinator.destroy()  # no hooks left behind on the model
@@ -215,6 +222,8 @@ class ZeroStage3:
     def full_state_dict(self, module: torch.nn.Module, *, rank0_only: bool) -> dict:
         """The module's state dict with every partitioned parameter gathered one at a time (on
         rank 0 only with ``rank0_only``: the other ranks never hold more than one)."""
+        if self.partitioned is not None:
+            self.partitioned.apply_pending_update()
         result = {}
         keep = not rank0_only or self.rank == 0
         for name, value in module.state_dict(keep_vars=True).items():

@@ -1,0 +1,338 @@
+"""Where a rank's fp32 master shards and optimizer state live: device memory, host memory or NVMe.
+
+The partitioned optimizer keeps one fp32 master ``Parameter`` per bucket and a torch optimizer
+over them. A home decides where those tensors are, and the optimizer only ever touches them
+inside ``home.resident(sub_group)``:
+
+- ``DeviceHome`` (no offload): masters and state on the training device, always resident;
+- ``HostHome`` (``offload_optimizer.device: cpu``): masters, state and a gradient buffer per
+  bucket in host memory (page-locked with ``pin_memory``), always resident;
+- ``NvmeHome`` (``device: nvme``): each sub-group's masters and state in one swap file; inside
+  ``resident`` they are views of one of ``buffer_count`` host buffers, so host memory is bounded
+  by the buffers, not the model. With ``pipeline_read`` the next sub-groups are read while this
+  one steps; with ``pipeline_write`` a sub-group's write overlaps the next one's step.
+
+Sub-groups are runs of consecutive buckets of at most ``sub_group_size`` owned elements (a bucket
+larger than that is a sub-group of its own): the unit that is swapped and stepped at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .host_transfer import HostTransfer
+
+_EMPTY = torch.empty(0)
+_REGION_ALIGNMENT = 1024  # elements (4 KiB of fp32): every region starts O_DIRECT-aligned
+
+
+def plan_sub_groups(owned_sizes: Sequence[int], sub_group_size: int) -> list[list[int]]:
+    """Consecutive bucket indices, each run holding at most ``sub_group_size`` elements."""
+    groups: list[list[int]] = []
+    total = 0
+    for bucket, size in enumerate(owned_sizes):
+        if groups and total + size <= sub_group_size:
+            groups[-1].append(bucket)
+            total += size
+        else:
+            groups.append([bucket])
+            total = size
+    return groups
+
+
+class DeviceHome:
+    """No offload: masters on the training device, stepped where they are."""
+
+    kind = "none"
+
+    def __init__(self, owned_sizes: Sequence[int]) -> None:
+        self.sub_groups = [list(range(len(owned_sizes)))]
+
+    def attach(self, masters: list[torch.nn.Parameter], optimizer) -> None:
+        pass
+
+    def grad_buffer(self, bucket: int) -> torch.Tensor | None:
+        return None  # the shard gradient itself is the master's gradient
+
+    @contextlib.contextmanager
+    def resident(self, sub_group: Sequence[int]) -> Iterator[None]:
+        yield
+
+    def host_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class HostHome(DeviceHome):
+    """``offload_optimizer.device: cpu``: masters, state and gradient buffers on the host."""
+
+    kind = "cpu"
+
+    def __init__(self, owned_sizes: Sequence[int], transfer: HostTransfer, sub_group_size: int):
+        self.transfer = transfer
+        self.sub_groups = plan_sub_groups(owned_sizes, sub_group_size)
+        self._grads = [transfer.host_empty(size) for size in owned_sizes]
+        self._masters: list[torch.nn.Parameter] = []
+        self._optimizer = None
+
+    def make_master(self, values: torch.Tensor) -> torch.Tensor:
+        host = self.transfer.host_empty(values.numel())
+        self.transfer.to_host(values.detach(), host)
+        self.transfer.synchronize()
+        return host
+
+    def attach(self, masters: list[torch.nn.Parameter], optimizer) -> None:
+        self._masters, self._optimizer = masters, optimizer
+
+    def grad_buffer(self, bucket: int) -> torch.Tensor:
+        return self._grads[bucket]
+
+    def host_bytes(self) -> int:
+        total = sum(g.numel() * g.element_size() for g in self._grads)
+        total += sum(m.numel() * m.element_size() for m in self._masters)
+        for master in self._masters:
+            for value in self._optimizer.state.get(master, {}).values():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    total += value.numel() * value.element_size()
+        return total
+
+
+class NvmeHome(DeviceHome):
+    """``offload_optimizer.device: nvme``: state in swap files, resident in bounded buffers."""
+
+    kind = "nvme"
+
+    def __init__(
+        self,
+        owned_sizes: Sequence[int],
+        transfer: HostTransfer,
+        *,
+        sub_group_size: int,
+        nvme_path: str,
+        rank: int,
+        aio_config,
+        buffer_count: int,
+        pipeline_read: bool,
+        pipeline_write: bool,
+        state_slots: int,
+    ) -> None:
+        self.transfer = transfer
+        self.owned_sizes = list(owned_sizes)
+        self.sub_groups = plan_sub_groups(owned_sizes, sub_group_size)
+        self._group_of = {b: g for g, members in enumerate(self.sub_groups) for b in members}
+        self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
+        # Per bucket: master, then `state_slots` per-element state tensors (fp32-sized regions).
+        self.state_slots = state_slots
+        self._layout = [self._plan_slot(members) for members in self.sub_groups]
+        slot_elements = max(total for _, total, _ in self._layout)
+        slots = max(1, int(buffer_count)) if (pipeline_read or pipeline_write) else 1
+        self._slots = [transfer.host_empty(slot_elements) for _ in range(slots)]
+        self._slot_of: dict[int, int] = {}  # sub-group -> slot holding it (read or being read)
+        self._reads: dict[int, object] = {}  # sub-group -> ticket of its read into its slot
+        self._writes: dict[int, object] = {}  # slot -> ticket of the write out of it
+        self._next_slot = 0
+        from .swap_files import AioSettings, SwapFolder  # the aio op is loaded for NVMe only
+
+        aio = AioSettings.from_config(aio_config)
+        self._files = SwapFolder(nvme_path, purpose="optimizer", rank=rank, aio=aio)
+        self._written = [False] * len(self.sub_groups)
+        # What is not per-element (step counters, hyper-parameter scalars) stays in memory, and
+        # the dtype of each per-element state entry (held in an fp32-sized region).
+        self._scalars: list[dict] = [{} for _ in owned_sizes]
+        self._state_dtypes: list[dict[str, torch.dtype]] = [{} for _ in owned_sizes]
+        self._masters: list[torch.nn.Parameter] = []
+        self._optimizer = None
+        self._initial: list[torch.Tensor | None] = []  # masters' first values, until attach()
+
+    # --- layout -------------------------------------------------------------------------------
+    def _plan_slot(self, members: Sequence[int]) -> tuple[dict[int, int], int, int]:
+        """(bucket -> element offset of its master in the slot, slot elements, persisted
+        elements): per bucket a master and its state regions, then one gradient region per
+        bucket (the gradients are staged through the buffer, never written to the file)."""
+        offsets, cursor = {}, 0
+        for bucket in members:
+            offsets[bucket] = cursor
+            cursor += (1 + self.state_slots) * _aligned(self.owned_sizes[bucket])
+        persisted = cursor
+        for bucket in members:
+            cursor += _aligned(self.owned_sizes[bucket])
+        return offsets, cursor, persisted
+
+    def _regions(self, group: int, slot: int, bucket: int) -> list[torch.Tensor]:
+        """[master, state 0, ..., state K-1] views of ``bucket``'s regions in ``slot``."""
+        offsets, _, _ = self._layout[group]
+        size, stride = self.owned_sizes[bucket], _aligned(self.owned_sizes[bucket])
+        buffer = self._slots[slot]
+        return [
+            buffer.narrow(0, offsets[bucket] + index * stride, size)
+            for index in range(1 + self.state_slots)
+        ]
+
+    def _grad_region(self, group: int, slot: int, bucket: int) -> torch.Tensor:
+        offsets, _, persisted = self._layout[group]
+        cursor = persisted
+        for member in self.sub_groups[group]:
+            if member == bucket:
+                return self._slots[slot].narrow(0, cursor, self.owned_sizes[bucket])
+            cursor += _aligned(self.owned_sizes[member])
+        raise KeyError(bucket)
+
+    def _persisted(self, group: int, slot: int) -> torch.Tensor:
+        return self._slots[slot].narrow(0, 0, self._layout[group][2])
+
+    # --- the optimizer's view -----------------------------------------------------------------
+    def make_master(self, values: torch.Tensor) -> torch.Tensor:
+        """Masters start as empty placeholders; ``attach`` writes their values to the files."""
+        host = torch.empty(values.numel())
+        self.transfer.to_host(values.detach(), host)
+        self._initial.append(host)
+        return _EMPTY
+
+    def attach(self, masters: list[torch.nn.Parameter], optimizer) -> None:
+        self._masters, self._optimizer = masters, optimizer
+        self.transfer.synchronize()
+        initial, self._initial = self._initial, []
+        # One sub-group at a time, so that the host never holds more than a slot of them.
+        for group, members in enumerate(self.sub_groups):
+            slot = self._claim_slot(group)
+            for bucket in members:
+                self._regions(group, slot, bucket)[0].copy_(initial[bucket])
+                initial[bucket] = None
+            self._write(group, slot)
+        self._finish_writes()
+
+    def grad_buffer(self, bucket: int) -> torch.Tensor:
+        group = self._group_of[bucket]
+        return self._grad_region(group, self._slot_of[group], bucket)
+
+    @contextlib.contextmanager
+    def resident(self, sub_group: Sequence[int]) -> Iterator[None]:
+        group = self._group_of[sub_group[0]]
+        slot = self._bring_in(group)
+        if self.pipeline_read:
+            for ahead in range(group + 1, min(group + len(self._slots), len(self.sub_groups))):
+                self._start_read(ahead)
+        state = self._optimizer.state
+        for bucket in self.sub_groups[group]:
+            regions = self._regions(group, slot, bucket)
+            master = self._masters[bucket]
+            master.data = regions[0]
+            entries = dict(self._scalars[bucket])
+            for index, (key, dtype) in enumerate(self._state_dtypes[bucket].items()):
+                entries[key] = _typed_view(regions[1 + index], dtype)
+            if entries:
+                state[master] = entries
+        try:
+            yield
+        finally:
+            self.transfer.synchronize()  # copies out of the slot have landed before it is reused
+            for bucket in self.sub_groups[group]:
+                self._harvest(group, slot, bucket)
+            self._write(group, slot)
+            if not self.pipeline_write:
+                self._finish_writes()
+
+    def _harvest(self, group: int, slot: int, bucket: int) -> None:
+        """Moves what the optimizer left in its state for ``bucket`` into the slot (state it
+        created or a checkpoint loaded is not yet in the slot's regions) and detaches it."""
+        master = self._masters[bucket]
+        entries = self._optimizer.state.pop(master, {})
+        regions = self._regions(group, slot, bucket)
+        scalars, dtypes = {}, {}
+        for key, value in entries.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.numel() == master.numel():
+                if len(dtypes) == self.state_slots:
+                    raise RuntimeError(
+                        f"offload_optimizer.device nvme: {type(self._optimizer).__name__} keeps "
+                        f"more than {self.state_slots} per-element state tensors per parameter "
+                        f"(found '{key}' after {list(dtypes)}); use DeepSpeedCPUAdam, "
+                        f"DeepSpeedCPUAdagrad or DeepSpeedCPULion (the config's Adam/AdamW)"
+                    )
+                if value.element_size() > 4:
+                    raise RuntimeError(
+                        f"offload_optimizer.device nvme: state '{key}' is {value.dtype}; "
+                        f"per-element state of at most 4 bytes per element is supported"
+                    )
+                target = _typed_view(regions[1 + len(dtypes)], value.dtype)
+                if target.data_ptr() != value.data_ptr():
+                    target.copy_(value)
+                dtypes[key] = value.dtype
+            else:
+                scalars[key] = value
+        self._scalars[bucket], self._state_dtypes[bucket] = scalars, dtypes
+        master.data = _EMPTY
+        master.grad = None
+
+    # --- slots and files ----------------------------------------------------------------------
+    def _claim_slot(self, group: int) -> int:
+        """A slot for ``group``: the next in the ring, once its previous write has finished."""
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % len(self._slots)
+        for other, held in list(self._slot_of.items()):
+            if held == slot:
+                if other in self._reads:  # read ahead but never used: drop it
+                    self._reads.pop(other).wait()
+                del self._slot_of[other]
+        ticket = self._writes.pop(slot, None)
+        if ticket is not None:
+            ticket.wait()
+        self._slot_of[group] = slot
+        return slot
+
+    def _start_read(self, group: int) -> None:
+        if group in self._slot_of:
+            return
+        slot = self._claim_slot(group)
+        if self._written[group]:
+            self._reads[group] = self._files.read(_key(group), self._persisted(group, slot))
+
+    def _bring_in(self, group: int) -> int:
+        self._start_read(group)
+        ticket = self._reads.pop(group, None)
+        if ticket is not None:
+            ticket.wait()
+        return self._slot_of[group]
+
+    def _write(self, group: int, slot: int) -> None:
+        self._writes[slot] = self._files.write(_key(group), self._persisted(group, slot))
+        self._written[group] = True
+        del self._slot_of[group]
+
+    def _finish_writes(self) -> None:
+        for slot in list(self._writes):
+            self._writes.pop(slot).wait()
+
+    def host_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self._slots)
+
+    def disk_bytes(self) -> int:
+        return self._files.bytes_on_disk()
+
+    def close(self) -> None:
+        for ticket in list(self._reads.values()) + list(self._writes.values()):
+            with contextlib.suppress(Exception):
+                ticket.wait()
+        self._reads.clear()
+        self._writes.clear()
+        self._files.close()
+
+
+def _aligned(elements: int) -> int:
+    return max(1, math.ceil(elements / _REGION_ALIGNMENT)) * _REGION_ALIGNMENT
+
+
+def _typed_view(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``region.numel()`` elements of ``dtype`` in an fp32-sized region."""
+    if dtype == region.dtype:
+        return region
+    return region.view(torch.uint8).view(dtype).narrow(0, 0, region.numel())
+
+
+def _key(group: int) -> str:
+    return f"subgroup_{group:05d}"

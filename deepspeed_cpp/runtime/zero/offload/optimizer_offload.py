@@ -1,0 +1,69 @@
+"""The ``offload_optimizer`` settings the partitioned optimizer needs, and the home they pick."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .host_transfer import HostTransfer
+from .optimizer_homes import DeviceHome, HostHome, NvmeHome
+
+
+@dataclass(frozen=True)
+class OptimizerOffload:
+    """``zero_optimization.offload_optimizer`` (with ``sub_group_size`` and the ``aio`` section)."""
+
+    device: str = "none"  # "none", "cpu" or "nvme"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    sub_group_size: int = 1_000_000_000
+    aio_config: Any = None  # the config's ``aio`` section (None: its defaults)
+    # deepspeed_cpp's delayed parameter update: None (off) or the number of ordinary steps first
+    delayed_update_after: int | None = None
+
+    @classmethod
+    def from_config(cls, zero, aio_config=None) -> OptimizerOffload | None:
+        """None when the config offloads nothing."""
+        part = zero.offload_optimizer
+        if part is None or part.device == "none":
+            return None
+        return cls(
+            device=part.device,
+            nvme_path=part.nvme_path,
+            pin_memory=part.pin_memory,
+            buffer_count=part.buffer_count,
+            pipeline_read=part.pipeline_read,
+            pipeline_write=part.pipeline_write,
+            sub_group_size=int(zero.sub_group_size),
+            aio_config=aio_config,
+            delayed_update_after=(
+                part.delayed_param_update_warmup_steps if part.delayed_param_update else None
+            ),
+        )
+
+    def make_home(
+        self, owned_sizes: Sequence[int], device: torch.device, *, rank: int, state_slots: int
+    ):
+        if self.device == "none":
+            return DeviceHome(owned_sizes)
+        transfer = HostTransfer(device, pin_memory=self.pin_memory)
+        if self.device == "cpu":
+            return HostHome(owned_sizes, transfer, self.sub_group_size)
+        return NvmeHome(
+            owned_sizes,
+            transfer,
+            sub_group_size=self.sub_group_size,
+            nvme_path=self.nvme_path,
+            rank=rank,
+            aio_config=self.aio_config,
+            buffer_count=self.buffer_count,
+            pipeline_read=self.pipeline_read,
+            pipeline_write=self.pipeline_write,
+            state_slots=state_slots,
+        )

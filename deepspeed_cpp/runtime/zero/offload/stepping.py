@@ -1,0 +1,110 @@
+"""The partitioned optimizer's steps with offloaded masters (a mixin of
+``ZeroPartitionedOptimizer``, which owns every attribute used here).
+
+With offload, a bucket's fp32 master is not the device's shard: each step copies the reduced
+shard gradients to the host home (``optimizer_homes.py``), steps the masters there one sub-group
+at a time, and copies the updated values into the device tensors that hold this rank's part of
+the parameters, from where the usual all-gather spreads them. With the delayed parameter update
+the host step runs in the background (``delayed_update.py``) and is written at the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .delayed_update import DelayedUpdate
+from .optimizer_offload import OptimizerOffload
+
+
+class OffloadedStepping:
+    """Offload's part of ``ZeroPartitionedOptimizer`` (see the module docstring)."""
+
+    def _check_offload(self, offload: OptimizerOffload | None) -> DelayedUpdate | None:
+        if offload is None:
+            return None
+        name = type(self.optimizer).__name__
+        if offload.device == "nvme" and not self._step_per_bucket:
+            raise ValueError(
+                f"offload_optimizer.device nvme steps one sub-group at a time, which {name} "
+                f"cannot (it may keep per-group state); use the config optimizer Adam/AdamW or "
+                f"DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion"
+            )
+        if offload.delayed_update_after is None:
+            return None
+        if offload.device != "cpu" or not hasattr(self.optimizer, "step_groups"):
+            raise ValueError(
+                f"offload_optimizer.delayed_param_update needs offload_optimizer.device cpu and "
+                f"one of deepspeed_cpp's CPU optimizers (the config's Adam/AdamW, "
+                f"DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion); got device "
+                f"{offload.device!r} and {name}"
+            )
+        return DelayedUpdate(offload.delayed_update_after)
+
+    def _step_offloaded(self) -> None:
+        """Each sub-group in turn: brought in (NVMe), its shard gradients copied to the host, its
+        masters stepped and written into the device parameters, which are gathered. With the
+        delayed update the step runs in the background and is written at the next step."""
+        if self._delayed is not None and self._delayed.next_step_is_delayed():
+            self.apply_pending_update()
+            for index, grad in enumerate(self.shard_grads):
+                self.home.transfer.to_host(grad, self.home.grad_buffer(index))
+            self.home.transfer.synchronize()
+            snapshot = [dict(group) for group in self.optimizer.param_groups]
+            self._delayed.launch(lambda: self._step_all_masters(snapshot))
+            return
+        if not self._step_per_bucket:  # the host home: every master resident at once
+            for index, grad in enumerate(self.shard_grads):
+                self.home.transfer.to_host(grad, self.home.grad_buffer(index))
+            self.home.transfer.synchronize()
+            self._step_all_masters(self.optimizer.param_groups)
+            self._finish_gathers([self._gather_from_master(b) for b in range(len(self.buckets))])
+            return
+        pending = []
+        for members in self.home.sub_groups:
+            with self.home.resident(members):
+                for index in members:
+                    buffer = self.home.grad_buffer(index)
+                    self.home.transfer.to_host(self.shard_grads[index], buffer)
+                    self.masters[index].grad = buffer
+                self.home.transfer.synchronize()
+                self.optimizer.step()
+                for index in members:
+                    self.masters[index].grad = None
+                    pending.append(self._gather_from_master(index))
+        self._finish_gathers(pending)
+
+    def _step_all_masters(self, groups: list[dict]) -> None:
+        for index, master in enumerate(self.masters):
+            master.grad = self.home.grad_buffer(index)
+        try:
+            if groups is self.optimizer.param_groups:
+                self.optimizer.step()
+            else:
+                self.optimizer.step_groups(groups)
+        finally:
+            for master in self.masters:
+                master.grad = None
+
+    def apply_pending_update(self) -> None:
+        """Finishes a delayed step still running and writes its result into the parameters."""
+        if self._delayed is not None and self._delayed.finish():
+            with torch.no_grad():
+                self._finish_gathers(
+                    [self._gather_from_master(b) for b in range(len(self.buckets))]
+                )
+
+    def _gather_from_master(self, index: int):
+        """Starts writing master ``index`` into every rank's parameters."""
+        bucket, master = self.buckets[index], self.masters[index]
+        if self.home.kind == "none":
+            return self._launch_gather(bucket, master)
+        target = self._owned_device_target(bucket)
+        self.home.transfer.to_device(master.detach(), target)
+        return self._launch_gather(bucket, target)
+
+    def _owned_device_target(self, bucket) -> torch.Tensor:
+        """The device tensor that holds this rank's part of ``bucket``'s parameters."""
+        if self._params_still_view_flat(bucket):
+            return bucket.flat.narrow(0, bucket.owned_start, bucket.owned_size)
+        device = self.params[0].device
+        return torch.empty(bucket.owned_size, dtype=bucket.gather_dtype, device=device)
