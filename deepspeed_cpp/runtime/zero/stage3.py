@@ -22,8 +22,23 @@ import torch.distributed as dist
 from ...ops.zero import BucketPlan, plan_buckets
 from . import partition_parameters as pp
 from .coordinator import ParameterCoordinator
+from .estimators import (
+    estimate_zero3_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs_all_cold,
+    estimate_zero3_model_states_mem_needs_all_live,
+)
 from .partitioned_optimizer import ZeroPartitionedOptimizer, _Bucket
 from .stage import PartitionLayout
+
+# The ZeRO-3 memory estimators are re-exported here, DeepSpeed's module path for them.
+__all__ = [
+    "Stage3Optimizer",
+    "ZeroStage3",
+    "estimate_zero3_model_states_mem_needs",
+    "estimate_zero3_model_states_mem_needs_all_cold",
+    "estimate_zero3_model_states_mem_needs_all_live",
+    "partition_module",
+]
 
 
 class Stage3Optimizer(ZeroPartitionedOptimizer):
