@@ -147,6 +147,10 @@ def test_zero3_config_keeps_every_stage3_value_before_refusing_offload():
     assert zero.offload_param.device == "nvme" and zero.offload_param.nvme_path == "/local_nvme"
     assert zero.offload_param.buffer_size == 100_000_000
     assert zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory
+    aio = config.aio  # a typed section now (it was ignored before NVMe offload)
+    assert (aio.block_size, aio.queue_depth, aio.thread_count, aio.intra_op_parallelism) == (
+        1048576, 8, 1, 1)  # fmt: skip
+    assert (aio.single_submit, aio.overlap_events, aio.use_gds) == (False, True, False)
     message = _error(CONFIGS / "zero3_offload_nvme.json", world_size=8)
     assert 'zero_optimization.offload_param.device = "nvme": not supported yet' in message
     assert "offload_optimizer" not in message.split("supported yet", 1)[0]

@@ -10,7 +10,7 @@
     cfg = cfg.finalize(world_size)
 
 Where each part lives: ``deepspeed_config.py`` (the top level, parse/finalize), ``sections.py``
-(fp16, bf16, zero_optimization), ``optimizer.py``, ``scheduler.py``, ``key_policy.py`` (the
+(fp16, bf16, zero_optimization, aio), ``optimizer.py``, ``scheduler.py``, ``key_policy.py`` (the
 decision for every DeepSpeed key that is not modelled), ``not_built_yet.py`` (the single place
 refusing validated features the engine lacks), ``batch_size.py``, ``auto_values.py``,
 ``source.py`` (files, dicts, args), ``values.py`` (leaf types), ``errors.py``.
@@ -21,6 +21,7 @@ from .errors import DeepSpeedConfigError
 from .optimizer import OptimizerConfig
 from .scheduler import SchedulerConfig
 from .sections import (
+    AioConfig,
     BF16Config,
     FP16Config,
     OffloadOptimizerConfig,
@@ -29,6 +30,7 @@ from .sections import (
 )
 
 __all__ = [
+    "AioConfig",
     "BF16Config",
     "DeepSpeedConfig",
     "DeepSpeedConfigError",

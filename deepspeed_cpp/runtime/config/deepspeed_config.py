@@ -35,7 +35,7 @@ from .optimizer import PARAMS_BY_TYPE as OPTIMIZER_PARAMS
 from .optimizer import OptimizerConfig, validate_optimizer_params
 from .scheduler import PARAMS_BY_TYPE as SCHEDULER_PARAMS
 from .scheduler import SchedulerConfig, validate_scheduler_params
-from .sections import BF16Config, FP16Config, ZeroConfig
+from .sections import AioConfig, BF16Config, FP16Config, ZeroConfig
 from .source import choose_config, read_config
 from .values import ConfigSection, boolean, integer, is_auto, number
 
@@ -68,6 +68,8 @@ class DeepSpeedConfig(ConfigSection):
     """DeepSpeed's permission to run ZeRO with an optimizer it did not build."""
     dataloader_drop_last: boolean() = False
     """Drop the last incomplete batch of the engine's data loader."""
+    aio: AioConfig = Field(default_factory=AioConfig)
+    """Asynchronous I/O of NVMe offload (the swap files' aio handles)."""
 
     _raw: dict = PrivateAttr(default_factory=dict)
     _source: str = PrivateAttr("dict")

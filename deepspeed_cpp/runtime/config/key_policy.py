@@ -177,14 +177,6 @@ POLICIES: tuple[KeyPolicy, ...] = (
     ),
     _ignored("sparse_attention", _NO_API + " (sparse attention modules)"),
     _ignored("pipeline", _NO_API + " (PipelineModule, pipeline parallelism)"),
-    _ignored(
-        "aio",
-        "it tunes the asynchronous I/O of NVMe offload, which is not supported yet",
-        (
-            "block_size queue_depth thread_count intra_op_parallelism "
-            "single_submit overlap_events use_gds"
-        ).split(),
-    ),
     # --- gradient communication ---------------------------------------------------------------
     _harmless_at("prescale_gradients", (False,), "gradients are averaged after the reduction"),
     _harmless_at("gradient_predivide_factor", (1.0,), "gradients are not pre-divided"),

@@ -1,4 +1,4 @@
-"""The typed sections of the config: fp16, bf16 and zero_optimization (with its offload parts).
+"""The typed sections of the config: fp16, bf16, zero_optimization (with its offload parts), aio.
 
 Field names, defaults and meanings are DeepSpeed's. Keys of these sections that deepspeed_cpp
 does not model are in ``key_policy.py``. (No ``from __future__ import annotations`` here: the
@@ -6,11 +6,12 @@ field types are built by calls such as ``integer(1)``, which pydantic must see e
 """
 
 import sys
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from .values import ConfigSection, boolean, choice, integer, number, text
+from .values import ConfigSection, boolean, choice, integer, is_auto, number, text
 
 
 class FP16Config(ConfigSection):
@@ -136,3 +137,62 @@ class ZeroConfig(ConfigSection):
             if part is not None and part.device != "none":
                 devices[name] = part.device
         return devices
+
+
+def _block_size():
+    """A positive multiple of 4096 (O_DIRECT's alignment), as the aio handle needs."""
+
+    def check(value):
+        if not is_auto(value) and value % 4096:
+            raise PydanticCustomError(
+                "ds_config_value", "expected a positive multiple of 4096 (O_DIRECT's alignment)"
+            )
+        return value
+
+    return Annotated[integer(1), AfterValidator(check)]
+
+
+class AioConfig(ConfigSection):
+    """``aio``: the asynchronous I/O of NVMe offload (swap files), DeepSpeed's keys."""
+
+    block_size: _block_size() = 1_048_576
+    """Bytes per I/O request piece."""
+    queue_depth: integer(1, 4096) = 8
+    """Pieces kept in flight per worker thread."""
+    thread_count: integer(1, 256) = 1
+    """DeepSpeed's older name of ``intra_op_parallelism``."""
+    intra_op_parallelism: integer(1, 256) = 1
+    """Worker threads that split one request."""
+    single_submit: boolean() = False
+    """Hand each piece to the kernel on its own instead of in batches."""
+    overlap_events: boolean() = True
+    """Refill the queue on every completion instead of per batch."""
+    use_gds: boolean() = False
+    """GPUDirect Storage: not supported, must be false."""
+
+    @field_validator("use_gds", mode="after")
+    @classmethod
+    def _no_gds(cls, value):
+        if value is True:
+            raise ValueError(
+                "GPUDirect Storage (GDS) is not supported by deepspeed_cpp: NVMe offload moves "
+                "data through host memory; expected false, or remove the key"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_thread_count(self):
+        given = self.model_fields_set
+        old, new = self.thread_count, self.intra_op_parallelism
+        if is_auto(old) or is_auto(new):
+            return self
+        if {"thread_count", "intra_op_parallelism"} <= given and old != new:
+            raise ValueError(
+                f"aio.thread_count = {old} and aio.intra_op_parallelism = {new} differ: they are "
+                "two names of one setting (DeepSpeed's older and newer); give one of them"
+            )
+        if "thread_count" in given and "intra_op_parallelism" not in given:
+            self.intra_op_parallelism = old
+        else:
+            self.thread_count = new
+        return self
