@@ -860,9 +860,12 @@ class SwapFolder:
             )
 
         try:
-            with open(path, "rb") as file:
-                block = file.read(HEADER_BYTES)
-                size = os.fstat(file.fileno()).st_size
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                block = os.pread(fd, HEADER_BYTES, 0)  # the header page only, no read-ahead
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
         except OSError as error:
             raise _os_error(f"SwapFolder.read: key {key!r}", error, path) from None
         header = _decode_header(block)
