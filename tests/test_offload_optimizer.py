@@ -70,7 +70,7 @@ def _train_job(stage, dtype, device, steps=STEPS):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("device", ["cpu"])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_is_bitwise_the_same_stage_in_memory(pool2, stage, device, dtype):
     for (in_memory, offloaded), extra in pool2.run(_train_job, stage, dtype, device):
@@ -146,19 +146,18 @@ def _error_of(config_dict):
 
 
 def _errors_job(missing):
+    nvme = {"device": "nvme", "nvme_path": missing}
     return [
         _error_of(_config(0, "fp32", {"device": "cpu"})),
-        _error_of(
-            _config(
-                2, "fp32", {"device": "nvme", "nvme_path": missing, "delayed_param_update": True}
-            )
-        ),  # fmt: skip
+        _error_of(_config(2, "fp32", {**nvme, "delayed_param_update": True})),
+        _error_of(_config(2, "fp32", nvme)),
     ]
 
 
 def test_bad_offload_settings_are_named(pool2):
     missing = os.path.join(tempfile.gettempdir(), "ds_offload_no_such_dir", "nvme")
-    for stage0, delayed_nvme in pool2.run(_errors_job, missing):
+    for stage0, delayed_nvme, no_folder in pool2.run(_errors_job, missing):
         assert "offload_optimizer.device = 'cpu' needs ZeRO stage 1, 2 or 3" in stage0
         assert 'delayed_param_update = true needs offload_optimizer.device "cpu"' in delayed_nvme
         assert 'got device "nvme"' in delayed_nvme
+        assert missing in no_folder and "ENOENT" in no_folder
