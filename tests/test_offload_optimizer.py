@@ -39,19 +39,20 @@ def _nvme(folder, **extra):
             "pipeline_write": True, "buffer_count": 3, **extra}  # fmt: skip
 
 
-def _shared_folder() -> str:
-    """One folder for both ranks (rank 0 makes it); each rank's swap files go below it."""
-    names = [tempfile.mkdtemp(prefix="ds_offload_") if dist.get_rank() == 0 else None]
+def _shared_folder(parent) -> str:
+    """A new folder under ``parent`` (the test's tmp_path) for both ranks (rank 0 makes it);
+    each rank's swap files go below it."""
+    names = [tempfile.mkdtemp(dir=parent) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(names, src=0)
     return names[0]
 
 
-def _train_job(stage, dtype, device, steps=STEPS):
+def _train_job(parent, stage, dtype, device, steps=STEPS):
     """Trains in memory, then with the optimizer offloaded; returns both parameter sets and
     what the offloaded engine kept in host memory and on disk."""
     import deepspeed_cpp
 
-    folder = _shared_folder()
+    folder = _shared_folder(parent)
     offload = {"device": "cpu"} if device == "cpu" else _nvme(folder)
     results, extra = [], {}
     for part in (None, offload):
@@ -65,6 +66,7 @@ def _train_job(stage, dtype, device, steps=STEPS):
                      "host_bytes": engine.optimizer.state_bytes(),
                      "files": sorted(os.listdir(folder))}  # fmt: skip
         engine.destroy()
+    dist.barrier()  # both ranks' engines are destroyed (the folder is shared)
     extra["left_after_destroy"] = [f for _, _, files in os.walk(folder) for f in files]
     return results, extra
 
@@ -72,8 +74,8 @@ def _train_job(stage, dtype, device, steps=STEPS):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_offload_is_bitwise_the_same_stage_in_memory(pool2, stage, device, dtype):
-    for (in_memory, offloaded), extra in pool2.run(_train_job, stage, dtype, device):
+def test_offload_is_bitwise_the_same_stage_in_memory(pool2, tmp_path, stage, device, dtype):
+    for (in_memory, offloaded), extra in pool2.run(_train_job, tmp_path, stage, dtype, device):
         assert extra["kind"] == device
         assert extra["sub_groups"] > 2  # several sub-groups: the swapping order is exercised
         for name, value in in_memory.items():
@@ -161,3 +163,107 @@ def test_bad_offload_settings_are_named(pool2):
         assert 'delayed_param_update = true needs offload_optimizer.device "cpu"' in delayed_nvme
         assert 'got device "nvme"' in delayed_nvme
         assert missing in no_folder and "ENOENT" in no_folder
+
+
+# --- checkpoints and host memory ------------------------------------------------------------
+
+
+def _run_steps(engine, batches, rank):
+    from zero3_helpers import loss_of, rank_slice
+
+    for micro_batches in batches:
+        for x, y in micro_batches:
+            loss = loss_of(engine(rank_slice(x, rank)), rank_slice(y, rank))
+            engine.backward(loss)
+            engine.step()
+
+
+def _checkpoint_job(parent, stage, save_with, load_with):
+    """Six steps uninterrupted in memory vs three steps with ``save_with`` offload, a checkpoint,
+    and three more in a new engine with ``load_with`` offload (None: in memory)."""
+    from zero3_helpers import full_params, global_batches
+
+    import deepspeed_cpp
+
+    rank, folder = dist.get_rank(), _shared_folder(parent)
+    batches = global_batches(SEED, 6, 2, dist.get_world_size())
+
+    def offload(kind):
+        return None if kind is None else {"device": "cpu"} if kind == "cpu" else _nvme(folder)
+
+    def engine_with(kind):
+        engine, *_ = deepspeed_cpp.initialize(
+            model=make_model(SEED), config=_config(stage, "fp32", offload(kind))
+        )
+        return engine
+
+    engine = engine_with(None)
+    _run_steps(engine, batches, rank)
+    uninterrupted = full_params(engine)
+    engine.destroy()
+
+    engine = engine_with(save_with)
+    _run_steps(engine, batches[:3], rank)
+    engine.save_checkpoint(os.path.join(folder, "ckpt"), tag="step3")
+    engine.destroy()
+    engine = engine_with(load_with)
+    engine.load_checkpoint(os.path.join(folder, "ckpt"), tag="step3")
+    _run_steps(engine, batches[3:], rank)
+    resumed = full_params(engine)
+    engine.destroy()
+    return uninterrupted, resumed
+
+
+@pytest.mark.parametrize(
+    "stage, save_with, load_with",
+    [(2, "nvme", None), (2, None, "nvme"), (3, "nvme", "nvme"), (1, "cpu", "nvme")],
+)
+def test_checkpoints_move_between_offloaded_and_in_memory_runs(
+    pool2, tmp_path, stage, save_with, load_with
+):
+    for uninterrupted, resumed in pool2.run(_checkpoint_job, tmp_path, stage, save_with, load_with):
+        for name, value in uninterrupted.items():
+            assert torch.equal(resumed[name], value), name
+
+
+def _budget_job(parent):
+    """A model whose optimizer state is several times the NVMe home's host buffers, trained
+    with it and in memory."""
+    import deepspeed_cpp
+
+    folder = _shared_folder(parent)
+    results, figures = [], None
+    for offload in (_nvme(folder, buffer_count=2), None):
+        torch.manual_seed(5)
+        model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(16)])
+        zero = {"stage": 2, "reduce_bucket_size": 20_000, "sub_group_size": 10_000}
+        if offload is not None:
+            zero["offload_optimizer"] = offload
+        cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # fmt: skip
+        engine, *_ = deepspeed_cpp.initialize(model=model, config=cfg)
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(3):
+            loss = engine(torch.randn(4, 128, generator=generator)).square().mean()
+            engine.backward(loss)
+            engine.step()
+        if offload is not None:
+            home = engine.optimizer.home
+            owned = sum(g.numel() for g in engine.optimizer.shard_grads)
+            state_bytes = owned * 4 * 3  # fp32 masters, exp_avg, exp_avg_sq
+            figures = (state_bytes, home.host_bytes(), home.disk_bytes(), len(home.sub_groups))
+        results.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        engine.destroy()
+    return figures, results
+
+
+def test_nvme_host_memory_is_bounded_by_the_buffers_not_the_model(pool2, tmp_path):
+    for figures, (offloaded, in_memory) in pool2.run(_budget_job, tmp_path):
+        state_bytes, host_bytes, disk_bytes, sub_groups = figures
+        assert sub_groups >= 12
+        assert (
+            4 * host_bytes <= state_bytes
+        )  # the state is 4x the host memory it is swapped through
+        assert disk_bytes >= state_bytes  # all of it lives in the swap files
+        for name, value in in_memory.items():
+            assert torch.equal(offloaded[name], value), name

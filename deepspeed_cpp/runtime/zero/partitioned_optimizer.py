@@ -500,11 +500,11 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
                 f"load_shard_state needs one master slice (and state) per bucket: "
                 f"{len(self.masters)} buckets, got {len(masters)} slices and {given_states} states"
             )
-        for bucket, (master, values) in enumerate(zip(self.masters, masters)):
-            if values.shape != master.shape:
+        for index, (bucket, values) in enumerate(zip(self.buckets, masters)):
+            if tuple(values.shape) != (bucket.owned_size,):
                 raise ValueError(
-                    f"load_shard_state: bucket {bucket}: the slice has shape "
-                    f"{tuple(values.shape)}, this rank owns {tuple(master.shape)}"
+                    f"load_shard_state: bucket {index}: the slice has shape "
+                    f"{tuple(values.shape)}, this rank owns {(bucket.owned_size,)}"
                 )
         self.apply_pending_update()
         on_device = {

@@ -12,6 +12,8 @@ import torch
 
 from ....accelerator import get_accelerator
 
+_PAGE = 4096
+
 
 class HostTransfer:
     """Allocates host buffers and moves tensors between them and ``device``."""
@@ -23,10 +25,20 @@ class HostTransfer:
         self._pin = pin_memory and not self._on_host
         self._stream = None if self._on_host else self._accelerator.Stream()
 
-    def host_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A 1-D host tensor, page-locked when pinning is on and helps."""
-        tensor = torch.empty(numel, dtype=dtype)
-        return self._accelerator.pin_memory(tensor) if self._pin else tensor
+    def host_empty(
+        self, numel: int, dtype: torch.dtype = torch.float32, *, page_aligned: bool = False
+    ) -> torch.Tensor:
+        """A 1-D host tensor, page-locked when pinning is on and helps. ``page_aligned``: it
+        starts on a 4096-byte boundary (O_DIRECT transfers it without a bounce buffer)."""
+        if not page_aligned:
+            tensor = torch.empty(numel, dtype=dtype)
+            return self._accelerator.pin_memory(tensor) if self._pin else tensor
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        raw = torch.empty(numel * itemsize + _PAGE, dtype=torch.uint8)
+        if self._pin:
+            raw = self._accelerator.pin_memory(raw)
+        skip = -raw.data_ptr() % _PAGE
+        return raw.narrow(0, skip, numel * itemsize).view(dtype)
 
     def to_host(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Queues ``target.copy_(source)`` (device -> host); visible after ``synchronize``."""

@@ -132,7 +132,7 @@ class NvmeHome(DeviceHome):
         self._layout = [self._plan_slot(members) for members in self.sub_groups]
         slot_elements = max(total for _, total, _ in self._layout)
         slots = max(1, int(buffer_count)) if (pipeline_read or pipeline_write) else 1
-        self._slots = [transfer.host_empty(slot_elements) for _ in range(slots)]
+        self._slots = [transfer.host_empty(slot_elements, page_aligned=True) for _ in range(slots)]
         self._slot_of: dict[int, int] = {}  # sub-group -> slot holding it (read or being read)
         self._reads: dict[int, object] = {}  # sub-group -> ticket of its read into its slot
         self._writes: dict[int, object] = {}  # slot -> ticket of the write out of it
