@@ -25,8 +25,8 @@ FINALIZED_AT_2_RANKS = {
     "zero1_sgd_onecycle.json": (96, 12, 4),
     "hf_zero1_auto.json": (48, 8, 3),
     "hf_zero2_auto.json": (48, 8, 3),
-    "hf_zero3_auto.json": 'zero_optimization.offload_param.device = "cpu": not supported yet',
-    "zero3_offload_nvme.json": 'zero_optimization.offload_param.device = "nvme": not supported',
+    "hf_zero3_auto.json": (48, 8, 3),
+    "zero3_offload_nvme.json": (64, 8, 4),
 }
 
 # What the Hugging Face Trainer would fill (per_device_train_batch_size=8,
@@ -136,7 +136,7 @@ def test_cifar10_tutorial_config_values_and_its_warnings_once_each(ds_log):
         assert len(_warnings_about(ds_log, key)) == 1, key
 
 
-def test_zero3_config_keeps_every_stage3_value_before_refusing_offload():
+def test_zero3_config_keeps_every_stage3_and_offload_value():
     config = DeepSpeedConfig.parse(CONFIGS / "zero3_offload_nvme.json")
     zero = config.zero_optimization
     assert zero.stage == 3
@@ -151,10 +151,8 @@ def test_zero3_config_keeps_every_stage3_value_before_refusing_offload():
     assert (aio.block_size, aio.queue_depth, aio.thread_count, aio.intra_op_parallelism) == (
         1048576, 8, 1, 1)  # fmt: skip
     assert (aio.single_submit, aio.overlap_events, aio.use_gds) == (False, True, False)
-    message = _error(CONFIGS / "zero3_offload_nvme.json", world_size=8)
-    assert 'zero_optimization.offload_param.device = "nvme": not supported yet' in message
-    assert "offload_optimizer" not in message.split("supported yet", 1)[0]
-    assert "stage = 3" not in message
+    final = DeepSpeedConfig.load(CONFIGS / "zero3_offload_nvme.json", world_size=8)
+    assert final.zero_optimization.offload_param.device == "nvme"
 
 
 # --- batch sizes: DeepSpeed's rule --------------------------------------------------------------
@@ -645,10 +643,6 @@ def test_deepspeed_features_not_built_yet_are_refused_by_name(config, expected):
             {"stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}},
             "zero_optimization.offload_optimizer.super_offload = true: DeepSpeed's SuperOffload",
         ),
-        (
-            {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}},
-            'zero_optimization.offload_param.device = "nvme": not supported yet',
-        ),
     ],
 )
 def test_offload_parses_but_is_refused_at_finalize(zero, expected):
@@ -989,3 +983,18 @@ def test_offload_optimizer_tuning_keys_without_effect_warn_once_each(ds_log):
     assert len(said) == 3
     for key in ("fast_init = true", "convert_grad_on_cpu = false", "cpuadam_cores_perc = 0.5"):
         assert sum(key in message for message in said) == 1, key
+
+
+def test_offload_param_needs_offload_optimizer_and_max_in_cpu_warns(ds_log):
+    param = {"device": "nvme", "nvme_path": "/nvme", "max_in_cpu": 10}
+    message = _error(_with_batch(zero_optimization={"stage": 3, "offload_param": param}))
+    assert (
+        'zero_optimization.offload_param.device = "nvme" needs offload_optimizer.device "cpu" '
+        'or "nvme" too' in message
+    )
+    zero = {"stage": 3, "offload_param": param, "offload_optimizer": {"device": "cpu"}}
+    DeepSpeedConfig.load(_with_batch(zero_optimization=zero))
+    said = [
+        r.getMessage() for r in ds_log.records if "max_in_cpu = 10 has no effect" in r.getMessage()
+    ]
+    assert len(said) == 1

@@ -188,13 +188,15 @@ def _checkpoint_job(parent, stage, save_with, load_with):
     rank, folder = dist.get_rank(), _shared_folder(parent)
     batches = global_batches(SEED, 6, 2, dist.get_world_size())
 
-    def offload(kind):
-        return None if kind is None else {"device": "cpu"} if kind == "cpu" else _nvme(folder)
-
     def engine_with(kind):
-        engine, *_ = deepspeed_cpp.initialize(
-            model=make_model(SEED), config=_config(stage, "fp32", offload(kind))
-        )
+        cfg = _config(stage, "fp32", None)
+        if kind == "cpu":
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        elif kind in ("nvme", "infinity"):
+            cfg["zero_optimization"]["offload_optimizer"] = _nvme(folder)
+        if kind == "infinity":  # parameters on NVMe too
+            cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": folder}
+        engine, *_ = deepspeed_cpp.initialize(model=make_model(SEED), config=cfg)
         return engine
 
     engine = engine_with(None)
@@ -216,7 +218,14 @@ def _checkpoint_job(parent, stage, save_with, load_with):
 
 @pytest.mark.parametrize(
     "stage, save_with, load_with",
-    [(2, "nvme", None), (2, None, "nvme"), (3, "nvme", "nvme"), (1, "cpu", "nvme")],
+    [
+        (2, "nvme", None),
+        (2, None, "nvme"),
+        (3, "nvme", "nvme"),
+        (1, "cpu", "nvme"),
+        (3, "infinity", None),
+        (3, "cpu", "infinity"),
+    ],  # fmt: skip
 )
 def test_checkpoints_move_between_offloaded_and_in_memory_runs(
     pool2, tmp_path, stage, save_with, load_with
@@ -267,3 +276,52 @@ def test_nvme_host_memory_is_bounded_by_the_buffers_not_the_model(pool2, tmp_pat
         assert disk_bytes >= state_bytes  # all of it lives in the swap files
         for name, value in in_memory.items():
             assert torch.equal(offloaded[name], value), name
+
+
+# --- ZeRO-Infinity: parameters offloaded too (stage 3) ---------------------------------------
+
+
+def _param_offload_job(parent, dtype, device):
+    import deepspeed_cpp
+
+    folder = _shared_folder(parent)
+    if device == "cpu":
+        parts = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    else:
+        parts = {"offload_optimizer": _nvme(folder),
+                 "offload_param": {"device": "nvme", "nvme_path": folder, "buffer_count": 3,
+                                   "buffer_size": 4096}}  # fmt: skip
+    results, figures, reads = [], {}, []
+
+    def count_reads(engine, step):
+        home = engine.optimizer.param_home
+        if step in (0, STEPS - 1) and home.kind == "nvme":
+            reads.append((home.read_ahead_hits, home.reads_on_demand))
+
+    for extra in ({}, parts):
+        cfg = _config(3, dtype, None)
+        cfg["zero_optimization"].update(extra)
+        engine, *_ = deepspeed_cpp.initialize(model=make_model(SEED), config=cfg)
+        results.append(train(engine, SEED, STEPS, between=count_reads if extra else None))
+        if extra:
+            home = engine.optimizer.param_home
+            figures = {"kind": home.kind, "reads": reads,
+                       "shards": [str(p.ds_tensor.device) for p in engine.module.parameters()
+                                  if not p.ds_persist]}  # fmt: skip
+        engine.destroy()
+    return results, figures
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_parameter_offload_is_bitwise_stage3_in_memory(pool2, tmp_path, device, dtype):
+    for (in_memory, offloaded), figures in pool2.run(_param_offload_job, tmp_path, dtype, device):
+        assert figures["kind"] == device
+        # Between uses no shard is on the device: on the host, or only a size on NVMe.
+        assert set(figures["shards"]) == {"cpu" if device == "cpu" else "meta"}
+        if device == "nvme":  # after the first step, every shard was read ahead of its use
+            (hits_first, on_demand_first), (hits_last, on_demand_last) = figures["reads"]
+            assert on_demand_first > 0 and on_demand_last == on_demand_first, figures
+            assert hits_last - hits_first >= 2 * (STEPS - 1), figures
+        for name, value in in_memory.items():
+            assert torch.equal(offloaded[name], value), (name, device, dtype)

@@ -17,7 +17,7 @@ from .config_optimizer import config_optimizer_factory
 from .dataloader import make_distributed_loader
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
-from .zero.offload.optimizer_offload import OptimizerOffload
+from .zero.offload.optimizer_offload import OptimizerOffload, ParamOffload
 from .zero.partitioned_optimizer import ZeroPartitionedOptimizer
 
 
@@ -124,7 +124,7 @@ class DeepSpeedEngine(torch.nn.Module):
                 "section too; keep one of them"
             )
         zero = self.config.zero_optimization
-        offload = OptimizerOffload.from_config(zero, getattr(self.config, "aio", None))
+        offload = OptimizerOffload.from_config(zero, self.config.aio)
         # Offloaded master shards are stepped on the host: the config optimizer is a CPU one.
         optimizer_device = self.device if offload is None else torch.device("cpu")
         if zero.stage == 3:
@@ -182,6 +182,7 @@ class DeepSpeedEngine(torch.nn.Module):
             gradient_clipping=self.config.gradient_clipping,
             loss_scaler=self.loss_scaler,
             offload=offload,
+            param_offload=ParamOffload.from_config(self.config.zero_optimization, self.config.aio),
         )
 
     def _param_groups(self, model_parameters) -> list[dict]:

@@ -156,7 +156,22 @@ class DeepSpeedConfig(ConfigSection):
                 f"at stage {zero.stage}"
             )
         offload_optimizer = zero.offload_optimizer
-        if offload_optimizer is not None and offload_optimizer.device != "none":
+        optimizer_offloaded = offload_optimizer is not None and offload_optimizer.device != "none"
+        if offload_param is not None and offload_param.device != "none" and zero.stage == 3:
+            if not optimizer_offloaded:
+                problems.append(
+                    f'zero_optimization.offload_param.device = "{offload_param.device}" needs '
+                    f'offload_optimizer.device "cpu" or "nvme" too in deepspeed_cpp (the fp32 '
+                    f"masters of offloaded parameters are stepped on the host); add "
+                    f"offload_optimizer"
+                )
+            if offload_param.max_in_cpu != 1_000_000_000:
+                warnings.append(
+                    f"zero_optimization.offload_param.max_in_cpu = {offload_param.max_in_cpu} "
+                    f"has no effect in deepspeed_cpp: with device nvme every shard lives in its "
+                    f"swap file and host memory is bounded by buffer_count x buffer_size"
+                )
+        if optimizer_offloaded:
             warnings += _offload_keys_without_effect(offload_optimizer)
             if offload_optimizer.delayed_param_update and offload_optimizer.device != "cpu":
                 problems.append(

@@ -13,13 +13,6 @@ from .sections import ZeroConfig
 def refuse_features_not_built_yet(zero: ZeroConfig) -> list[str]:
     """One problem per configured feature that the engine cannot run yet."""
     problems = []
-    offload_param = zero.offload_param
-    if offload_param is not None and offload_param.device != "none" and zero.stage == 3:
-        problems.append(
-            f'zero_optimization.offload_param.device = "{offload_param.device}": not supported '
-            f'yet by deepspeed_cpp (parameter offload is being built); expected "none", or '
-            f"remove offload_param (offload_optimizer is supported)"
-        )
     part = zero.offload_optimizer
     if part is None or part.device == "none":
         return problems

@@ -130,9 +130,14 @@ def launch_gather(param: torch.nn.Parameter, group=None) -> None:
     if param.ds_persist or param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
         return
     group = group if group is not None else param.ds_group
-    world, _ = _world(group)
+    world, rank = _world(group)
     shard = param.ds_tensor
     full = _whole_buffer(param, shard.numel() * world)
+    home = getattr(param, "ds_home", None)
+    if home is not None:  # offloaded: the shard comes from the host or NVMe into its place
+        own = full.narrow(0, rank * shard.numel(), shard.numel())
+        home.read_into(param, own)
+        shard = own
     if world == 1:
         full.copy_(shard)
         works = []
@@ -170,7 +175,7 @@ def release(param: torch.nn.Parameter) -> None:
             f"{list(param.ds_shape)}, it is {list(param.data.shape)}; a partitioned parameter's "
             f"shape is fixed (re-create it under zero.Init to change it)"
         )
-    param.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=param.ds_tensor.device)
+    param.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=_device_of(param))
     # Autograd keeps views of the whole parameter that the forward made (a linear layer saves
     # weight.t()), which would keep every gathered tensor alive until the backward; emptying
     # the storage frees the memory now, and the next gather refills the same storage, so those
@@ -183,9 +188,9 @@ def _whole_buffer(param: torch.nn.Parameter, numel: int) -> torch.Tensor:
     """The parameter's flat, padded whole tensor: one storage for its lifetime, emptied between
     uses (see ``release``)."""
     whole = getattr(param, "ds_whole", None)
-    shard = param.ds_tensor
-    if whole is None or whole.dtype != shard.dtype or whole.device != shard.device:
-        whole = torch.empty(numel, dtype=shard.dtype, device=shard.device)
+    dtype, device = param.ds_tensor.dtype, _device_of(param)
+    if whole is None or whole.dtype != dtype or whole.device != device:
+        whole = torch.empty(numel, dtype=dtype, device=device)
         param.ds_whole = whole
     else:
         whole.untyped_storage().resize_(numel * whole.element_size())
@@ -207,7 +212,8 @@ def write_shard(param: torch.nn.Parameter, whole: torch.Tensor) -> None:
             f"{describe(param)}"
         )
     _, rank = _world(param.ds_group)
-    shard = param.ds_tensor
+    home = getattr(param, "ds_home", None)
+    shard = param.ds_tensor if home is None else torch.empty_like(param.ds_tensor, device="cpu")
     flat = whole.reshape(-1)
     start = rank * shard.numel()
     end = min(start + shard.numel(), flat.numel())
@@ -215,6 +221,30 @@ def write_shard(param: torch.nn.Parameter, whole: torch.Tensor) -> None:
         shard.zero_()
         if end > start:
             shard[: end - start].copy_(flat[start:end])
+        if home is not None:
+            home.store(param, shard)
+
+
+def read_shard(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's shard of ``param`` (a copy when it lives on NVMe)."""
+    home = getattr(param, "ds_home", None)
+    return param.ds_tensor if home is None else home.read(param)
+
+
+def store_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
+    """Sets this rank's shard of ``param`` to ``values`` (cast to its dtype)."""
+    home = getattr(param, "ds_home", None)
+    with torch.no_grad():
+        if home is None:
+            param.ds_tensor.copy_(values)
+        else:
+            home.store(param, values)
+
+
+def _device_of(param: torch.nn.Parameter) -> torch.device:
+    """The device ``param`` is used on (its shard may live on the host or NVMe)."""
+    home = getattr(param, "ds_home", None)
+    return param.ds_tensor.device if home is None else home.device
 
 
 def gather_all(params) -> None:

@@ -93,26 +93,34 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
     def _master_slice(self, bucket: _Bucket) -> torch.Tensor:
         if not self._partitioned(bucket):
             return super()._master_slice(bucket)
-        shard = bucket.params[0].ds_tensor
+        param = bucket.params[0]
+        shard = pp.read_shard(param)
+        if getattr(param, "ds_home", None) is not None:
+            return shard.float().clone()  # the shard's home is not the optimizer's
         return shard if shard.dtype == torch.float32 else shard.float()
 
     def _owned_slice_of_params(self, bucket: _Bucket, device: torch.device) -> torch.Tensor:
         if not self._partitioned(bucket):
             return super()._owned_slice_of_params(bucket, device)
-        return bucket.params[0].ds_tensor.float().clone()
+        return pp.read_shard(bucket.params[0]).float().clone()
 
     def _owned_device_target(self, bucket: _Bucket) -> torch.Tensor:
         if not self._partitioned(bucket):
             return super()._owned_device_target(bucket)
-        return bucket.params[0].ds_tensor
+        shard = bucket.params[0].ds_tensor
+        if shard.device.type == "meta":  # on NVMe: staged on the host, then stored
+            return torch.empty(shard.numel(), dtype=shard.dtype)
+        return shard
 
     def _launch_gather(self, bucket: _Bucket, master: torch.Tensor):
         if not self._partitioned(bucket):
             return super()._launch_gather(bucket, master)
         # The next forward gathers the shard; only a low-precision copy needs writing.
-        shard = bucket.params[0].ds_tensor
-        if shard.data_ptr() != master.data_ptr():
-            shard.copy_(master.detach())
+        param = bucket.params[0]
+        if getattr(param, "ds_home", None) is not None or (
+            param.ds_tensor.data_ptr() != master.data_ptr()
+        ):
+            pp.store_shard(param, master.detach())
         return bucket, None, [], True
 
 
@@ -146,6 +154,7 @@ class ZeroStage3:
         gradient_clipping: float = 0.0,
         loss_scaler=None,
         offload=None,
+        param_offload=None,
     ):
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -158,6 +167,13 @@ class ZeroStage3:
             param_threshold=int(zero.param_persistence_threshold),
             model_threshold=int(zero.model_persistence_threshold),
         )
+        self.param_home = None
+        self._stepping_next = True  # whether the backward under way ends with a step
+        if param_offload is not None:
+            self.param_home = param_offload.make_home(device, rank=self.rank)
+            for param in module.parameters():
+                if pp.is_partitioned(param) and getattr(param, "ds_home", None) is None:
+                    self.param_home.adopt(param)
         self.coordinator = ParameterCoordinator(
             module,
             group,
@@ -183,6 +199,8 @@ class ZeroStage3:
             )
         except BaseException:
             self.coordinator.destroy()  # no hooks left behind on the model
+            if self.param_home is not None:
+                self.param_home.close()
             raise
 
     # --- what the engine reads like an optimizer --------------------------------------------------
@@ -205,14 +223,22 @@ class ZeroStage3:
 
     # --- training ---------------------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
+        self._stepping_next = boundary
         self.partitioned.begin_backward(boundary)
 
     def end_backward(self) -> None:
         self.coordinator.end_pass()
+        if self.param_home is not None:
+            self.param_home.end_pass()
+            if not self._stepping_next:  # else after the step, which rewrites every shard
+                self.param_home.read_ahead_first()
         self.partitioned.end_backward()
 
     def step(self) -> bool:
-        return self.partitioned.step()
+        stepped = self.partitioned.step()
+        if self.param_home is not None:
+            self.param_home.read_ahead_first()  # overlaps the next forward's first gathers
+        return stepped
 
     def zero_grad(self) -> None:
         if self.partitioned is not None:
@@ -264,8 +290,13 @@ class ZeroStage3:
 
     def destroy(self) -> None:
         self.coordinator.destroy()
-        if self.partitioned is not None:
-            self.partitioned.destroy()
+        try:
+            if self.partitioned is not None:
+                self.partitioned.destroy()
+        finally:
+            if self.param_home is not None:
+                self.param_home.close()
+                self.param_home = None
 
 
 def partition_module(

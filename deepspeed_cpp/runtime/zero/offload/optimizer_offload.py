@@ -1,4 +1,4 @@
-"""The ``offload_optimizer`` settings the partitioned optimizer needs, and the home they pick."""
+"""The ``offload_optimizer`` and ``offload_param`` settings, and the homes they pick."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from .host_transfer import HostTransfer
 from .optimizer_homes import DeviceHome, HostHome, NvmeHome
+from .param_homes import HostParamHome, NvmeParamHome
 
 
 @dataclass(frozen=True)
@@ -66,4 +67,43 @@ class OptimizerOffload:
             pipeline_read=self.pipeline_read,
             pipeline_write=self.pipeline_write,
             state_slots=state_slots,
+        )
+
+
+@dataclass(frozen=True)
+class ParamOffload:
+    """``zero_optimization.offload_param`` (ZeRO stage 3)."""
+
+    device: str
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    aio_config: Any = None
+
+    @classmethod
+    def from_config(cls, zero, aio_config=None) -> ParamOffload | None:
+        part = zero.offload_param
+        if part is None or part.device == "none" or zero.stage != 3:
+            return None
+        return cls(
+            device=part.device,
+            nvme_path=part.nvme_path,
+            pin_memory=part.pin_memory,
+            buffer_count=part.buffer_count,
+            buffer_size=part.buffer_size,
+            aio_config=aio_config,
+        )
+
+    def make_home(self, device: torch.device, *, rank: int):
+        transfer = HostTransfer(device, pin_memory=self.pin_memory)
+        if self.device == "cpu":
+            return HostParamHome(transfer)
+        return NvmeParamHome(
+            transfer,
+            nvme_path=self.nvme_path,
+            rank=rank,
+            aio_config=self.aio_config,
+            buffer_count=self.buffer_count,
+            buffer_size=self.buffer_size,
         )
