@@ -47,13 +47,14 @@ def _shared_folder(parent) -> str:
     return names[0]
 
 
-def _train_job(parent, stage, dtype, device, steps=STEPS):
+def _train_job(parent, stage, dtype, device, steps=STEPS, ratio=1.0):
     """Trains in memory, then with the optimizer offloaded; returns both parameter sets and
     what the offloaded engine kept in host memory and on disk."""
     import deepspeed_cpp
 
     folder = _shared_folder(parent)
     offload = {"device": "cpu"} if device == "cpu" else _nvme(folder)
+    offload["ratio"] = ratio
     results, extra = [], {}
     for part in (None, offload):
         engine, *_ = deepspeed_cpp.initialize(
@@ -63,6 +64,8 @@ def _train_job(parent, stage, dtype, device, steps=STEPS):
         if part is not None:
             home = engine.optimizer.home
             extra = {"kind": home.kind, "sub_groups": len(home.sub_groups),
+                     "on_device": len(getattr(home, "on_device", ())),
+                     "buckets": len(engine.optimizer.shard_grads),
                      "host_bytes": engine.optimizer.state_bytes(),
                      "files": sorted(os.listdir(folder))}  # fmt: skip
         engine.destroy()
@@ -81,6 +84,16 @@ def test_offload_is_bitwise_the_same_stage_in_memory(pool2, tmp_path, stage, dev
         for name, value in in_memory.items():
             assert torch.equal(offloaded[name], value), (name, stage, device, dtype)
         assert extra["left_after_destroy"] == []  # destroy() removed the swap files
+
+
+@pytest.mark.parametrize("stage, device", [(2, "cpu"), (3, "nvme"), (1, "nvme")])
+def test_partial_offload_is_bitwise_the_same_stage_in_memory(pool2, tmp_path, stage, device):
+    runs = pool2.run(_train_job, tmp_path, stage, "bf16", device, STEPS, 0.4)
+    for (in_memory, offloaded), extra in runs:
+        # Some buckets stepped on the device, the first ones (40% of the elements) offloaded.
+        assert 0 < extra["on_device"] < extra["buckets"], extra
+        for name, value in in_memory.items():
+            assert torch.equal(offloaded[name], value), (name, stage, device)
 
 
 def _delayed_job(stage, dtype, warmup, steps):

@@ -139,6 +139,7 @@ class DeepSpeedEngine(torch.nn.Module):
             gradient_clipping=self.config.gradient_clipping,
             loss_scaler=self.loss_scaler,
             offload=offload,
+            device_optimizer=self._device_part_optimizer(offload),
         )
         if client_optimizer is not None:
             if not isinstance(client_optimizer, torch.optim.Optimizer) and callable(
@@ -182,8 +183,16 @@ class DeepSpeedEngine(torch.nn.Module):
             gradient_clipping=self.config.gradient_clipping,
             loss_scaler=self.loss_scaler,
             offload=offload,
+            device_optimizer=self._device_part_optimizer(offload),
             param_offload=ParamOffload.from_config(self.config.zero_optimization, self.config.aio),
         )
+
+    def _device_part_optimizer(self, offload):
+        """With a partial offload (``ratio`` < 1), the config optimizer for the device's part."""
+        config_optimizer = self.config.optimizer
+        if offload is None or offload.ratio >= 1.0 or config_optimizer is None:
+            return None
+        return config_optimizer_factory(config_optimizer.type, config_optimizer.params, self.device)
 
     def _param_groups(self, model_parameters) -> list[dict]:
         if model_parameters is None:

@@ -179,12 +179,6 @@ class DeepSpeedConfig(ConfigSection):
                     f'offload_optimizer.device "cpu" (the step runs on the host beside the next '
                     f'forward); got device "{offload_optimizer.device}"'
                 )
-        ratio = offload_optimizer.ratio if offload_optimizer is not None else 1.0
-        if not is_auto(ratio) and ratio < 1.0 and zero.stage != 3:
-            problems.append(
-                f"zero_optimization.offload_optimizer.ratio = {offload_optimizer.ratio}: partial "
-                f"offload needs ZeRO stage 3 (stage is {zero.stage}); expected 1.0"
-            )
         return problems, warnings
 
     def _warn_once(self, warnings: list[str]) -> None:

@@ -16,11 +16,6 @@ def refuse_features_not_built_yet(zero: ZeroConfig) -> list[str]:
     part = zero.offload_optimizer
     if part is None or part.device == "none":
         return problems
-    if part.ratio < 1.0:
-        problems.append(
-            f"zero_optimization.offload_optimizer.ratio = {part.ratio}: partial offload "
-            f"(ZeRO-Offload++) is not supported yet by deepspeed_cpp; expected 1.0"
-        )
     if part.super_offload:
         problems.append(
             "zero_optimization.offload_optimizer.super_offload = true: DeepSpeed's SuperOffload "

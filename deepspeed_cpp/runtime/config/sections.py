@@ -68,7 +68,8 @@ class OffloadOptimizerConfig(_OffloadConfig):
     buffer_count: integer(0) = 4
     fast_init: boolean() = False
     ratio: number(0.0, 1.0) = 1.0
-    """Share of the optimizer step run on the CPU (below 1 only with ZeRO stage 3)."""
+    """Share of the optimizer state offloaded (ZeRO-Offload++): the first buckets holding that
+    share of the elements; the rest stays on the device (any stage from 1; DeepSpeed: 3 only)."""
     pipeline_read: boolean() = False
     pipeline_write: boolean() = False
     delayed_param_update: boolean() = False

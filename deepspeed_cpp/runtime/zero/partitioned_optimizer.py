@@ -77,6 +77,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
         loss_scaler=None,
         reduce_scatter: bool = True,
         offload: OptimizerOffload | None = None,
+        device_optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
     ):
         """`optimizer` is either a torch optimizer over the model's parameters (the user's: its
         param groups are re-pointed at the master shards in place) or a factory that builds one
@@ -84,7 +85,8 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
         "params" and hyper-parameters) is then required. `reduce_scatter=False` (DeepSpeed's
         ``zero_optimization.reduce_scatter``) reduces stage 1/2 gradients with all-reduce.
         ``offload`` puts the master shards and optimizer state on the host or NVMe (see
-        ``offload/optimizer_homes.py``)."""
+        ``offload/optimizer_homes.py``); with ``ratio`` < 1 the buckets left on the device are
+        stepped by ``device_optimizer`` (a factory like a config ``optimizer``)."""
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} handles stages {self.STAGES}, got {stage}")
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -116,7 +118,13 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
             [b.owned_size for b in self.buckets], device, rank=self.rank, state_slots=2
         )
         self.masters, self.shard_grads = self._make_masters(device)
-        master_groups = self._master_param_groups(param_groups)
+        self._delayed_requested = offload is not None and offload.delayed_update_after is not None
+        on_device = getattr(self.home, "on_device", None)  # a partial offload's device buckets
+        offloaded = [b for b in range(len(self.buckets)) if b not in set(on_device or ())]
+        master_groups = self._master_param_groups(param_groups, offloaded)
+        self._device_optimizer = self._make_device_optimizer(
+            device_optimizer, param_groups, on_device, optimizer
+        )
         if isinstance(optimizer, torch.optim.Optimizer):
             # The optimizer object stays the user's (schedulers and code holding it keep
             # working); only the tensors it steps change, and its state starts empty.
@@ -208,14 +216,12 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
     def _make_masters(self, device) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
         masters, grads = [], []
         for bucket in self.buckets:
-            values = self._master_slice(bucket)
-            if self.home.kind != "none":
-                values = self.home.make_master(values)
+            values = self.home.make_master(len(masters), self._master_slice(bucket))
             master = torch.nn.Parameter(values, requires_grad=True)
             # The reducer writes shard gradients on the device; offloaded masters get theirs
             # copied to the host for each step.
             grad = torch.zeros(bucket.owned_size, dtype=torch.float32, device=device)
-            if self.home.kind == "none":
+            if not self.home.offloaded(len(masters)):
                 master.grad = grad
             masters.append(master)
             grads.append(grad)
@@ -254,10 +260,12 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
         flatten_into([p.detach() for p in bucket.params], flat, bucket.offsets)
         return flat.narrow(0, bucket.owned_start, bucket.owned_size).clone()
 
-    def _master_param_groups(self, param_groups: list[dict]) -> list[dict]:
-        """The given param groups' hyper-parameters over this rank's master shards."""
+    def _master_param_groups(self, param_groups: list[dict], buckets: list[int]) -> list[dict]:
+        """The given param groups' hyper-parameters over this rank's master shards of
+        ``buckets``."""
         by_group: dict[int, list[torch.nn.Parameter]] = {}
-        for bucket_index, master in enumerate(self.masters):
+        for bucket_index in buckets:
+            master = self.masters[bucket_index]
             by_group.setdefault(self.plan.bucket_groups[bucket_index], []).append(master)
         return [
             {**{k: v for k, v in group.items() if k != "params"}, "params": by_group.get(i, [])}
@@ -475,7 +483,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
             with self.home.resident(members):
                 for index in members:
                     master = self.masters[index]
-                    state = dict(self.optimizer.state.get(master, {}))
+                    state = dict(self._optimizer_for(index).state.get(master, {}))
                     if copy_all:
                         state = {
                             k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()
@@ -509,7 +517,9 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
         self.apply_pending_update()
         on_device = {
             id(p): bool(g.get("capturable") or g.get("fused"))
-            for g in self.optimizer.param_groups
+            for optimizer in (self.optimizer, self._device_optimizer)
+            if optimizer is not None
+            for g in optimizer.param_groups
             for p in g["params"]
         }
         for members in self.home.sub_groups:
@@ -519,11 +529,12 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
                     master.copy_(masters[index])
                     if states is None:
                         continue
-                    self.optimizer.state.pop(master, None)
+                    optimizer = self._optimizer_for(index)
+                    optimizer.state.pop(master, None)
                     if states[index]:
                         # As torch's Optimizer.load_state_dict: per-element state on the master's
                         # device, scalar counters on the CPU unless the group steps on the device.
-                        self.optimizer.state[master] = {
+                        optimizer.state[master] = {
                             key: value.to(master.device)
                             if torch.is_tensor(value) and (value.dim() > 0 or on_device[id(master)])
                             else value
@@ -546,10 +557,14 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
     def state_bytes(self) -> int:
         """Bytes of optimizer state and fp32 master shards this rank holds in memory (with
         offload: the host bytes of masters, state and gradient buffers, or NVMe's swap buffers)."""
-        if self.home.kind != "none":
+        if self.home.kind != "none" and self._device_optimizer is None:
             return self.home.host_bytes()
-        total = sum(m.numel() * m.element_size() for m in self.masters)
-        for state in self.optimizer.state.values():
+        in_memory = [m for i, m in enumerate(self.masters) if not self.home.offloaded(i)]
+        total = sum(m.numel() * m.element_size() for m in in_memory)
+        if self.home.kind != "none":
+            total += self.home.host_bytes()
+        optimizer = self.optimizer if self._device_optimizer is None else self._device_optimizer
+        for state in optimizer.state.values():
             for value in state.values():
                 if torch.is_tensor(value) and value.dim() > 0:
                     total += value.numel() * value.element_size()

@@ -154,6 +154,7 @@ class ZeroStage3:
         gradient_clipping: float = 0.0,
         loss_scaler=None,
         offload=None,
+        device_optimizer=None,
         param_offload=None,
     ):
         self.group = group
@@ -196,6 +197,7 @@ class ZeroStage3:
                 gradient_clipping=gradient_clipping,
                 loss_scaler=loss_scaler,
                 offload=offload,
+                device_optimizer=device_optimizer,
             )
         except BaseException:
             self.coordinator.destroy()  # no hooks left behind on the model

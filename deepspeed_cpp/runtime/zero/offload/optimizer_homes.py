@@ -10,7 +10,9 @@ inside ``home.resident(sub_group)``:
 - ``NvmeHome`` (``device: nvme``): each sub-group's masters and state in one swap file; inside
   ``resident`` they are views of one of ``buffer_count`` host buffers, so host memory is bounded
   by the buffers, not the model. With ``pipeline_read`` the next sub-groups are read while this
-  one steps; with ``pipeline_write`` a sub-group's write overlaps the next one's step.
+  one steps; with ``pipeline_write`` a sub-group's write overlaps the next one's step;
+- ``PartialHome`` (``ratio`` < 1, ZeRO-Offload++): the first ``ratio`` of the buckets (by
+  elements) in a host or NVMe home, the rest on the device, stepped by a device optimizer.
 
 Sub-groups are runs of consecutive buckets of at most ``sub_group_size`` owned elements (a bucket
 larger than that is a sub-group of its own): the unit that is swapped and stepped at once.
@@ -52,6 +54,12 @@ class DeviceHome:
     def __init__(self, owned_sizes: Sequence[int]) -> None:
         self.sub_groups = [list(range(len(owned_sizes)))]
 
+    def make_master(self, bucket: int, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def offloaded(self, bucket: int) -> bool:
+        return False
+
     def attach(self, masters: list[torch.nn.Parameter], optimizer) -> None:
         pass
 
@@ -81,7 +89,10 @@ class HostHome(DeviceHome):
         self._masters: list[torch.nn.Parameter] = []
         self._optimizer = None
 
-    def make_master(self, values: torch.Tensor) -> torch.Tensor:
+    def offloaded(self, bucket: int) -> bool:
+        return True
+
+    def make_master(self, bucket: int, values: torch.Tensor) -> torch.Tensor:
         host = self.transfer.host_empty(values.numel())
         self.transfer.to_host(values.detach(), host)
         self.transfer.synchronize()
@@ -187,7 +198,10 @@ class NvmeHome(DeviceHome):
         return self._slots[slot].narrow(0, 0, self._layout[group][2])
 
     # --- the optimizer's view -----------------------------------------------------------------
-    def make_master(self, values: torch.Tensor) -> torch.Tensor:
+    def offloaded(self, bucket: int) -> bool:
+        return True
+
+    def make_master(self, bucket: int, values: torch.Tensor) -> torch.Tensor:
         """Masters start as empty placeholders; ``attach`` writes their values to the files."""
         host = torch.empty(values.numel())
         self.transfer.to_host(values.detach(), host)
@@ -321,6 +335,49 @@ class NvmeHome(DeviceHome):
         self._reads.clear()
         self._writes.clear()
         self._files.close()
+
+
+class PartialHome:
+    """``ratio`` < 1: buckets ``offloaded`` (global indices) in ``inner``, the rest on the
+    device. Sub-groups are the inner home's (in global indices), then one of the device buckets."""
+
+    def __init__(self, inner, offloaded: Sequence[int], bucket_count: int) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+        self.transfer = inner.transfer
+        self._local = {bucket: local for local, bucket in enumerate(offloaded)}
+        self.on_device = [b for b in range(bucket_count) if b not in self._local]
+        self.sub_groups = [[offloaded[local] for local in group] for group in inner.sub_groups]
+        if self.on_device:
+            self.sub_groups.append(self.on_device)
+
+    def offloaded(self, bucket: int) -> bool:
+        return bucket in self._local
+
+    def make_master(self, bucket: int, values: torch.Tensor) -> torch.Tensor:
+        local = self._local.get(bucket)
+        return values if local is None else self.inner.make_master(local, values)
+
+    def attach(self, masters: list[torch.nn.Parameter], optimizer) -> None:
+        self.inner.attach([masters[b] for b in self._local], optimizer)
+
+    def grad_buffer(self, bucket: int) -> torch.Tensor | None:
+        local = self._local.get(bucket)
+        return None if local is None else self.inner.grad_buffer(local)
+
+    def resident(self, sub_group: Sequence[int]):
+        if not self.offloaded(sub_group[0]):
+            return contextlib.nullcontext()
+        return self.inner.resident([self._local[b] for b in sub_group])
+
+    def host_bytes(self) -> int:
+        return self.inner.host_bytes()
+
+    def disk_bytes(self) -> int:
+        return self.inner.disk_bytes()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def _aligned(elements: int) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .host_transfer import HostTransfer
-from .optimizer_homes import DeviceHome, HostHome, NvmeHome
+from .optimizer_homes import DeviceHome, HostHome, NvmeHome, PartialHome
 from .param_homes import HostParamHome, NvmeParamHome
 
 
@@ -24,6 +24,7 @@ class OptimizerOffload:
     pipeline_read: bool = False
     pipeline_write: bool = False
     sub_group_size: int = 1_000_000_000
+    ratio: float = 1.0  # the share of the state offloaded (ZeRO-Offload++); the rest stays
     aio_config: Any = None  # the config's ``aio`` section (None: its defaults)
     # deepspeed_cpp's delayed parameter update: None (off) or the number of ordinary steps first
     delayed_update_after: int | None = None
@@ -42,6 +43,7 @@ class OptimizerOffload:
             pipeline_read=part.pipeline_read,
             pipeline_write=part.pipeline_write,
             sub_group_size=int(zero.sub_group_size),
+            ratio=float(part.ratio),
             aio_config=aio_config,
             delayed_update_after=(
                 part.delayed_param_update_warmup_steps if part.delayed_param_update else None
@@ -53,6 +55,15 @@ class OptimizerOffload:
     ):
         if self.device == "none":
             return DeviceHome(owned_sizes)
+        offloaded = _first_share(owned_sizes, self.ratio) if self.ratio < 1.0 else None
+        if offloaded == []:
+            return DeviceHome(owned_sizes)
+        if offloaded is not None and len(offloaded) < len(owned_sizes):
+            inner = self._full_home([owned_sizes[b] for b in offloaded], device, rank, state_slots)
+            return PartialHome(inner, offloaded, len(owned_sizes))
+        return self._full_home(owned_sizes, device, rank, state_slots)
+
+    def _full_home(self, owned_sizes, device, rank: int, state_slots: int):
         transfer = HostTransfer(device, pin_memory=self.pin_memory)
         if self.device == "cpu":
             return HostHome(owned_sizes, transfer, self.sub_group_size)
@@ -68,6 +79,17 @@ class OptimizerOffload:
             pipeline_write=self.pipeline_write,
             state_slots=state_slots,
         )
+
+
+def _first_share(owned_sizes: Sequence[int], ratio: float) -> list[int]:
+    """The first buckets holding ``ratio`` of the elements (at least one when ratio > 0)."""
+    target, total, chosen = ratio * sum(owned_sizes), 0, []
+    for bucket, size in enumerate(owned_sizes):
+        if total >= target or ratio == 0.0:
+            break
+        chosen.append(bucket)
+        total += size
+    return chosen
 
 
 @dataclass(frozen=True)

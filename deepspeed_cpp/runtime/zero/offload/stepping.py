@@ -40,6 +40,38 @@ class OffloadedStepping:
             )
         return DelayedUpdate(offload.delayed_update_after)
 
+    def _make_device_optimizer(self, factory, param_groups, on_device, optimizer):
+        """The optimizer of the buckets a partial offload (``ratio`` < 1) leaves on the device:
+        built from ``factory`` over their masters; its hyper-parameters follow ``optimizer``'s
+        (schedulers drive that one) at every step."""
+        if not on_device:
+            return None
+        if factory is None or isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                "zero_optimization.offload_optimizer.ratio < 1 needs the config's optimizer "
+                "section (the part left on the device gets an optimizer of the same kind); got "
+                "an optimizer object passed to initialize()"
+            )
+        if self._delayed_requested:
+            raise ValueError(
+                "zero_optimization.offload_optimizer.delayed_param_update needs ratio = 1 "
+                "(the whole step on the host)"
+            )
+        return factory(self._master_param_groups(param_groups, list(on_device)))
+
+    def _optimizer_for(self, bucket: int):
+        """The optimizer that steps ``bucket``'s master."""
+        if self._device_optimizer is not None and not self.home.offloaded(bucket):
+            return self._device_optimizer
+        return self.optimizer
+
+    def _step_device_part(self) -> None:
+        for device_group, group in zip(
+            self._device_optimizer.param_groups, self.optimizer.param_groups
+        ):
+            device_group.update({k: v for k, v in group.items() if k != "params"})
+        self._device_optimizer.step()
+
     def _step_offloaded(self) -> None:
         """Each sub-group in turn: brought in (NVMe), its shard gradients copied to the host, its
         masters stepped and written into the device parameters, which are gathered. With the
@@ -64,10 +96,16 @@ class OffloadedStepping:
             with self.home.resident(members):
                 for index in members:
                     buffer = self.home.grad_buffer(index)
+                    if buffer is None:  # left on the device by a partial offload
+                        self.masters[index].grad = self.shard_grads[index]
+                        continue
                     self.home.transfer.to_host(self.shard_grads[index], buffer)
                     self.masters[index].grad = buffer
                 self.home.transfer.synchronize()
-                self.optimizer.step()
+                if self._optimizer_for(members[0]) is self.optimizer:
+                    self.optimizer.step()
+                else:
+                    self._step_device_part()
                 for index in members:
                     self.masters[index].grad = None
                     pending.append(self._gather_from_master(index))
@@ -96,7 +134,7 @@ class OffloadedStepping:
     def _gather_from_master(self, index: int):
         """Starts writing master ``index`` into every rank's parameters."""
         bucket, master = self.buckets[index], self.masters[index]
-        if self.home.kind == "none":
+        if not self.home.offloaded(index):
             return self._launch_gather(bucket, master)
         target = self._owned_device_target(bucket)
         self.home.transfer.to_device(master.detach(), target)
