@@ -338,3 +338,49 @@ def test_parameter_offload_is_bitwise_stage3_in_memory(pool2, tmp_path, device, 
             assert hits_last - hits_first >= 2 * (STEPS - 1), figures
         for name, value in in_memory.items():
             assert torch.equal(offloaded[name], value), (name, device, dtype)
+
+
+def _vanished_folder_job(parent):
+    """The NVMe folder disappears mid-training: the next step names it; the last checkpoint
+    loads into a new engine and training goes on."""
+    import shutil
+
+    from zero3_helpers import full_params, global_batches
+
+    import deepspeed_cpp
+    from deepspeed_cpp.runtime.zero.offload import SwapFileError
+
+    rank, folder = dist.get_rank(), _shared_folder(parent)
+    nvme = os.path.join(folder, "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    batches = global_batches(SEED, 3, 2, dist.get_world_size())
+    offload = {"device": "nvme", "nvme_path": nvme}
+    engine, *_ = deepspeed_cpp.initialize(
+        model=make_model(SEED), config=_config(2, "fp32", offload)
+    )
+    _run_steps(engine, batches[:1], rank)
+    engine.save_checkpoint(os.path.join(folder, "ckpt"), tag="step1")
+    saved = full_params(engine)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(nvme)
+    dist.barrier()
+    try:
+        _run_steps(engine, batches[1:2], rank)
+        message = "no error"
+    except SwapFileError as error:
+        message = str(error)
+    engine, *_ = deepspeed_cpp.initialize(model=make_model(SEED), config=_config(2, "fp32", None))
+    engine.load_checkpoint(os.path.join(folder, "ckpt"), tag="step1")
+    reloaded = full_params(engine)
+    _run_steps(engine, batches[1:], rank)
+    engine.destroy()
+    return message, nvme, saved, reloaded
+
+
+def test_a_vanished_nvme_folder_is_named_and_the_checkpoint_survives(pool2, tmp_path):
+    for message, nvme, saved, reloaded in pool2.run(_vanished_folder_job, tmp_path):
+        assert nvme in message and "ENOENT" in message, message
+        assert "bytes" in message, message
+        for name, value in saved.items():
+            assert torch.equal(reloaded[name], value), name

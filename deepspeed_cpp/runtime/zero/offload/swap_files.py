@@ -867,7 +867,8 @@ class SwapFolder:
             finally:
                 os.close(fd)
         except OSError as error:
-            raise _os_error(f"SwapFolder.read: key {key!r}", error, path) from None
+            nbytes = into.numel() * into.element_size()
+            raise _os_error(f"SwapFolder.read: key {key!r}", error, path, nbytes) from None
         header = _decode_header(block)
         if isinstance(header, str):
             raise stale(header)
