@@ -21,8 +21,10 @@ gradient stays.
 - no offload: ``gpu = b*P + (4 + 4 + 8)*P/N`` (fp32 model: ``4*P + 12*P/N``).
   DeepSpeed: ``2*P + 18*P/N``. DeepSpeed's 18 also counts a 16-bit partition of the gradients,
   which it keeps beside the fp32 one; ours reduces into the fp32 shard only: 16, not 18.
-- offload_optimizer=cpu: ``gpu = b*P``; the master shards, moments and shard gradients (16 per
-  parameter, summed over the node's ranks: ``16*P/num_nodes``) live on the host, which also has
+- offload_optimizer=cpu: ``gpu = b*P + 4*P/N``: the reducer still accumulates the fp32 shard
+  gradients on the device (copied to the host at each step; DeepSpeed's ``2*P`` has none); the
+  master shards, moments and a host copy of the shard gradients (16 per parameter, summed over
+  the node's ranks: ``16*P/num_nodes``) live on the host, which also has
   to hold the model in fp32 in every process while it is built (``4*P*num_gpus_per_node``, not at
   the same time): ``cpu = max(4*num_gpus_per_node, 16/num_nodes)*P``. DeepSpeed writes
   ``max(4*total_gpus, 16)*P``: the same on one node; over several nodes ours counts one node's
@@ -44,17 +46,19 @@ treats every parameter as partitioned.
 
 - no offload: ``gpu = LLM + (b + 4 + 4 + 8)*P/N`` = DeepSpeed's ``LLM + 18*P/N`` for 16-bit
   models; an fp32 model's shards are their own masters: ``LLM + 16*P/N``.
-- offload_optimizer=cpu: ``gpu = LLM + b*P/N``; host: ``16*P`` per node's share (as DeepSpeed).
-- offload_param=cpu too: ``gpu = LLM``; the parameter shards join the host state:
-  ``(16 + b)*P`` per node's share, DeepSpeed's 18 for 16-bit models; an fp32 shard on the host is
-  its own master: 16.
+- offload_optimizer=cpu: ``gpu = LLM + (b + 4)*P/N`` (the shard gradients, as ZeRO-2's);
+  host: ``16*P`` per node's share (as DeepSpeed).
+- offload_param=cpu too: ``gpu = LLM + 4*P/N``; the parameter shards join the host state:
+  ``(16 + b)*P`` per node's share, DeepSpeed's 18 for 16-bit models (the host masters are copies
+  of the shards also for an fp32 model: 20).
 - host without ``zero_init`` (the model built whole in fp32 in every process first):
   ``max(4*num_gpus_per_node, host share)*P``; with it and without offload, one layer at a time:
   ``4*L*num_gpus_per_node`` (both as DeepSpeed).
 
-So for fp16/bf16 models on one node, every row equals DeepSpeed's except ZeRO-2 without offload
-(16 bytes per parameter over the ranks where DeepSpeed counts 18). The offload figures follow the
-same byte accounting (which tensors move to the host); they are not measured here.
+So for fp16/bf16 models on one node, the host figures equal DeepSpeed's; the device figures
+differ for ZeRO-2 without offload (16 bytes per parameter over the ranks where DeepSpeed counts
+18) and by the device's fp32 shard gradients (4 per parameter over the ranks) with offload.
+Every row is checked against the engine's allocations (``tests/test_estimators.py``).
 
 ``dtype`` (keyword-only, not in DeepSpeed) is the model's training dtype: a ``torch.dtype`` or
 "fp16"/"bf16"/"fp32"; the default, fp16, is DeepSpeed's assumption.
@@ -170,7 +174,7 @@ def estimate_zero2_model_states_mem_needs(
     b = _param_bytes(dtype)
     shard_state = _master_bytes(b) + _SHARD_GRAD + _ADAM_STATE
     if cpu_offload:
-        gpu_mem = b * total_params
+        gpu_mem = b * total_params + int(_SHARD_GRAD * total_params / world)
         host_share = (_MASTER + _SHARD_GRAD + _ADAM_STATE) / num_nodes
         cpu_mem = (
             total_params
@@ -250,10 +254,10 @@ def estimate_zero3_model_states_mem_needs(
     if cpu_offload:
         host_state = _MASTER + _SHARD_GRAD + _ADAM_STATE
         if cpu_offload_params:
-            gpu_mem = largest_layer_memory
-            host_state += 0 if b == 4 else b  # an fp32 shard is its own master
+            gpu_mem = largest_layer_memory + int(_SHARD_GRAD * total_params / world)
+            host_state += b  # the shards; the host masters are copies of them
         else:
-            gpu_mem = largest_layer_memory + int(b * total_params / world)
+            gpu_mem = largest_layer_memory + int((b + _SHARD_GRAD) * total_params / world)
         host = host_state * nodes_share
         if not zero_init:
             host = max(_FP32_MODEL * num_gpus_per_node, host)
