@@ -102,14 +102,38 @@ class OffloadedStepping:
                     self.home.transfer.to_host(self.shard_grads[index], buffer)
                     self.masters[index].grad = buffer
                 self.home.transfer.synchronize()
+                written = {}
                 if self._optimizer_for(members[0]) is self.optimizer:
-                    self.optimizer.step()
+                    written = self._copy_out_targets(members)
+                    if written:
+                        self.optimizer.step(fp16_param_groups=self._copy_out_groups(written))
+                    else:
+                        self.optimizer.step()
                 else:
                     self._step_device_part()
                 for index in members:
                     self.masters[index].grad = None
-                    pending.append(self._gather_from_master(index))
+                    pending.append(self._gather_from_master(index, written.get(index)))
         self._finish_gathers(pending)
+
+    def _copy_out_targets(self, members) -> dict:
+        """Where our CPU optimizers write the updated 16-bit parameters in the same pass as the
+        step (DeepSpeed's ``fp16_param_groups``): this rank's part of each bf16/fp16 bucket."""
+        if not hasattr(self.optimizer, "step_groups"):
+            return {}
+        return {
+            index: self._owned_device_target(self.buckets[index])
+            for index in members
+            if self.buckets[index].gather_dtype in (torch.bfloat16, torch.float16)
+        }
+
+    def _copy_out_groups(self, written: dict) -> list[list]:
+        if getattr(self, "_master_index", None) is None:
+            self._master_index = {id(master): i for i, master in enumerate(self.masters)}
+        return [
+            [written.get(self._master_index[id(p)]) for p in group["params"]]
+            for group in self.optimizer.param_groups
+        ]
 
     def _step_all_masters(self, groups: list[dict]) -> None:
         for index, master in enumerate(self.masters):
@@ -131,9 +155,12 @@ class OffloadedStepping:
                     [self._gather_from_master(b) for b in range(len(self.buckets))]
                 )
 
-    def _gather_from_master(self, index: int):
-        """Starts writing master ``index`` into every rank's parameters."""
+    def _gather_from_master(self, index: int, written: torch.Tensor | None = None):
+        """Starts writing master ``index`` into every rank's parameters (``written``: its
+        values already copied out, in the parameters' dtype, to that tensor)."""
         bucket, master = self.buckets[index], self.masters[index]
+        if written is not None:
+            return self._launch_gather(bucket, written)
         if not self.home.offloaded(index):
             return self._launch_gather(bucket, master)
         target = self._owned_device_target(bucket)
