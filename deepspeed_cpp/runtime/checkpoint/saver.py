@@ -154,11 +154,11 @@ def _check_plain(client_state: dict) -> None:
 
 
 def _state_kinds(engine) -> dict[str, str]:
-    for entry in engine.optimizer.shard_state():
-        if entry["state"]:
-            master = entry["master"]
-            return {key: classify_state(value, master) for key, value in entry["state"].items()}
-    return {}  # no optimizer step yet: no state
+    entry = engine.optimizer.first_state()
+    if entry is None:
+        return {}  # no optimizer step yet: no state
+    master = entry["master"]
+    return {key: classify_state(value, master) for key, value in entry["state"].items()}
 
 
 def _metadata(engine, tag: str, files: list[dict], exclude_frozen: bool) -> dict:

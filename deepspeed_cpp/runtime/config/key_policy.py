@@ -196,7 +196,11 @@ POLICIES: tuple[KeyPolicy, ...] = (
     ),
     _harmless_at("graph_harvesting", (False,), "CUDA graphs are not captured"),
     _harmless_at("disable_python_gc", (False,), "Python's garbage collector is left alone"),
-    _ignored("zero_force_ds_cpu_optimizer", "it only matters with optimizer offload"),
+    _ignored(
+        "zero_force_ds_cpu_optimizer",
+        "with optimizer offload the config's Adam/AdamW always steps in DeepSpeedCPUAdam, and "
+        "an optimizer passed to initialize() is used as given",
+    ),
     _deprecated(
         "allgather_size",
         "it is only read with the boolean form of 'zero_optimization'; use "
@@ -288,7 +292,10 @@ POLICIES: tuple[KeyPolicy, ...] = (
         "updated partitions are always all-gathered; DeepSpeed's broadcast alternative gives "
         "the same parameters",
     ),
-    _ignored("zero_optimization.round_robin_gradients", "it only matters with CPU offload"),
+    _ignored(
+        "zero_optimization.round_robin_gradients",
+        "it only orders DeepSpeed's gradient copies to the host; results are the same",
+    ),
     _ignored(
         "zero_optimization.use_multi_rank_bucket_allreduce", "it picks a collective, not a result"
     ),

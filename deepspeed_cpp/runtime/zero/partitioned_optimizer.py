@@ -425,7 +425,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
         pending = []
         with torch.no_grad():
             for members in self.home.sub_groups:
-                with self.home.resident(members):
+                with self.home.resident(members, write_back=False):
                     pending.extend(self._gather_from_master(b) for b in members)
             self._finish_gathers(pending)
 
@@ -480,7 +480,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
         copy_all = self.home.kind == "nvme"
         entries = []
         for members in self.home.sub_groups:
-            with self.home.resident(members):
+            with self.home.resident(members, write_back=False):
                 for index in members:
                     master = self.masters[index]
                     state = dict(self._optimizer_for(index).state.get(master, {}))
@@ -498,6 +498,23 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
                     )
         return entries
 
+    def first_state(self) -> dict | None:
+        """``{"master", "state"}`` (copies) of the first bucket that has optimizer state, or
+        None before the first step: what checkpoint metadata classifies the state kinds by,
+        without reading every sub-group back from NVMe."""
+        self.apply_pending_update()
+        for members in self.home.sub_groups:
+            with self.home.resident(members, write_back=False):
+                for index in members:
+                    state = self._optimizer_for(index).state.get(self.masters[index])
+                    if state:
+                        return {
+                            "master": self.masters[index].detach().clone(),
+                            "state": {k: v.clone() if torch.is_tensor(v) else v
+                                      for k, v in state.items()},
+                        }  # fmt: skip
+        return None
+
     def load_shard_state(self, masters: list[torch.Tensor], states: list[dict] | None) -> None:
         """Replaces every bucket's fp32 master slice with ``masters[b]`` and, when ``states`` is
         given, the optimizer state of that slice with ``states[b]``; pending gradients are
@@ -514,7 +531,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
                     f"load_shard_state: bucket {index}: the slice has shape "
                     f"{tuple(values.shape)}, this rank owns {(bucket.owned_size,)}"
                 )
-        self.apply_pending_update()
+        self.discard_pending_update()  # the loaded state replaces it
         on_device = {
             id(p): bool(g.get("capturable") or g.get("fused"))
             for optimizer in (self.optimizer, self._device_optimizer)
@@ -545,12 +562,13 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
     def refresh_masters_from_params(self) -> None:
         """Re-reads the fp32 master slices from the model's parameters (after the caller loaded
         weights into them); the optimizer state is kept, pending gradients are dropped."""
-        self.apply_pending_update()
+        self.discard_pending_update()  # the loaded weights replace it
         for members in self.home.sub_groups:
             with self.home.resident(members), torch.no_grad():
                 for index in members:
                     master = self.masters[index]
-                    master.copy_(self._owned_slice_of_params(self.buckets[index], master.device))
+                    values = self._owned_slice_of_params(self.buckets[index], self.params[0].device)
+                    master.copy_(values)
         self.zero_grad()
 
     # --- accounting ---------------------------------------------------------------------------
@@ -595,6 +613,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping):
 
     def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
         """Loads a (full) module state dict into the model's parameters and buffers."""
+        self.discard_pending_update()  # its result must not land on the loaded weights
         module.load_state_dict(state_dict, strict=False)
 
     def destroy(self) -> None:

@@ -67,6 +67,10 @@ class ZeroStage(Protocol):
     def owned_ranges(self) -> list[tuple[int, int]]:
         """``(start, size)`` of each bucket's slice this rank owns."""
 
+    def first_state(self) -> dict | None:
+        """The first bucket's ``{"master", "state"}`` that has optimizer state (None before the
+        first step)."""
+
     def shard_state(self) -> list[dict]:
         """Per bucket: ``{"master": fp32 slice, "state": optimizer state of that slice}``."""
 

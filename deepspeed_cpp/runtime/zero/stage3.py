@@ -172,9 +172,18 @@ class ZeroStage3:
         self._stepping_next = True  # whether the backward under way ends with a step
         if param_offload is not None:
             self.param_home = param_offload.make_home(device, rank=self.rank)
-            for param in module.parameters():
-                if pp.is_partitioned(param) and getattr(param, "ds_home", None) is None:
+            adopted = [
+                p
+                for p in module.parameters()
+                if pp.is_partitioned(p) and getattr(p, "ds_home", None) is None
+            ]
+            try:
+                self.param_home.check_fits(adopted)
+                for param in adopted:
                     self.param_home.adopt(param)
+            except BaseException:
+                self.param_home.close()  # shards adopted so far go back to the device
+                raise
         self.coordinator = ParameterCoordinator(
             module,
             group,
@@ -280,6 +289,8 @@ class ZeroStage3:
 
     def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
         """Loads whole tensors: partitioned parameters keep their shard of each."""
+        if self.partitioned is not None:
+            self.partitioned.discard_pending_update()
         rest = {}
         current = module.state_dict(keep_vars=True)
         for name, value in state_dict.items():

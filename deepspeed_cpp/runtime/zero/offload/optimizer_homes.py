@@ -67,7 +67,9 @@ class DeviceHome:
         return None  # the shard gradient itself is the master's gradient
 
     @contextlib.contextmanager
-    def resident(self, sub_group: Sequence[int]) -> Iterator[None]:
+    def resident(self, sub_group: Sequence[int], write_back: bool = True) -> Iterator[None]:
+        """The sub-group's masters and state are valid inside; ``write_back=False``: they are
+        only read (NVMe skips writing them back)."""
         yield
 
     def host_bytes(self) -> int:
@@ -226,7 +228,7 @@ class NvmeHome(DeviceHome):
         return self._grad_region(group, self._slot_of[group], bucket)
 
     @contextlib.contextmanager
-    def resident(self, sub_group: Sequence[int]) -> Iterator[None]:
+    def resident(self, sub_group: Sequence[int], write_back: bool = True) -> Iterator[None]:
         group = self._group_of[sub_group[0]]
         slot = self._bring_in(group)
         if self.pipeline_read:
@@ -248,7 +250,10 @@ class NvmeHome(DeviceHome):
             self.transfer.synchronize()  # copies out of the slot have landed before it is reused
             for bucket in self.sub_groups[group]:
                 self._harvest(group, slot, bucket)
-            self._write(group, slot)
+            if write_back:
+                self._write(group, slot)
+            else:
+                del self._slot_of[group]  # the file is still current
             if not self.pipeline_write:
                 self._finish_writes()
 
@@ -356,7 +361,9 @@ class PartialHome:
 
     def make_master(self, bucket: int, values: torch.Tensor) -> torch.Tensor:
         local = self._local.get(bucket)
-        return values if local is None else self.inner.make_master(local, values)
+        if local is None:  # stepped on the device (a parameter shard may live on the host)
+            return values.to(self.transfer.device)
+        return self.inner.make_master(local, values)
 
     def attach(self, masters: list[torch.nn.Parameter], optimizer) -> None:
         self.inner.attach([masters[b] for b in self._local], optimizer)
@@ -365,10 +372,10 @@ class PartialHome:
         local = self._local.get(bucket)
         return None if local is None else self.inner.grad_buffer(local)
 
-    def resident(self, sub_group: Sequence[int]):
+    def resident(self, sub_group: Sequence[int], write_back: bool = True):
         if not self.offloaded(sub_group[0]):
             return contextlib.nullcontext()
-        return self.inner.resident([self._local[b] for b in sub_group])
+        return self.inner.resident([self._local[b] for b in sub_group], write_back)
 
     def host_bytes(self) -> int:
         return self.inner.host_bytes()

@@ -33,7 +33,7 @@ class OptimizerOffload:
     def from_config(cls, zero, aio_config=None) -> OptimizerOffload | None:
         """None when the config offloads nothing."""
         part = zero.offload_optimizer
-        if part is None or part.device == "none":
+        if part is None or part.device == "none" or part.ratio == 0.0:
             return None
         return cls(
             device=part.device,

@@ -16,6 +16,7 @@ and gives it updated values after a step (``store``):
 
 from __future__ import annotations
 
+import bisect
 import collections
 
 import torch
@@ -33,6 +34,9 @@ class HostParamHome:
         self.device = transfer.device
         self._params: list[torch.nn.Parameter] = []
 
+    def check_fits(self, params) -> None:
+        pass
+
     def adopt(self, param: torch.nn.Parameter) -> None:
         host = self.transfer.host_empty(param.ds_tensor.numel(), param.ds_tensor.dtype)
         self.transfer.to_host(param.ds_tensor, host)
@@ -48,6 +52,7 @@ class HostParamHome:
         return param.ds_tensor
 
     def store(self, param: torch.nn.Parameter, values: torch.Tensor) -> None:
+        self.transfer.synchronize()  # no copy out of this shard may still be in flight
         param.ds_tensor.copy_(values)
 
     def end_pass(self) -> None:
@@ -97,22 +102,28 @@ class NvmeParamHome:
         self._writing: collections.deque = collections.deque()  # (buffer, ticket), oldest first
         self._params: dict[int, torch.nn.Parameter] = {}
         self._order: list[int] = []  # ds_ids in the order the previous pass fetched them
-        self._next_in_order: dict[int, int] = {}
+        self._positions: dict[int, list[int]] = {}  # ds_id -> its positions in _order
+        self._cursor = 0  # where in _order this pass is (after the last fetch found there)
         self._recording: list[int] = []
         # Fetches that found their shard read ahead, and those that had to read it then.
         self.read_ahead_hits = 0
         self.reads_on_demand = 0
 
     # --- adoption -----------------------------------------------------------------------------
+    def check_fits(self, params) -> None:
+        """Raises before anything is adopted when a shard is larger than a buffer."""
+        for param in params:
+            if param.ds_tensor.numel() > self.buffer_size:
+                raise ValueError(
+                    f"zero_optimization.offload_param.buffer_size = {self.buffer_size} elements "
+                    f"is smaller than the shard of parameter "
+                    f"'{getattr(param, 'ds_name', param.ds_id)}' ({param.ds_tensor.numel()} "
+                    f"elements); expected a buffer_size of at least the largest shard"
+                )
+
     def adopt(self, param: torch.nn.Parameter) -> None:
         shard = param.ds_tensor
-        if shard.numel() > self.buffer_size:
-            raise ValueError(
-                f"zero_optimization.offload_param.buffer_size = {self.buffer_size} elements is "
-                f"smaller than the shard of parameter '{getattr(param, 'ds_name', param.ds_id)}' "
-                f"({shard.numel()} elements); expected a buffer_size of at least the largest "
-                f"shard"
-            )
+        self.check_fits([param])
         if shard.dtype not in self._buffers:
             self._buffers[shard.dtype] = [
                 self.transfer.host_empty(self.buffer_size, shard.dtype, page_aligned=True)
@@ -156,12 +167,21 @@ class NvmeParamHome:
 
     def read_ahead_first(self) -> None:
         """Starts reading the shards the next pass uses first (after a step wrote them)."""
+        self._cursor = 0
         self._read_ahead(None)
 
     def _read_ahead(self, ds_id: int | None) -> None:
-        position = 0 if ds_id is None else self._next_in_order.get(ds_id)
-        if position is None:
-            return
+        """Reads ahead what followed this fetch in the previous pass: its next occurrence at or
+        after the cursor (a parameter fetched in forward and again in backward is found at the
+        right one of its two places)."""
+        position = 0
+        if ds_id is not None:
+            places = self._positions.get(ds_id)
+            if not places:
+                return
+            at = bisect.bisect_left(places, self._cursor)
+            position = (places[at] if at < len(places) else places[0]) + 1
+            self._cursor = position
         for upcoming in self._order[position : position + self._buffer_count - 1]:
             if upcoming in self._reading:
                 continue
@@ -176,9 +196,10 @@ class NvmeParamHome:
         """The fetches since the last call are the order to read ahead in next time."""
         if self._recording:
             self._order, self._recording = self._recording, []
-            self._next_in_order = {}
+            self._positions = {}
             for position, ds_id in enumerate(self._order):
-                self._next_in_order.setdefault(ds_id, position + 1)
+                self._positions.setdefault(ds_id, []).append(position)
+        self._cursor = 0
 
     # --- writes -------------------------------------------------------------------------------
     def store(self, param: torch.nn.Parameter, values: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ the host step runs in the background (``delayed_update.py``) and is written at t
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .delayed_update import DelayedUpdate
 from .optimizer_offload import OptimizerOffload
@@ -23,6 +24,12 @@ class OffloadedStepping:
         if offload is None:
             return None
         name = type(self.optimizer).__name__
+        if self._device_optimizer is not None and not self._step_per_bucket:
+            raise ValueError(
+                f"zero_optimization.offload_optimizer.ratio < 1 steps the offloaded part one "
+                f"sub-group at a time, which {name} cannot; use the config optimizer Adam/AdamW "
+                f"(without torch_adam)"
+            )
         if offload.device == "nvme" and not self._step_per_bucket:
             raise ValueError(
                 f"offload_optimizer.device nvme steps one sub-group at a time, which {name} "
@@ -149,11 +156,35 @@ class OffloadedStepping:
 
     def apply_pending_update(self) -> None:
         """Finishes a delayed step still running and writes its result into the parameters."""
-        if self._delayed is not None and self._delayed.finish():
+        if self._delayed is not None and self._finish_delayed_on_every_rank():
             with torch.no_grad():
                 self._finish_gathers(
                     [self._gather_from_master(b) for b in range(len(self.buckets))]
                 )
+
+    def discard_pending_update(self) -> None:
+        """Waits for a delayed step still running and drops its result (a load follows)."""
+        if self._delayed is not None:
+            self._finish_delayed_on_every_rank()
+
+    def _finish_delayed_on_every_rank(self) -> bool:
+        """Joins the background step; a failure on any rank raises on every rank (the others
+        would otherwise wait in the gathers that follow)."""
+        if not self._delayed.pending:
+            return False
+        try:
+            self._delayed.finish()
+            failed = None
+        except RuntimeError as error:
+            failed = error
+        flag = torch.tensor([0.0 if failed is None else 1.0], device=self.shard_grads[0].device)
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if failed is not None:
+            raise failed
+        if flag.item() > 0:
+            raise RuntimeError("the delayed optimizer step failed on another rank")
+        return True
 
     def _gather_from_master(self, index: int, written: torch.Tensor | None = None):
         """Starts writing master ``index`` into every rank's parameters (``written``: its

@@ -1,0 +1,149 @@
+"""Offload corner cases found in review: a load while a delayed step is pending, a partial
+offload with an optimizer that cannot step part of its tensors, a parameter offload that fails
+half-way, and NVMe read-ahead when parameters are released between forward and backward."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_offload_optimizer import SEED, _config, _run_steps
+from zero3_helpers import full_params, global_batches, make_model
+
+
+def _folder(parent) -> str:
+    names = [tempfile.mkdtemp(dir=parent) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    return names[0]
+
+
+def _load_while_delayed_job(parent, stage, module_only):
+    import deepspeed_cpp
+
+    checkpoint = _folder(parent)
+    offload = {"device": "cpu", "delayed_param_update": True,
+               "delayed_param_update_warmup_steps": 0}  # fmt: skip
+    batches = global_batches(SEED, 4, 2, dist.get_world_size())
+    engine, *_ = deepspeed_cpp.initialize(
+        model=make_model(SEED), config=_config(stage, "fp32", offload)
+    )
+    _run_steps(engine, batches[:2], dist.get_rank())
+    engine.save_checkpoint(checkpoint, tag="t")
+    saved = full_params(engine)
+    _run_steps(engine, batches[2:], dist.get_rank())  # a delayed step is pending now
+    engine.load_checkpoint(checkpoint, tag="t", load_module_only=module_only)
+    # What the model holds right after the load (stages 1-2 keep parameters whole), and what
+    # a consolidated read gives (it finishes pending work first).
+    live = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    after = full_params(engine)
+    engine.destroy()
+    return saved, (live if stage != 3 else after), after
+
+
+@pytest.mark.parametrize("stage, module_only", [(2, False), (2, True), (3, True)])
+def test_a_load_drops_the_pending_delayed_step(pool2, tmp_path, stage, module_only):
+    for saved, live, after in pool2.run(_load_while_delayed_job, tmp_path, stage, module_only):
+        for name, value in saved.items():
+            assert torch.equal(live[name], value), name
+            assert torch.equal(after[name], value), name
+
+
+def _partial_sgd_job():
+    import deepspeed_cpp
+
+    cfg = _config(2, "fp32", {"device": "cpu", "ratio": 0.5})
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}}
+    try:
+        deepspeed_cpp.initialize(model=make_model(SEED), config=cfg)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_partial_offload_refuses_an_optimizer_that_steps_all_tensors_at_once(pool2):
+    for message in pool2.run(_partial_sgd_job):
+        assert "ratio < 1" in message and "SGD cannot" in message, message
+
+
+class _TwoSizes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.small = torch.nn.Linear(16, 16, bias=False)
+        self.big = torch.nn.Linear(16, 256, bias=False)
+
+    def forward(self, x):
+        return self.big(torch.tanh(self.small(x)))
+
+
+def _failed_adoption_job(parent):
+    import deepspeed_cpp
+
+    folder = _folder(parent)
+    torch.manual_seed(0)
+    model = _TwoSizes()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def config(buffer_size):
+        return {"train_micro_batch_size_per_gpu": 4,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                      "offload_optimizer": {"device": "cpu"},
+                                      "offload_param": {"device": "nvme", "nvme_path": folder,
+                                                        "buffer_size": buffer_size}}}  # fmt: skip
+
+    try:
+        deepspeed_cpp.initialize(model=model, config=config(1024))
+        message = "no error"
+    except ValueError as error:
+        message = str(error)
+    devices = {str(p.ds_tensor.device) for p in model.parameters()}
+    engine, *_ = deepspeed_cpp.initialize(model=model, config=config(4096))
+    after = full_params(engine)
+    engine.destroy()
+    return message, devices, before, after
+
+
+def test_a_parameter_offload_that_fails_leaves_the_model_usable(pool2, tmp_path):
+    for message, devices, before, after in pool2.run(_failed_adoption_job, tmp_path):
+        assert "offload_param.buffer_size = 1024" in message and "'big.weight'" in message
+        assert devices == {"cpu"}  # every shard back on the device, none left on NVMe
+        for name, value in before.items():
+            assert torch.equal(after[name], value), name
+
+
+def _read_ahead_job(parent):
+    import deepspeed_cpp
+
+    folder = _folder(parent)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(8)])
+    cfg = {"train_micro_batch_size_per_gpu": 4,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {
+               "stage": 3, "stage3_param_persistence_threshold": 0,
+               # released after forward, gathered again in backward (reversed order)
+               "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
+               "stage3_prefetch_bucket_size": 0,
+               "offload_optimizer": {"device": "cpu"},
+               "offload_param": {"device": "nvme", "nvme_path": folder, "buffer_count": 3,
+                                 "buffer_size": 4096}}}  # fmt: skip
+    engine, *_ = deepspeed_cpp.initialize(model=model, config=cfg)
+    home = engine.optimizer.param_home
+    generator, counts = torch.Generator().manual_seed(1), []
+    for _ in range(4):
+        engine.backward(engine(torch.randn(4, 64, generator=generator)).pow(2).mean())
+        engine.step()
+        counts.append((home.read_ahead_hits, home.reads_on_demand))
+    engine.destroy()
+    return counts
+
+
+def test_nvme_read_ahead_follows_backward_order_too(pool2, tmp_path):
+    for counts in pool2.run(_read_ahead_job, tmp_path):
+        # The first pass records (and its order still holds its own first-use gathers); from
+        # the third step on, every fetch, forward and backward, was read ahead.
+        (hits_second, on_demand_second), (hits_last, on_demand_last) = counts[1], counts[-1]
+        assert on_demand_last == on_demand_second, counts
+        assert hits_last - hits_second == 2 * 16, counts  # 8 layers, forward and backward
