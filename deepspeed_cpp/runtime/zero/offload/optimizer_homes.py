@@ -161,7 +161,8 @@ class NvmeHome(DeviceHome):
         self._state_dtypes: list[dict[str, torch.dtype]] = [{} for _ in owned_sizes]
         self._masters: list[torch.nn.Parameter] = []
         self._optimizer = None
-        self._initial: list[torch.Tensor | None] = []  # masters' first values, until attach()
+        # Masters' first values, held until their sub-group is complete and written.
+        self._initial: dict[int, torch.Tensor] = {}
 
     # --- layout -------------------------------------------------------------------------------
     def _plan_slot(self, members: Sequence[int]) -> tuple[dict[int, int], int, int]:
@@ -204,23 +205,22 @@ class NvmeHome(DeviceHome):
         return True
 
     def make_master(self, bucket: int, values: torch.Tensor) -> torch.Tensor:
-        """Masters start as empty placeholders; ``attach`` writes their values to the files."""
+        """Masters are empty placeholders; their values go to the files one sub-group at a
+        time, as soon as the sub-group's last bucket arrives (the host never holds more)."""
         host = torch.empty(values.numel())
         self.transfer.to_host(values.detach(), host)
-        self._initial.append(host)
+        self._initial[bucket] = host
+        group = self._group_of[bucket]
+        if bucket == self.sub_groups[group][-1]:
+            self.transfer.synchronize()
+            slot = self._claim_slot(group)
+            for member in self.sub_groups[group]:
+                self._regions(group, slot, member)[0].copy_(self._initial.pop(member))
+            self._write(group, slot)
         return _EMPTY
 
     def attach(self, masters: list[torch.nn.Parameter], optimizer) -> None:
         self._masters, self._optimizer = masters, optimizer
-        self.transfer.synchronize()
-        initial, self._initial = self._initial, []
-        # One sub-group at a time, so that the host never holds more than a slot of them.
-        for group, members in enumerate(self.sub_groups):
-            slot = self._claim_slot(group)
-            for bucket in members:
-                self._regions(group, slot, bucket)[0].copy_(initial[bucket])
-                initial[bucket] = None
-            self._write(group, slot)
         self._finish_writes()
 
     def grad_buffer(self, bucket: int) -> torch.Tensor:
