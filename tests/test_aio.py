@@ -21,6 +21,7 @@ import warnings
 import pytest
 import torch
 from conftest import REPO_ROOT
+from disk_folders import o_direct_works, on_a_real_disk
 
 from deepspeed_cpp.ops import aio
 from deepspeed_cpp.ops.aio import AsyncIOHandle, usable_engines
@@ -32,35 +33,12 @@ OFFSETS = [0, 4096, 12345]
 ENGINES = usable_engines()
 
 
-def _fs_type(path):
-    """The file system type of the mount holding `path` (the longest matching mount point)."""
-    path, best, kind = os.path.realpath(path), "", "unknown"
-    with open("/proc/self/mounts") as mounts:
-        for line in mounts:
-            _, mount_point, fs_type = line.split()[:3]
-            inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
-            if inside and len(mount_point) >= len(best):
-                best, kind = mount_point, fs_type
-    return kind
-
-
-def _o_direct_works(folder):
-    probe = os.path.join(folder, ".o_direct_probe")
-    try:
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o644)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(probe)
-    return True
-
-
 @pytest.fixture(scope="module")
 def disk_dir(tmp_path_factory):
     """A folder on a real disk file system, so that O_DIRECT is exercised (tmpfs only emulates
     it): pytest's temporary folder when it is one, else one under the repository's build/."""
     folder = tmp_path_factory.mktemp("aio")
-    if _fs_type(folder) in ("tmpfs", "ramfs") or not _o_direct_works(folder):
+    if not on_a_real_disk(folder):
         folder = REPO_ROOT / "build" / f"aio_test_{os.getpid()}"
         folder.mkdir(parents=True, exist_ok=True)
     yield folder
@@ -111,7 +89,7 @@ def _expected_layout(tensor, offset):
 def test_round_trips_every_size_offset_and_alignment(engine, disk_dir):
     handle = AsyncIOHandle(engine=engine)
     assert handle.get_engine() == engine
-    direct_ok = _o_direct_works(disk_dir)
+    direct_ok = o_direct_works(disk_dir)
     for size in SIZES:
         for offset in OFFSETS:
             for aligned in (True, False):
@@ -450,7 +428,7 @@ print(json.dumps({"ok": ok, "warnings": [str(w.message) for w in caught],
 
 def test_buffered_fallback_with_one_warning_where_o_direct_is_refused(tmp_path):
     # tmpfs refuses O_DIRECT before Linux 6.6 and ramfs always does.
-    if os.path.isdir("/dev/shm") and not _o_direct_works("/dev/shm"):
+    if os.path.isdir("/dev/shm") and not o_direct_works("/dev/shm"):
         folder, prefix, mode = _temp_folder_in("/dev/shm"), (), "plain"
     else:
         prefix = _mount_namespace_prefix(tmp_path)
@@ -486,7 +464,7 @@ def test_dev_shm_round_trip():
             handle.sync_pread(back, f"{folder}/x.bin", 12345)
         assert torch.equal(back, data)
         assert _file_bytes(f"{folder}/x.bin", 12345) == data.numpy().tobytes()
-        assert len(caught) == (0 if _o_direct_works(folder) else 1)
+        assert len(caught) == (0 if o_direct_works(folder) else 1)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO_ROOT
+from disk_folders import o_direct_works, on_a_real_disk
 
 from deepspeed_cpp.ops import aio
 from deepspeed_cpp.ops.aio import usable_engines
@@ -42,31 +43,6 @@ SLOW = AioSettings(block_size=4096, queue_depth=1)  # a 16 MiB write stays in fl
 SLOW_BYTES = 16 << 20
 
 
-# --- helpers (as in test_aio.py) ----------------------------------------------------------------
-
-
-def _fs_type(path):
-    path, best, kind = os.path.realpath(path), "", "unknown"
-    with open("/proc/self/mounts") as mounts:
-        for line in mounts:
-            _, mount_point, fs_type = line.split()[:3]
-            inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
-            if inside and len(mount_point) >= len(best):
-                best, kind = mount_point, fs_type
-    return kind
-
-
-def _o_direct_works(folder):
-    probe = os.path.join(folder, ".o_direct_probe")
-    try:
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o644)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(probe)
-    return True
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _library_loaded():
     aio.load_aio()  # compile once, before any subprocess needs the library
@@ -77,7 +53,7 @@ def nvme(tmp_path):
     """An nvme_path on a real disk file system (O_DIRECT exercised): pytest's temporary folder
     when it is one, else one under the repository's build/."""
     folder = tmp_path / "nvme"
-    if _fs_type(tmp_path) in ("tmpfs", "ramfs") or not _o_direct_works(tmp_path):
+    if not on_a_real_disk(tmp_path):
         folder = REPO_ROOT / "build" / f"swap_test_{os.getpid()}_{tmp_path.name}"
     folder.mkdir(parents=True, exist_ok=True)
     yield folder
@@ -179,7 +155,7 @@ def test_round_trip_of_odd_sizes_and_dtypes_many_in_flight(engine, nvme):
     # Large transfers went through O_DIRECT where the file system has it.
     stats = [slot.handle.get_stats() for slot in folder._state.slots]
     assert len(stats) <= 3
-    if _o_direct_works(nvme):
+    if o_direct_works(nvme):
         assert sum(s["direct_bytes"] for s in stats) >= 2 * 4 * (3 * 2**20)
     # Rewrite: new data, new dtype and a smaller size under an existing key; another bigger.
     key_a, key_b = "group0/float32", "group2/float32"
