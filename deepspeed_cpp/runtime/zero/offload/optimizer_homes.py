@@ -72,6 +72,9 @@ class DeviceHome:
         only read (NVMe skips writing them back)."""
         yield
 
+    def read_ahead_next_step(self) -> None:
+        """Starts bringing in what the next step steps first (NVMe only)."""
+
     def host_bytes(self) -> int:
         return 0
 
@@ -145,6 +148,7 @@ class NvmeHome(DeviceHome):
         self._layout = [self._plan_slot(members) for members in self.sub_groups]
         slot_elements = max(total for _, total, _ in self._layout)
         slots = max(1, int(buffer_count)) if (pipeline_read or pipeline_write) else 1
+        slots = min(slots, len(self.sub_groups))  # more than one per sub-group buys nothing
         self._slots = [transfer.host_empty(slot_elements, page_aligned=True) for _ in range(slots)]
         self._slot_of: dict[int, int] = {}  # sub-group -> slot holding it (read or being read)
         self._reads: dict[int, object] = {}  # sub-group -> ticket of its read into its slot
@@ -327,6 +331,14 @@ class NvmeHome(DeviceHome):
         for slot in list(self._writes):
             self._writes.pop(slot).wait()
 
+    def read_ahead_next_step(self) -> None:
+        """With ``pipeline_read``: the first sub-groups of the next step are read now, into
+        the slots whose writes finish first, so the reads overlap the forward and backward in
+        between (the last write stays in flight into the forward too)."""
+        if self.pipeline_read:
+            for group in range(min(len(self._slots) - 1, len(self.sub_groups))):
+                self._start_read(group)
+
     def host_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self._slots)
 
@@ -376,6 +388,9 @@ class PartialHome:
         if not self.offloaded(sub_group[0]):
             return contextlib.nullcontext()
         return self.inner.resident([self._local[b] for b in sub_group], write_back)
+
+    def read_ahead_next_step(self) -> None:
+        self.inner.read_ahead_next_step()
 
     def host_bytes(self) -> int:
         return self.inner.host_bytes()

@@ -122,6 +122,7 @@ class OffloadedStepping:
                     self.masters[index].grad = None
                     pending.append(self._gather_from_master(index, written.get(index)))
         self._finish_gathers(pending)
+        self.home.read_ahead_next_step()
 
     def _copy_out_targets(self, members) -> dict:
         """Where our CPU optimizers write the updated 16-bit parameters in the same pass as the
