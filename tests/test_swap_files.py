@@ -34,10 +34,13 @@ from deepspeed_cpp.runtime.zero.offload import (
     SwapFileError,
     SwapFolder,
     SwapTicket,
-    swap_files,
+    remove_stale_folders,
+    stale_swap_folders,
+    swap_errors,
+    swap_header,
 )
 
-HEADER = swap_files.HEADER_BYTES
+HEADER = swap_header.HEADER_BYTES
 ENGINES = usable_engines()
 SLOW = AioSettings(block_size=4096, queue_depth=1)  # a 16 MiB write stays in flight a while
 SLOW_BYTES = 16 << 20
@@ -87,7 +90,7 @@ def _raw(tensor):
 
 def _header_of(path):
     with open(path, "rb") as file:
-        return swap_files._decode_header(file.read(HEADER))
+        return swap_header.decode_header(file.read(HEADER))
 
 
 def _patch(path, offset, data):
@@ -110,7 +113,7 @@ def _run_python(script, *args, prefix=(), check=True):
 
 
 def _swap_root(nvme):
-    return nvme / swap_files.ROOT_NAME
+    return nvme / stale_swap_folders.ROOT_NAME
 
 
 # --- round trips ------------------------------------------------------------------------------
@@ -326,14 +329,17 @@ def test_dead_runs_folder_is_removed_by_the_next_run_and_never_read(how, nvme, d
     result, out = _run_python(_KILLED_SCRIPT, nvme, how, check=False)
     assert result.returncode == (-signal.SIGKILL if how == "kill" else 0), result.stderr
     dead = Path(out["folder"])
-    assert dead.is_dir() and (dead / swap_files._file_name("done")).is_file()
+    assert dead.is_dir() and (dead / swap_header.file_name("done")).is_file()
     assert out["in_flight"]  # it died mid-write: that file does not read as valid
     assert not _header_of(out["path"]).complete
     # Things a new run must not touch: a live process's folder, another host's, foreign names.
     alive = SwapFolder(nvme, purpose="optimizer", rank=0)
     root = _swap_root(nvme)
     other_host = root / f"optimizer-otherhost-pid999999-rank0-{'a' * 16}"
-    foreign = [root / "notes", root / f"optimizer-{swap_files._host_name()}-pid999999-rank0-xyz"]
+    foreign = [
+        root / "notes",
+        root / f"optimizer-{stale_swap_folders.host_name()}-pid999999-rank0-xyz",
+    ]
     for path in (other_host, *foreign):
         path.mkdir()
     (root / "readme.txt").write_text("keep")
@@ -357,7 +363,7 @@ def test_pid_reused_by_another_process_counts_as_dead(nvme, ds_log):
     # Our own pid, but the folder's owner started at another time: that process is gone.
     (folder.folder / "owner").write_text(json.dumps(dict(owner, start_time=1)))
     (folder.folder / "stray.bin").write_text("not ours")  # kept, with the folder
-    swap_files.remove_stale_folders(nvme)
+    remove_stale_folders(nvme)
     assert folder.folder.is_dir() and sorted(os.listdir(folder.folder)) == ["stray.bin"]
     assert any("not made by deepspeed_cpp" in r.getMessage() for r in ds_log.records)
     folder.close()  # keeps the foreign file too
@@ -367,7 +373,7 @@ def test_pid_reused_by_another_process_counts_as_dead(nvme, ds_log):
 def test_close_removes_everything_and_is_idempotent(nvme):
     folder = SwapFolder(nvme, purpose="param", rank=2)
     name = folder.folder.name
-    assert name.startswith(f"param-{swap_files._host_name()}-pid{os.getpid()}-rank2-")
+    assert name.startswith(f"param-{stale_swap_folders.host_name()}-pid{os.getpid()}-rank2-")
     assert name.endswith(folder.run_id) and len(folder.run_id) == 16
     for i in range(5):
         folder.write(f"k{i}", torch.randn(1000 * i + 1))
@@ -513,7 +519,7 @@ def test_swap_file_error_survives_pickling():
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is StaleSwapFileError and str(again) == "it"
     assert (again.errno, again.filename, again.nbytes) == (errno.ESTALE, "/x", 5)
-    assert swap_files.errno_text(errno.ENOSPC) == "ENOSPC (28): No space left on device"
+    assert swap_errors.errno_text(errno.ENOSPC) == "ENOSPC (28): No space left on device"
 
 
 # --- the aio config section ---------------------------------------------------------------------

@@ -168,9 +168,10 @@ class NvmeParamHome:
     def read_ahead_first(self) -> None:
         """Starts reading the shards the next pass uses first (after a step wrote them)."""
         self._cursor = 0
-        self._read_ahead(None)
+        # Waiting for the step's writes to free their buffers here (not during the forward).
+        self._read_ahead(None, wait=True)
 
-    def _read_ahead(self, ds_id: int | None) -> None:
+    def _read_ahead(self, ds_id: int | None, wait: bool = False) -> None:
         """Reads ahead what followed this fetch in the previous pass: its next occurrence at or
         after the cursor (a parameter fetched in forward and again in backward is found at the
         right one of its two places)."""
@@ -186,7 +187,7 @@ class NvmeParamHome:
             if upcoming in self._reading:
                 continue
             param = self._params[upcoming]
-            buffer = self._claim(param.ds_tensor.dtype, wait=False)
+            buffer = self._claim(param.ds_tensor.dtype, wait=wait)
             if buffer is None:
                 return
             ticket = self._files.read(_key(param), self._view(buffer, param))
