@@ -147,3 +147,35 @@ def test_nvme_read_ahead_follows_backward_order_too(pool2, tmp_path):
         (hits_second, on_demand_second), (hits_last, on_demand_last) = counts[1], counts[-1]
         assert on_demand_last == on_demand_second, counts
         assert hits_last - hits_second == 2 * 16, counts  # 8 layers, forward and backward
+
+
+def _evaluation_only_job(parent):
+    import deepspeed_cpp
+
+    folder = _folder(parent)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(8)])
+    cfg = {"train_micro_batch_size_per_gpu": 4,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {
+               "stage": 3, "stage3_param_persistence_threshold": 0,
+               "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
+               "offload_optimizer": {"device": "cpu"},
+               "offload_param": {"device": "nvme", "nvme_path": folder, "buffer_count": 3,
+                                 "buffer_size": 4096}}}  # fmt: skip
+    engine, *_ = deepspeed_cpp.initialize(model=model, config=cfg)
+    engine.eval()
+    home, longest = engine.optimizer.param_home, 0
+    with torch.no_grad():
+        for _ in range(30):
+            engine(torch.randn(4, 64))
+            longest = max(longest, len(home._recording))
+    result = (home.read_ahead_hits, home.reads_on_demand, longest)
+    engine.destroy()
+    return result
+
+
+def test_evaluation_only_passes_read_ahead_and_record_a_bounded_order(pool2, tmp_path):
+    for hits, on_demand, longest in pool2.run(_evaluation_only_job, tmp_path):
+        assert longest <= 4 * 8 + 64 + 1  # the recording is cut into an order, not kept growing
+        assert hits > on_demand, (hits, on_demand)  # later passes read ahead

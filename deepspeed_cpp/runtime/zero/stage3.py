@@ -11,7 +11,10 @@
   their own master weights; fp16/bf16 ones get fp32 masters written back into ``ds_tensor`` after
   each step), so gradients are reduce-scattered straight into the owner's shard by the C++
   reducer, and the optimizer steps shards only; the persistent parameters share stage-2 buckets
-  (all after the partitioned ones, so they never hold back a partitioned bucket's reduction).
+  (all after the partitioned ones, so they never hold back a partitioned bucket's reduction);
+- with ``offload_param``, a parameter home (``offload/param_homes.py``) keeps the shards on the
+  host or NVMe between uses; with ``offload_optimizer``, the masters and optimizer state live in
+  the optimizer's home (``offload/optimizer_homes.py``).
 """
 
 from __future__ import annotations

@@ -143,6 +143,10 @@ class NvmeParamHome:
         self.transfer.synchronize()  # the buffer is free again once the copy has landed
         self._free.append(buffer)
         self._recording.append(param.ds_id)
+        if len(self._recording) > 4 * len(self._params) + 64:
+            # No backward ends the passes (evaluation only): what was fetched so far becomes
+            # the order, instead of a recording that grows without bound.
+            self.end_pass()
         self._read_ahead(param.ds_id)
 
     def read(self, param: torch.nn.Parameter) -> torch.Tensor:
