@@ -179,3 +179,38 @@ def test_evaluation_only_passes_read_ahead_and_record_a_bounded_order(pool2, tmp
     for hits, on_demand, longest in pool2.run(_evaluation_only_job, tmp_path):
         assert longest <= 4 * 8 + 64 + 1  # the recording is cut into an order, not kept growing
         assert hits > on_demand, (hits, on_demand)  # later passes read ahead
+
+
+def _delayed_resume_job(parent):
+    """A run with the delayed update saved at step 3 and resumed equals the run that saved."""
+    import deepspeed_cpp
+
+    checkpoint = _folder(parent)
+    offload = {"device": "cpu", "delayed_param_update": True,
+               "delayed_param_update_warmup_steps": 2}  # fmt: skip
+    rank, batches = dist.get_rank(), global_batches(SEED, 6, 2, dist.get_world_size())
+
+    def engine_for():
+        engine, *_ = deepspeed_cpp.initialize(
+            model=make_model(SEED), config=_config(2, "fp32", offload)
+        )
+        return engine
+
+    engine = engine_for()
+    _run_steps(engine, batches[:3], rank)
+    engine.save_checkpoint(checkpoint, tag="step3")
+    _run_steps(engine, batches[3:], rank)
+    saved_and_went_on = full_params(engine)
+    engine.destroy()
+    engine = engine_for()
+    engine.load_checkpoint(checkpoint, tag="step3")
+    _run_steps(engine, batches[3:], rank)
+    resumed = full_params(engine)
+    engine.destroy()
+    return saved_and_went_on, resumed
+
+
+def test_a_resumed_delayed_update_run_continues_past_its_warm_up(pool2, tmp_path):
+    for saved_and_went_on, resumed in pool2.run(_delayed_resume_job, tmp_path):
+        for name, value in saved_and_went_on.items():
+            assert torch.equal(resumed[name], value), name

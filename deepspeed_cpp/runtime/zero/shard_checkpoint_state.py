@@ -101,6 +101,9 @@ class ShardCheckpointState:
                             else value
                             for key, value in states[index].items()
                         }
+        if self._delayed is not None and states is not None:
+            # The delayed update's warm-up goes on where the checkpoint's steps left it.
+            self._delayed.steps_seen = _steps_taken(states)
         self.zero_grad()
 
     def refresh_masters_from_params(self) -> None:
@@ -114,3 +117,9 @@ class ShardCheckpointState:
                     values = self._owned_slice_of_params(self.buckets[index], self.params[0].device)
                     master.copy_(values)
         self.zero_grad()
+
+
+def _steps_taken(states: list[dict]) -> int:
+    """The optimizer steps a checkpoint's state records (its per-tensor ``step`` counters)."""
+    counts = [int(s["step"]) for s in states if s and "step" in s]
+    return max(counts, default=0)
