@@ -1,9 +1,11 @@
 """Where the aio and swap-file tests put files: a real disk file system, so that O_DIRECT is
-exercised (tmpfs only emulates it)."""
+exercised (tmpfs only emulates it), or a small file system of their own in a mount namespace."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 
 def fs_type(path) -> str:
@@ -32,3 +34,22 @@ def o_direct_works(folder) -> bool:
 def on_a_real_disk(folder) -> bool:
     """Whether files in `folder` take the O_DIRECT path for real."""
     return fs_type(folder) not in ("tmpfs", "ramfs") and o_direct_works(folder)
+
+
+_NAMESPACE_PROBE = "mount -t tmpfs -o size=64k tmpfs {0} && umount {0}"
+
+
+def mount_namespace_prefix(tmp_path):
+    """A command prefix running its command in a private mount namespace, or None when this
+    machine does not allow one (no unshare, or no privileges and no user namespaces)."""
+    if shutil.which("unshare") is None:
+        return None
+    probe_dir = tmp_path / "probe_mount"
+    probe_dir.mkdir()
+    variants = [["unshare", "--mount", "--propagation", "private"]]
+    variants.append(["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"])
+    for prefix in variants if os.geteuid() == 0 else variants[1:]:
+        probe = [*prefix, "sh", "-c", _NAMESPACE_PROBE.format(probe_dir)]
+        if subprocess.run(probe, capture_output=True).returncode == 0:
+            return prefix
+    return None

@@ -21,7 +21,7 @@ import warnings
 import pytest
 import torch
 from conftest import REPO_ROOT
-from disk_folders import o_direct_works, on_a_real_disk
+from disk_folders import mount_namespace_prefix, o_direct_works, on_a_real_disk
 
 from deepspeed_cpp.ops import aio
 from deepspeed_cpp.ops.aio import AsyncIOHandle, usable_engines
@@ -330,25 +330,6 @@ def test_full_disk_by_file_size_limit(engine, tmp_path):
     assert out["small_ok"]
 
 
-_NAMESPACE_PROBE = "mount -t tmpfs -o size=64k tmpfs {0} && umount {0}"
-
-
-def _mount_namespace_prefix(tmp_path):
-    """A command prefix running its command in a private mount namespace, or None when this
-    machine does not allow one (no unshare, or no privileges and no user namespaces)."""
-    if shutil.which("unshare") is None:
-        return None
-    probe_dir = tmp_path / "probe_mount"
-    probe_dir.mkdir()
-    variants = [["unshare", "--mount", "--propagation", "private"]]
-    variants.append(["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"])
-    for prefix in variants if os.geteuid() == 0 else variants[1:]:
-        probe = [*prefix, "sh", "-c", _NAMESPACE_PROBE.format(probe_dir)]
-        if subprocess.run(probe, capture_output=True).returncode == 0:
-            return prefix
-    return None
-
-
 _FULL_TMPFS_SCRIPT = """
 import json, subprocess, sys, torch
 from deepspeed_cpp.ops.aio import AsyncIOHandle
@@ -365,7 +346,7 @@ print(json.dumps({"error": message}))
 
 
 def test_full_disk_on_a_small_file_system(tmp_path):
-    prefix = _mount_namespace_prefix(tmp_path)
+    prefix = mount_namespace_prefix(tmp_path)
     if prefix is None:
         pytest.skip("no mount namespace here; the full disk is covered by the file-size limit")
     (tmp_path / "small_fs").mkdir()
@@ -431,7 +412,7 @@ def test_buffered_fallback_with_one_warning_where_o_direct_is_refused(tmp_path):
     if os.path.isdir("/dev/shm") and not o_direct_works("/dev/shm"):
         folder, prefix, mode = _temp_folder_in("/dev/shm"), (), "plain"
     else:
-        prefix = _mount_namespace_prefix(tmp_path)
+        prefix = mount_namespace_prefix(tmp_path)
         if prefix is None:
             pytest.skip("no file system refusing O_DIRECT is reachable without privileges")
         folder, mode = tmp_path / "ramfs", "mount"

@@ -113,23 +113,28 @@ def test_a_parameter_offload_that_fails_leaves_the_model_usable(pool2, tmp_path)
             assert torch.equal(after[name], value), name
 
 
-def _read_ahead_job(parent):
+def _eight_layers_with_nvme_parameters(parent, **zero):
+    """An engine over 8 bias-free 64x64 layers whose parameters live on NVMe and are released
+    after forward and gathered again in backward (reversed order)."""
     import deepspeed_cpp
 
-    folder = _folder(parent)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(8)])
     cfg = {"train_micro_batch_size_per_gpu": 4,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {
                "stage": 3, "stage3_param_persistence_threshold": 0,
-               # released after forward, gathered again in backward (reversed order)
                "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
-               "stage3_prefetch_bucket_size": 0,
                "offload_optimizer": {"device": "cpu"},
-               "offload_param": {"device": "nvme", "nvme_path": folder, "buffer_count": 3,
-                                 "buffer_size": 4096}}}  # fmt: skip
+               "offload_param": {"device": "nvme", "nvme_path": _folder(parent),
+                                 "buffer_count": 3, "buffer_size": 4096},
+               **zero}}  # fmt: skip
     engine, *_ = deepspeed_cpp.initialize(model=model, config=cfg)
+    return engine
+
+
+def _read_ahead_job(parent):
+    engine = _eight_layers_with_nvme_parameters(parent, stage3_prefetch_bucket_size=0)
     home = engine.optimizer.param_home
     generator, counts = torch.Generator().manual_seed(1), []
     for _ in range(4):
@@ -150,20 +155,7 @@ def test_nvme_read_ahead_follows_backward_order_too(pool2, tmp_path):
 
 
 def _evaluation_only_job(parent):
-    import deepspeed_cpp
-
-    folder = _folder(parent)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(8)])
-    cfg = {"train_micro_batch_size_per_gpu": 4,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {
-               "stage": 3, "stage3_param_persistence_threshold": 0,
-               "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
-               "offload_optimizer": {"device": "cpu"},
-               "offload_param": {"device": "nvme", "nvme_path": folder, "buffer_count": 3,
-                                 "buffer_size": 4096}}}  # fmt: skip
-    engine, *_ = deepspeed_cpp.initialize(model=model, config=cfg)
+    engine = _eight_layers_with_nvme_parameters(parent)
     engine.eval()
     home, longest = engine.optimizer.param_home, 0
     with torch.no_grad():

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO_ROOT
-from disk_folders import o_direct_works, on_a_real_disk
+from disk_folders import mount_namespace_prefix, o_direct_works, on_a_real_disk
 
 from deepspeed_cpp.ops import aio
 from deepspeed_cpp.ops.aio import usable_engines
@@ -450,27 +450,8 @@ print(json.dumps(out))
 """
 
 
-def _mount_namespace_prefix(tmp_path):
-    if shutil.which("unshare") is None:
-        return None
-    probe_dir = tmp_path / "probe_mount"
-    probe_dir.mkdir()
-    variants = [["unshare", "--mount", "--propagation", "private"]]
-    variants.append(["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"])
-    for prefix in variants if os.geteuid() == 0 else variants[1:]:
-        probe = [
-            *prefix,
-            "sh",
-            "-c",
-            f"mount -t tmpfs -o size=64k tmpfs {probe_dir} && umount {probe_dir}",
-        ]
-        if subprocess.run(probe, capture_output=True).returncode == 0:
-            return prefix
-    return None
-
-
 def test_full_disk_is_a_swap_file_error_naming_path_bytes_and_enospc(tmp_path):
-    prefix = _mount_namespace_prefix(tmp_path)
+    prefix = mount_namespace_prefix(tmp_path)
     if prefix is None:
         pytest.skip("no mount namespace here to make a small file system")
     (tmp_path / "small_fs").mkdir()

@@ -395,9 +395,6 @@ class PartialHome:
     def host_bytes(self) -> int:
         return self.inner.host_bytes()
 
-    def disk_bytes(self) -> int:
-        return self.inner.disk_bytes()
-
     def close(self) -> None:
         self.inner.close()
 

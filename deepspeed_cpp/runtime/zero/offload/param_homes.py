@@ -213,14 +213,10 @@ class NvmeParamHome:
         if stale is not None:
             stale[1].wait()
             self._free.append(stale[0])
-        dtype = self._buffers_dtype(param)
-        buffer = self._claim(dtype)
+        buffer = self._claim(param.ds_tensor.dtype)
         view = self._view(buffer, param, values.numel())
         view.copy_(values.detach().reshape(-1))
         self._writing.append((buffer, self._files.write(_key(param), view)))
-
-    def _buffers_dtype(self, param) -> torch.dtype:
-        return param.ds_tensor.dtype
 
     # --- buffers ------------------------------------------------------------------------------
     def _claim(self, dtype: torch.dtype, wait: bool = True):

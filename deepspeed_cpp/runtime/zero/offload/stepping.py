@@ -85,16 +85,12 @@ class OffloadedStepping:
         delayed update the step runs in the background and is written at the next step."""
         if self._delayed is not None and self._delayed.next_step_is_delayed():
             self.apply_pending_update()
-            for index, grad in enumerate(self.shard_grads):
-                self.home.transfer.to_host(grad, self.home.grad_buffer(index))
-            self.home.transfer.synchronize()
+            self._copy_grads_to_host()
             snapshot = [dict(group) for group in self.optimizer.param_groups]
             self._delayed.launch(lambda: self._step_all_masters(snapshot))
             return
         if not self._step_per_bucket:  # the host home: every master resident at once
-            for index, grad in enumerate(self.shard_grads):
-                self.home.transfer.to_host(grad, self.home.grad_buffer(index))
-            self.home.transfer.synchronize()
+            self._copy_grads_to_host()
             self._step_all_masters(self.optimizer.param_groups)
             self._finish_gathers([self._gather_from_master(b) for b in range(len(self.buckets))])
             return
@@ -142,6 +138,12 @@ class OffloadedStepping:
             [written.get(self._master_index[id(p)]) for p in group["params"]]
             for group in self.optimizer.param_groups
         ]
+
+    def _copy_grads_to_host(self) -> None:
+        """Every shard gradient into its host buffer (the host home: all resident)."""
+        for index, grad in enumerate(self.shard_grads):
+            self.home.transfer.to_host(grad, self.home.grad_buffer(index))
+        self.home.transfer.synchronize()
 
     def _step_all_masters(self, groups: list[dict]) -> None:
         for index, master in enumerate(self.masters):
