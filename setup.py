@@ -6,10 +6,14 @@ Nothing is compiled by default; ops then compile just in time on first use. Flag
   DS_BUILD_<OP>=1        pre-build that op, failing the install if it cannot be built here
   DS_BUILD_<OP>=0        never pre-build that op (overrides DS_BUILD_OPS=1)
 
-MAX_JOBS (parallel compile jobs; derived from cores and free memory when unset),
-TORCH_CUDA_ARCH_LIST and CUDA_HOME are honoured. No GPU is needed to build.
+DeepSpeed's flags for ops that have no library of their own here (DS_BUILD_UTILS, ...) print
+one line saying what stands in for them; any other unknown DS_BUILD_* stops the build, naming
+the nearest known flag. MAX_JOBS (parallel compile jobs; from ``build_ext -jN`` when unset, else
+derived from cores and free memory), TORCH_CUDA_ARCH_LIST and CUDA_HOME are honoured. No GPU is
+needed to build.
 """
 
+import difflib
 import importlib.util
 import json
 import os
@@ -46,7 +50,57 @@ def read_flag(name: str) -> bool | None:
     return value == "1"
 
 
+# DeepSpeed's DS_BUILD_* flags for ops deepspeed_cpp does not build as such: what stands in for
+# each (scripts and Dockerfiles written for DeepSpeed set them; failing their build helps no one).
+DEEPSPEED_ONLY_FLAGS = {
+    "UTILS": "flatten/unflatten are part of the zero op (DS_BUILD_ZERO)",
+    "FUSED_LAMB": "no fused LAMB op; use Adam/AdamW (DS_BUILD_FUSED_ADAM, DS_BUILD_CPU_ADAM)",
+    "FUSED_LION": "no fused CUDA Lion op; CPU Lion is DS_BUILD_CPU_LION",
+    "SPARSE_ATTN": "no sparse-attention kernels (training engine only)",
+    "TRANSFORMER": "no transformer-layer kernels (training engine only)",
+    "STOCHASTIC_TRANSFORMER": "no transformer-layer kernels (training engine only)",
+    "TRANSFORMER_INFERENCE": "no inference kernels (training engine only)",
+    "INFERENCE_CORE_OPS": "no inference kernels (training engine only)",
+    "CUTLASS_OPS": "no inference kernels (training engine only)",
+    "RAGGED_OPS": "no inference kernels (training engine only)",
+    "RAGGED_DEVICE_OPS": "no inference kernels (training engine only)",
+    "SPATIAL_INFERENCE": "no inference kernels (training engine only)",
+    "EVOFORMER_ATTN": "no Evoformer attention kernels",
+    "QUANTIZER": "no quantization kernels",
+    "FP_QUANTIZER": "no quantization kernels",
+    "RANDOM_LTD": "no random-LTD kernels",
+    "DEEP_COMPILE": "no DeepCompile passes",
+    "GDS": "no GPUDirect Storage; NVMe offload uses the aio op (DS_BUILD_AIO)",
+    "CCL_COMM": "collectives go through torch.distributed (gloo, nccl)",
+    "SHM_COMM": "collectives go through torch.distributed (gloo, nccl)",
+    "PIN_MEMORY": "page-locked buffers come from torch; nothing to build",
+    "STRING": "the version comes from pyproject.toml",
+}
+
+
+def check_flag_names(op_builder) -> None:
+    """Says what a DeepSpeed-only flag means here; stops on a misspelt or unknown one."""
+    known = {"OPS", *(name.upper() for name in op_builder.ALL_OPS)}
+    for variable in sorted(os.environ):
+        if not variable.startswith("DS_BUILD_"):
+            continue
+        name = variable[len("DS_BUILD_") :]
+        if name in known:
+            continue
+        if name in DEEPSPEED_ONLY_FLAGS:
+            print(f"deepspeed_cpp setup: {variable} ignored: {DEEPSPEED_ONLY_FLAGS[name]}")
+            continue
+        candidates = sorted(known | DEEPSPEED_ONLY_FLAGS.keys())
+        nearest = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+        hint = f"did you mean DS_BUILD_{nearest[0]}? " if nearest else ""
+        raise SystemExit(
+            f"deepspeed_cpp setup: unknown flag {variable}; {hint}known op flags: "
+            + ", ".join(f"DS_BUILD_{n}" for n in sorted(known))
+        )
+
+
 def ops_to_prebuild(op_builder) -> list:
+    check_flag_names(op_builder)
     build_all = read_flag("DS_BUILD_OPS") or False
     chosen = []
     for name, builder_class in op_builder.ALL_OPS.items():
@@ -108,11 +162,23 @@ def setup_kwargs() -> dict:
     import torch
     from torch.utils.cpp_extension import BuildExtension
 
-    os.environ.setdefault("MAX_JOBS", str(op_builder.builder.default_max_jobs()))
     print("deepspeed_cpp setup: pre-building ops:", ", ".join(b.NAME for b in builders))
 
     class BuildExtensionWithInfo(BuildExtension):
-        """Records the torch the ops were built against; the loader ignores them for another."""
+        """Records the torch the ops were built against; the loader ignores them for another.
+
+        Extensions are built one after the other, each compiling its objects in parallel:
+        torch's ninja build writes one ``build.ninja`` into the shared build folder, so two
+        extensions built at once (setuptools' ``-jN``) overwrite each other's and link objects
+        that were never compiled for them. ``-jN`` therefore becomes MAX_JOBS=N."""
+
+        def finalize_options(self):
+            super().finalize_options()
+            if self.parallel and "MAX_JOBS" not in os.environ:
+                jobs = os.cpu_count() if self.parallel is True else int(self.parallel)
+                os.environ["MAX_JOBS"] = str(jobs)
+            self.parallel = None
+            os.environ.setdefault("MAX_JOBS", str(op_builder.builder.default_max_jobs()))
 
         def run(self):
             super().run()

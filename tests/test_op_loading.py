@@ -109,6 +109,74 @@ def test_invalid_build_flag_fails_the_install(tmp_path):
     assert "DS_BUILD_CPU_ADAM='yes' is not valid; use 1 or 0" in result.stdout + result.stderr
 
 
+def _setup_py(*args, env_overrides, cwd=REPO_ROOT, timeout=120):
+    env = dict(os.environ, **env_overrides)
+    return subprocess.run([sys.executable, "setup.py", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def test_deepspeed_only_flags_say_what_stands_in():
+    result = _setup_py("--version", env_overrides={"DS_BUILD_UTILS": "1", "DS_BUILD_GDS": "0"})
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("deepspeed_cpp")]
+    assert lines == [
+        "deepspeed_cpp setup: DS_BUILD_GDS ignored: no GPUDirect Storage; NVMe offload uses the "
+        "aio op (DS_BUILD_AIO)",
+        "deepspeed_cpp setup: DS_BUILD_UTILS ignored: flatten/unflatten are part of the zero op "
+        "(DS_BUILD_ZERO)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flag", "hint"),
+    [("DS_BUILD_CPU_ADMA", "did you mean DS_BUILD_CPU_ADAM? "), ("DS_BUILD_WARP_DRIVE", "")],
+)
+def test_unknown_build_flag_stops_the_build(flag, hint):
+    result = _setup_py("--version", env_overrides={flag: "1"})
+    assert result.returncode != 0
+    assert f"unknown flag {flag}; {hint}known op flags: DS_BUILD_AIO," in result.stderr
+
+
+def test_parallel_build_ext_links_each_op_from_its_own_objects(tmp_path):
+    # `setup.py build_ext -jN` used to build extensions concurrently into one build folder,
+    # where torch's build.ninja files overwrite each other (ld: cannot find .../cpu_isa.o).
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO_ROOT, capture_output=True, text=True, check=True)  # fmt: skip
+    source = tmp_path / "source"
+    for name in files.stdout.splitlines():
+        if (REPO_ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            (source / name).write_bytes((REPO_ROOT / name).read_bytes())
+    env = {"DS_BUILD_ZERO": "1"}  # with the registry: two extensions, built with -j2 at once
+    built = _setup_py("build_ext", "-j2", "bdist_wheel", "-d", str(tmp_path / "dist"),
+                      env_overrides=env, cwd=source, timeout=900)  # fmt: skip
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("deepspeed_cpp-*.whl")
+    libraries = sorted(n.split("/")[-1].split(".")[0] for n in zipfile.ZipFile(wheel).namelist()
+                       if n.startswith("deepspeed_cpp/_ops/") and n.endswith(".so"))  # fmt: skip
+    assert libraries == ["registry", "zero"]
+    site = tmp_path / "site"
+    installed = _pip("install", "--no-deps", "--target", str(site), str(wheel), env_overrides={})
+    assert installed.returncode == 0, installed.stderr
+    code = (
+        "import torch\n"
+        "from deepspeed_cpp.ops.zero import flatten_into\n"
+        "parts = [torch.randn(3, 5), torch.randn(7)]\n"
+        "flat = torch.zeros(22)\n"
+        "flatten_into(parts, flat, [0, 15])\n"
+        "assert torch.equal(flat, torch.cat([parts[0].flatten(), parts[1]])), flat\n"
+        "print('LOADED OK')\n"
+    )
+    no_compiler = {
+        "PYTHONPATH": str(site),
+        "CXX": str(tmp_path / "no-such-compiler"),
+        "DS_CPP_EXTENSIONS_DIR": str(tmp_path / "empty-cache"),
+    }
+    ran = _run(code, no_compiler, cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert "LOADED OK" in ran.stdout and "just in time" not in ran.stderr
+
+
 def test_zero_overrides_build_all(tmp_path):
     every_op_off = {f"DS_BUILD_{name.upper()}": "0" for name in ALL_OPS}
     result = _pip("wheel", "--no-build-isolation", "--no-deps", "-w", str(tmp_path), ".",
