@@ -7,6 +7,7 @@ ranks, loads at M ranks (another ZeRO stage too) and trains on must match it to 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -590,11 +591,15 @@ def errors_job(directory: str, seed: int):
     torch.save(
         {"client_state": {"x": RunsCode(str(root / "code_ran"))}}, hostile / "client_state.pt"
     )
+    # The attacker also rewrites the size and digests: those detect damage, not tampering.
+    from deepspeed_cpp.runtime.checkpoint.digests import seal_metadata
+
     meta = json.loads((hostile / "checkpoint_meta.json").read_text())
     for entry in meta["files"]:
         if entry["name"] == "client_state.pt":
             entry["bytes"] = (hostile / "client_state.pt").stat().st_size
-    (hostile / "checkpoint_meta.json").write_text(json.dumps(meta))
+            entry["sha256"] = hashlib.sha256((hostile / "client_state.pt").read_bytes()).hexdigest()
+    (hostile / "checkpoint_meta.json").write_text(json.dumps(seal_metadata(meta)))
     attempt("hostile", same, directory, tag="hostile")
     messages["code_ran"] = (root / "code_ran").exists()
     try:
@@ -647,7 +652,8 @@ def test_missing_incomplete_and_mismatching_checkpoints(pools, tmp_path):
     assert hostile.startswith("IncompleteCheckpointError") and "client_state.pt" in hostile
     assert "does not unpickle" in hostile
     assert messages["code_ran"] is False
-    assert "client_state holds objects other than tensors" in messages["object_saved"]
+    assert "client_state['x'] is a test_checkpoint.RunsCode" in messages["object_saved"]
+    assert "allow_pickle=True" in messages["object_saved"]
     assert messages["object_tag_exists"] is False
     missing = messages["no_such_tag"]
     assert (

@@ -342,11 +342,14 @@ class DeepSpeedEngine(torch.nn.Module):
         client_state: dict | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
+        allow_pickle: bool = False,
     ) -> bool:
         """Saves the training state to ``save_dir/<tag>`` (default tag ``global_step<N>``) and,
         with ``save_latest``, points ``save_dir/latest`` at it. Every rank must call it.
 
-        ``client_state`` (a dict) is stored as is and returned by ``load_checkpoint``. Files are
+        ``client_state`` (a dict of tensors and plain data; other objects only with
+        ``allow_pickle=True``, and then loading needs it too) is stored as is and returned by
+        ``load_checkpoint``. Files are
         published atomically: a crash mid-save leaves ``latest`` at the previous checkpoint.
         Gradients of an unfinished accumulation are not saved: save after ``step()`` at a
         boundary.
@@ -354,7 +357,7 @@ class DeepSpeedEngine(torch.nn.Module):
         from .checkpoint import save_checkpoint
 
         return save_checkpoint(
-            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, allow_pickle
         )
 
     def save_16bit_model(
@@ -382,12 +385,15 @@ class DeepSpeedEngine(torch.nn.Module):
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
         custom_load_fn=None,
+        allow_pickle: bool = False,
     ):
         """Restores the state saved under ``load_dir/<tag>`` (``tag`` None: ``latest``'s).
 
         Returns ``(path, client_state)``, or ``(None, None)`` when no tag is given and there is
         no ``latest`` file. The checkpoint may come from another world size or ZeRO stage
-        (0-3): it is resharded. Every rank must call it.
+        (0-3): it is resharded. Every rank must call it. ``allow_pickle=True`` is required
+        for (and only used by) checkpoints saved with ``save_checkpoint(..., allow_pickle=True)``:
+        it unpickles their client state in full, which can run code.
         """
         if custom_load_fn is not None:
             raise NotImplementedError(
@@ -403,6 +409,7 @@ class DeepSpeedEngine(torch.nn.Module):
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+            allow_pickle=allow_pickle,
         )
 
     # --- what scripts ask the engine ----------------------------------------------------------
@@ -473,3 +480,4 @@ def _refuse_partitioned_parameters(model: torch.nn.Module, stage: int) -> None:
                 f"ZeRO-3 engine) but the config asks for ZeRO stage {stage}; use stage 3, or "
                 f"build the model outside zero.Init"
             )
+

@@ -16,6 +16,10 @@ fp32) and buffers (as saved) from the module-states file. A tied parameter appea
 name that shares it (one shared tensor in a torch file; a copy per name in safetensors, which
 cannot store aliases).
 
+Integrity: the metadata's digest and each file's SHA-256 are checked as the files are read (a
+damaged file raises ``IncompleteCheckpointError`` naming it and both digests; the command exits
+1 with that message).
+
 Memory: the shard files are read one at a time, memory-mapped, and each fp32 value is copied
 straight into its place in the output, so the peak stays near the size of the output (plus the
 master slices of one shard file while it is read), not the size of the checkpoint.
@@ -30,18 +34,22 @@ from pathlib import Path
 import torch
 
 from ..runtime.checkpoint.atomic_files import write_atomically_by_name
+from ..runtime.checkpoint.digests import file_digests
 from ..runtime.checkpoint.errors import CheckpointMismatchError, IncompleteCheckpointError
 from ..runtime.checkpoint.layout import MODULE_FILE, read_metadata, resolve_checkpoint_dir
 from ..runtime.checkpoint.metadata import ZeroLayout
 from ..runtime.checkpoint.shard_reader import load_mapped
 
 
-def _trainable_fp32(directory: Path, layout: ZeroLayout) -> dict[str, torch.Tensor]:
-    """Every trainable parameter's fp32 master value, by primary name, one shard at a time."""
+def _trainable_fp32(
+    directory: Path, layout: ZeroLayout, digests: dict[str, str | None]
+) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's fp32 master value, by primary name, one shard at a time
+    (each checked against its SHA-256 before it is read)."""
     values = {p.name: torch.empty(p.numel, dtype=torch.float32) for p in layout.params}
     filled = dict.fromkeys(values, 0)
     for file_name in layout.files():
-        shard = load_mapped(directory / file_name)
+        shard = load_mapped(directory / file_name, digests.get(file_name), "shard file")
         for bucket_index, bucket in enumerate(layout.buckets):
             for piece in (s for s in bucket.slices if s.file == file_name):
                 entry = shard["buckets"].get(bucket_index)
@@ -78,9 +86,11 @@ def get_fp32_state_dict_from_zero_checkpoint(
     """
     directory = resolve_checkpoint_dir(checkpoint_dir, tag)
     metadata = read_metadata(directory)
-    module_state = load_mapped(directory / MODULE_FILE)["module"]
+    digests = file_digests(metadata)
+    module_state = load_mapped(directory / MODULE_FILE, digests.get(MODULE_FILE), "module states")
+    module_state = module_state["module"]
     layout = ZeroLayout.from_json(metadata["zero_layout"]) if metadata["zero_layout"] else None
-    trainable = _trainable_fp32(directory, layout) if layout is not None else {}
+    trainable = _trainable_fp32(directory, layout, digests) if layout is not None else {}
     primary = {name: p.name for p in (layout.params if layout else ()) for name in p.names}
     frozen = {name for p in metadata["frozen_parameters"] for name in p["names"]}
     state_dict: dict[str, torch.Tensor] = {}

@@ -12,6 +12,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
     IncompleteCheckpointError,
+    PickleNotAllowedError,
 )
 from .loader import load_checkpoint
 from .saver import save_checkpoint
@@ -21,6 +22,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "IncompleteCheckpointError",
+    "PickleNotAllowedError",
     "load_checkpoint",
     "save_checkpoint",
 ]

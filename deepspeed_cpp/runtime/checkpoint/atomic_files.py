@@ -18,6 +18,8 @@ from typing import BinaryIO
 
 import torch
 
+from .digests import HashingWriter
+
 
 def fsync_directory(directory: str | os.PathLike) -> None:
     """Makes the directory's entries (creations, renames) durable."""
@@ -75,9 +77,17 @@ def _publish_file(path: Path, write_and_sync: Callable[[Path], None]) -> int:
     return size
 
 
-def save_torch_atomically(obj, path: str | os.PathLike) -> int:
-    """``torch.save(obj)`` to ``path``, atomically; returns the file size in bytes."""
-    return write_atomically(path, lambda handle: torch.save(obj, handle))
+def save_torch_atomically(obj, path: str | os.PathLike) -> tuple[int, str]:
+    """``torch.save(obj)`` to ``path``, atomically; returns the file's size in bytes and its
+    SHA-256, hashed from the stream as it is written (no second read of the file)."""
+    writers: list[HashingWriter] = []
+
+    def write(handle: BinaryIO) -> None:
+        writers.append(HashingWriter(handle))
+        torch.save(obj, writers[-1])
+
+    size = write_atomically(path, write)
+    return size, writers[-1].hexdigest()
 
 
 def write_text_atomically(path: str | os.PathLike, text: str) -> int:

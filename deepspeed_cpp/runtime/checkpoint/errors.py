@@ -17,3 +17,8 @@ class CheckpointMismatchError(ValueError):
 
 class CheckpointSaveError(RuntimeError):
     """Some rank could not write its part; nothing was published and ``latest`` did not move."""
+
+
+class PickleNotAllowedError(ValueError):
+    """The checkpoint's client state needs full unpickling (it was saved with
+    ``allow_pickle=True``) and the caller did not pass ``allow_pickle=True`` to load it."""

@@ -14,7 +14,8 @@ save_dir/
 
 A tag directory is only ever created by renaming a finished ``<tag>.partial`` directory that
 already holds its metadata, and the metadata lists every other file with its size, so "has a
-readable metadata file whose files are all present with those sizes" is what "complete" means.
+readable metadata file whose files are all present with those sizes" is what "complete" means;
+"undamaged" is each file's SHA-256, also in the metadata, checked as the file is read.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 from pathlib import Path
 
+from .digests import check_metadata
 from .errors import CheckpointNotFoundError, IncompleteCheckpointError
 
 FORMAT_NAME = "deepspeed_cpp.zero_checkpoint"
@@ -81,7 +83,8 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> dict:
 
     Raises CheckpointNotFoundError when the directory does not exist and
     IncompleteCheckpointError when the metadata, or a file it lists, is missing or has another
-    size than the one recorded at save time.
+    size than the one recorded at save time, or when the metadata's own digest does not match
+    (the files' digests are checked as they are read, see ``digests.py``).
     """
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
@@ -121,6 +124,7 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> dict:
             f"{metadata.get('version')!r}; this deepspeed_cpp reads {FORMAT_NAME!r} up to "
             f"version {FORMAT_VERSION}"
         )
+    check_metadata(metadata, metadata_path)
     for entry in metadata["files"]:
         path = directory / entry["name"]
         if not path.is_file():

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from ...utils.logging import logger
+from .client_state import NEEDS_PICKLE_KEY, load_client_state
+from .digests import file_digests
 from .errors import CheckpointMismatchError, IncompleteCheckpointError
 from .layout import CLIENT_STATE_FILE, MODULE_FILE, optimizer_shard_file, read_latest_tag
 from .layout import read_metadata as read_checked_metadata
@@ -118,25 +120,28 @@ class _Plan:
     rng: dict | None = None
 
 
-def _client_state(directory: Path) -> dict:
-    path = directory / CLIENT_STATE_FILE
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)["client_state"]
-    except FileNotFoundError as error:
-        raise IncompleteCheckpointError(f"checkpoint file {path} is missing") from error
-    except Exception as error:  # noqa: BLE001 - the pickle names a type outside weights_only
-        # A checkpoint may come from anyone: loading it must never run code, so nothing beyond
-        # what weights_only=True accepts (tensors and plain data) is unpickled.
-        raise IncompleteCheckpointError(
-            f"{path} holds objects other than tensors and plain data, which deepspeed_cpp does "
-            f"not unpickle (it could run code): {str(error).splitlines()[0]}"
-        ) from error
+def _rng_states(engine, directory: Path, metadata: dict, reader: ShardReader) -> dict | None:
+    """This rank's saved RNG states, when the checkpoint was saved by as many ranks."""
+    if metadata["world_size"] == engine.world_size:
+        return reader.file(optimizer_shard_file(engine.global_rank))["rng"]
+    if engine.global_rank == 0:
+        logger.info(
+            "deepspeed_cpp: %s was saved by %d ranks, this run has %d: the random-number "
+            "generator states are not restored",
+            directory,
+            metadata["world_size"],
+            engine.world_size,
+        )
+    return None
 
 
 def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
     metadata = read_checked_metadata(directory)
+    digests = file_digests(metadata)
     plan = _Plan()
-    plan.module_payload = load_mapped(directory / MODULE_FILE)
+    plan.module_payload = load_mapped(
+        directory / MODULE_FILE, digests.get(MODULE_FILE), "module states"
+    )
     allow_missing = ()
     if plan.module_payload.get("frozen_parameters_excluded"):
         allow_missing = {n for p in metadata["frozen_parameters"] for n in p["names"]}
@@ -159,12 +164,14 @@ def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
         check_layouts_match(saved, current)
         if options["optimizer_states"]:
             _check_optimizer_matches(metadata, zero)
-        reader = ShardReader(directory, saved)
+        # One reader for the slices and this rank's RNG states: each file is hashed once.
+        reader = ShardReader(directory, saved, digests)
         try:
             kinds = metadata["optimizer"]["state_kinds"] if options["optimizer_states"] else {}
             plan.masters, plan.states = Resharder(reader, current, kinds).slices_for(
                 zero.owned_ranges(), with_state=options["optimizer_states"]
             )
+            plan.rng = _rng_states(engine, directory, metadata, reader)
         finally:
             reader.close()
         if saved.stage != current.stage or saved.world_size != current.world_size:
@@ -178,18 +185,14 @@ def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
                     current.stage,
                     current.world_size,
                 )
-    if metadata["world_size"] == engine.world_size:
-        shard = load_mapped(directory / optimizer_shard_file(engine.global_rank))
-        plan.rng = shard["rng"]
-    elif engine.global_rank == 0:
-        logger.info(
-            "deepspeed_cpp: %s was saved by %d ranks, this run has %d: the random-number "
-            "generator states are not restored",
-            directory,
-            metadata["world_size"],
-            engine.world_size,
-        )
-    plan.client_state = _client_state(directory)
+    else:
+        plan.rng = _rng_states(engine, directory, metadata, ShardReader(directory, None, digests))
+    plan.client_state = load_client_state(
+        directory / CLIENT_STATE_FILE,
+        digests.get(CLIENT_STATE_FILE),
+        bool(metadata.get(NEEDS_PICKLE_KEY, False)),
+        options["allow_pickle"],
+    )
     return plan
 
 
@@ -240,11 +243,14 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    allow_pickle: bool = False,
 ):
     """Restores ``engine`` from ``load_dir/<tag>`` (``tag`` None: the one ``latest`` names).
 
     Returns ``(path, client_state)``, or ``(None, None)`` with a warning when ``tag`` is None
     and ``load_dir/latest`` does not exist (DeepSpeed's behaviour). Collective.
+    ``allow_pickle``: needed (and only then used) for a checkpoint saved with
+    ``save_checkpoint(..., allow_pickle=True)``, see ``client_state.py``.
     """
     if tag is None:
         tag = read_latest_tag(load_dir)
@@ -261,6 +267,7 @@ def load_checkpoint(
         "optimizer_states": load_optimizer_states and engine.optimizer is not None,
         "scheduler": load_lr_scheduler_states,
         "module_only": load_module_only,
+        "allow_pickle": allow_pickle,
     }
     plans: list[_Plan] = []  # this rank's; only success flags travel between ranks
     agree_on(

@@ -6,7 +6,8 @@ The protocol (each step ends with every rank agreeing that every rank succeeded,
 1. rank 0 creates ``save_dir/<tag>.partial/`` (removing what a crashed save left there);
 2. every rank writes its shard file into it, rank 0 also the module-states and client-state
    files, each through a temporary name, fsync and rename;
-3. rank 0 writes ``checkpoint_meta.json`` (listing every file with its size) into it, renames
+3. rank 0 writes ``checkpoint_meta.json`` (listing every file with its size and SHA-256,
+   computed while the file was written, see ``digests.py``) into it, renames
    the directory to ``save_dir/<tag>`` and only then rewrites ``save_dir/latest``.
 
 A crash at any point therefore leaves ``latest`` naming the previous complete checkpoint, and no
@@ -15,12 +16,10 @@ directory named after a tag that lacks its metadata.
 
 from __future__ import annotations
 
-import io
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from ...utils.logging import logger
@@ -31,6 +30,8 @@ from .atomic_files import (
     save_torch_atomically,
     write_text_atomically,
 )
+from .client_state import NEEDS_PICKLE_KEY, check_client_state
+from .digests import DIGEST_KEY, seal_metadata
 from .errors import CheckpointSaveError
 from .layout import (
     CLIENT_STATE_FILE,
@@ -107,6 +108,12 @@ def _module_payload(engine, state_dict: dict, exclude_frozen_parameters: bool) -
     }
 
 
+def _file_entry(name: str, role: str, rank: int, payload: dict, staging: Path) -> dict:
+    """Writes ``payload`` to ``staging/name``; its entry in the metadata's file list."""
+    size, digest = save_torch_atomically(payload, staging / name)
+    return {"name": name, "role": role, "rank": rank, "bytes": size, DIGEST_KEY: digest}
+
+
 def _write_rank_files(
     engine, staging: Path, client_state, exclude_frozen: bool, state_dict: dict
 ) -> list[dict]:
@@ -120,37 +127,15 @@ def _write_rank_files(
         "rng": capture_rng_states(engine.device),
         "buckets": _bucket_entries(engine),
     }
-    written = [
-        {"name": shard_name, "role": f"shard of rank {rank}", "rank": rank,
-         "bytes": save_torch_atomically(shard, staging / shard_name)}
-    ]  # fmt: skip
+    written = [_file_entry(shard_name, f"shard of rank {rank}", rank, shard, staging)]
     if rank == 0:
         module = _module_payload(engine, share_tied(engine.module, state_dict), exclude_frozen)
+        written.append(_file_entry(MODULE_FILE, "module states", 0, module, staging))
         written.append(
-            {"name": MODULE_FILE, "role": "module states", "rank": 0,
-             "bytes": save_torch_atomically(module, staging / MODULE_FILE)}
-        )  # fmt: skip
-        written.append(
-            {"name": CLIENT_STATE_FILE, "role": "client state", "rank": 0,
-             "bytes": save_torch_atomically({"client_state": client_state},
-                                            staging / CLIENT_STATE_FILE)}
+            _file_entry(CLIENT_STATE_FILE, "client state", 0, {"client_state": client_state},
+                        staging)
         )  # fmt: skip
     return written
-
-
-def _check_plain(client_state: dict) -> None:
-    """Refuses a ``client_state`` that loading could not read back: checkpoints are loaded
-    with ``weights_only=True`` (tensors and plain data), never unpickled in full."""
-    buffer = io.BytesIO()
-    torch.save({"client_state": client_state}, buffer)
-    buffer.seek(0)
-    try:
-        torch.load(buffer, map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - the pickle names a type outside weights_only
-        raise ValueError(
-            f"client_state holds objects other than tensors and plain data, which "
-            f"load_checkpoint refuses to unpickle: {str(error).splitlines()[0]}"
-        ) from error
 
 
 def _state_kinds(engine) -> dict[str, str]:
@@ -161,7 +146,7 @@ def _state_kinds(engine) -> dict[str, str]:
     return {key: classify_state(value, master) for key, value in entry["state"].items()}
 
 
-def _metadata(engine, tag: str, files: list[dict], exclude_frozen: bool) -> dict:
+def _metadata(engine, tag: str, files: list[dict], exclude_frozen: bool, pickled: bool) -> dict:
     from ... import __version__
 
     zero = engine.optimizer
@@ -211,20 +196,24 @@ def _metadata(engine, tag: str, files: list[dict], exclude_frozen: bool) -> dict
         ),
         "lr_scheduler": type(engine.lr_scheduler).__name__ if engine.lr_scheduler else None,
         "files": files,
+        NEEDS_PICKLE_KEY: pickled,
         "ds_config": plain(engine.config.raw),
     }
 
 
-def _prepare(save_dir: Path, staging: Path, client_state: dict) -> None:
-    _check_plain(client_state)  # before anything is written
+def _prepare(save_dir: Path, staging: Path, client_state, allow_pickle: bool) -> bool:
+    """Rank 0: checks the client state (before anything is written; only rank 0's is saved) and
+    creates the staging directory. Returns whether the client state needs full unpickling."""
+    pickled = check_client_state({} if client_state is None else client_state, allow_pickle)
     save_dir.mkdir(parents=True, exist_ok=True)
     remove_tree(staging)
     staging.mkdir()
     fsync_directory(save_dir)
+    return pickled
 
 
-def _publish(engine, tag, save_dir, staging, files, save_latest, exclude_frozen) -> None:
-    metadata = _metadata(engine, tag, files, exclude_frozen)
+def _publish(engine, tag, save_dir, staging, files, save_latest, exclude_frozen, pickled):
+    metadata = seal_metadata(_metadata(engine, tag, files, exclude_frozen, pickled))
     write_text_atomically(staging / METADATA_FILE, to_json_text(metadata))
     publish_directory(staging, save_dir / tag, save_dir / f"{tag}{DISPLACED_SUFFIX}")
     if save_latest:
@@ -238,8 +227,12 @@ def save_checkpoint(
     client_state: dict | None = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
+    allow_pickle: bool = False,
 ) -> bool:
-    """Saves ``engine`` under ``save_dir/<tag>`` (see the module docstring); collective."""
+    """Saves ``engine`` under ``save_dir/<tag>`` (see the module docstring); collective.
+
+    ``client_state`` may hold tensors and plain data; other objects only with ``allow_pickle``
+    (then loading needs ``allow_pickle`` too, see ``client_state.py``)."""
     rank, group = engine.global_rank, engine.group
     tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     tags = [None] * engine.world_size
@@ -255,8 +248,8 @@ def save_checkpoint(
     except (OSError, ValueError, RuntimeError):
         previous = None
     unchanged = f"nothing was published; {save_dir / LATEST_FILE} still names {previous!r}"
-    agree_on(
-        lambda: _prepare(save_dir, staging, client_state or {}) if rank == 0 else None,
+    (pickled, *_) = agree_on(
+        lambda: _prepare(save_dir, staging, client_state, allow_pickle) if rank == 0 else None,
         group=group,
         what=f"checkpoint '{tag}': creating {staging} ({unchanged})",
         error_type=CheckpointSaveError,
@@ -282,7 +275,16 @@ def save_checkpoint(
     files = [entry for entries in written for entry in entries]
     agree_on(
         lambda: (
-            _publish(engine, tag, save_dir, staging, files, save_latest, exclude_frozen_parameters)
+            _publish(
+                engine,
+                tag,
+                save_dir,
+                staging,
+                files,
+                save_latest,
+                exclude_frozen_parameters,
+                pickled,
+            )
             if rank == 0
             else None
         ),

@@ -1,7 +1,9 @@
 """Reads slices of fp32 master buckets and optimizer state out of a checkpoint's shard files.
 
 Each shard file is opened once, memory-mapped (``torch.load(mmap=True, weights_only=True)``), so
-that reading the few slices a rank needs touches only those pages, whatever the file's size.
+that reading the few slices a rank needs copies only those, whatever the file's size. Its SHA-256
+is checked first, in one pass over the mapped pages (``digests.check_mapped_file``), so no
+damaged byte reaches the unpickler or the model.
 
 A shard file holds ``{"rank", "world_size", "rng", "buckets": {bucket: {"start", "size",
 "master", "state"}}}``: for each bucket slice it holds, the fp32 master values and the optimizer
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .digests import check_mapped_file
 from .errors import IncompleteCheckpointError
 from .metadata import ShardSlice, ZeroLayout
 
@@ -21,10 +24,14 @@ MASTER = "master"
 """The key under which ``read`` finds the fp32 master values (others are optimizer state)."""
 
 
-def load_mapped(path: Path) -> dict:
-    """``torch.load`` of a checkpoint file: memory-mapped, on the CPU, plain data only."""
+def load_mapped(path: Path, sha256: str | None, role: str = "checkpoint file") -> dict:
+    """``torch.load`` of a checkpoint file: memory-mapped, on the CPU, plain data only, after
+    checking that its SHA-256 is ``sha256`` (None: a checkpoint saved without digests)."""
     try:
+        check_mapped_file(path, sha256, role)
         return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except IncompleteCheckpointError:
+        raise  # a digest mismatch, already naming the file
     except FileNotFoundError as error:
         raise IncompleteCheckpointError(f"checkpoint file {path} is missing") from error
     except (RuntimeError, OSError, EOFError) as error:
@@ -36,14 +43,20 @@ def load_mapped(path: Path) -> dict:
 class ShardReader:
     """Random access to the bucket slices of one checkpoint, through its ``ZeroLayout``."""
 
-    def __init__(self, directory: str | Path, layout: ZeroLayout):
+    def __init__(
+        self, directory: str | Path, layout: ZeroLayout | None, digests: dict[str, str | None]
+    ):
         self.directory = Path(directory)
         self.layout = layout
+        self.digests = digests
         self._files: dict[str, dict] = {}
 
     def file(self, name: str) -> dict:
+        """The loaded file ``name`` (checked against its digest when first opened)."""
         if name not in self._files:
-            self._files[name] = load_mapped(self.directory / name)
+            self._files[name] = load_mapped(
+                self.directory / name, self.digests.get(name), "shard file"
+            )
         return self._files[name]
 
     def entry(self, piece: ShardSlice, bucket: int) -> dict:
