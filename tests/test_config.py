@@ -55,6 +55,9 @@ HF_FILLS = {
 @pytest.fixture
 def ds_log(caplog):
     """Captures the 'deepspeed_cpp' logger, which does not propagate to the root logger."""
+    from deepspeed_cpp.runtime.config.deepspeed_config import forget_warnings
+
+    forget_warnings()  # warnings are once per key and process; each test counts its own
     logger = logging.getLogger("deepspeed_cpp")
     logger.addHandler(caplog.handler)
     caplog.set_level(logging.WARNING, logger="deepspeed_cpp")

@@ -89,7 +89,7 @@ class DeepSpeedEngine(torch.nn.Module):
                 rank=self.global_rank,
                 world_size=self.world_size,
                 collate_fn=collate_fn,
-                drop_last=bool(getattr(config, "dataloader_drop_last", False)),
+                drop_last=bool(config.dataloader_drop_last),
             )
             if training_data is not None
             else None
@@ -230,6 +230,10 @@ class DeepSpeedEngine(torch.nn.Module):
     # --- the training step --------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         start = time.perf_counter()
+        if self.fp16_auto_cast():
+            # fp16.auto_cast (DeepSpeed's): floating-point inputs, however nested, become fp16
+            # to match the fp16 module; integer inputs (token ids, labels) are left as they are.
+            inputs, kwargs = _cast_floating_to_half((inputs, kwargs))
         output = self.module(*inputs, **kwargs)
         self._timers["forward"] += time.perf_counter() - start
         return output
@@ -438,6 +442,10 @@ class DeepSpeedEngine(torch.nn.Module):
     def fp16_enabled(self) -> bool:
         return bool(self.config.fp16.enabled)
 
+    def fp16_auto_cast(self) -> bool:
+        """Whether forward casts floating-point inputs to fp16 (``fp16.auto_cast``)."""
+        return self.fp16_enabled() and bool(self.config.fp16.auto_cast)
+
     def bfloat16_enabled(self) -> bool:
         return bool(self.config.bf16.enabled)
 
@@ -481,3 +489,15 @@ def _refuse_partitioned_parameters(model: torch.nn.Module, stage: int) -> None:
                 f"build the model outside zero.Init"
             )
 
+
+def _cast_floating_to_half(value):
+    """``value`` with every floating-point tensor in it (in tuples, lists and dicts) as fp16."""
+    if isinstance(value, torch.Tensor):
+        return value.half() if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(_cast_floating_to_half(item) for item in value)
+    if isinstance(value, list):
+        return [_cast_floating_to_half(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _cast_floating_to_half(item) for key, item in value.items()}
+    return value

@@ -8,12 +8,14 @@ Two steps, as the Hugging Face integration needs them:
 
 Every problem found is reported at once in one DeepSpeedConfigError (a ValueError) naming the
 key path, the value and what was expected. Accepted-but-ignored and deprecated keys are logged
-once each on the ``deepspeed_cpp`` logger (see ``key_policy.py`` for the decisions).
+once per key and process on the ``deepspeed_cpp`` logger (see ``key_policy.py`` for the
+decisions on keys the schema does not model, ``field_policy.py`` for the schema's own fields).
 (No ``from __future__ import annotations``: field types are calls such as ``integer(1)``.)
 """
 
 import copy
 import functools
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +25,7 @@ from ...utils.logging import logger
 from .auto_values import fill_auto_values, find_auto_paths, unresolved_auto_problem
 from .batch_size import resolve_batch_sizes
 from .errors import DeepSpeedConfigError, describe_validation_error, join_path
+from .field_policy import judge_fields
 from .key_names import model_key_paths, model_keys, section_model_at, unknown_key_problem
 from .key_policy import (
     apply_key_policies,
@@ -149,6 +152,9 @@ class DeepSpeedConfig(ConfigSection):
         zero = self.zero_optimization
         if is_auto(zero.stage):
             return problems, warnings  # judged once the stage is filled in
+        found, said = judge_fields(self)
+        problems += found
+        warnings += said
         offload_param = zero.offload_param
         if offload_param is not None and offload_param.device != "none" and zero.stage != 3:
             warnings.append(
@@ -183,8 +189,10 @@ class DeepSpeedConfig(ConfigSection):
 
     def _warn_once(self, warnings: list[str]) -> None:
         for message in warnings:
-            if message not in self._warned:
-                self._warned.add(message)
+            key = _warning_key(message)
+            if key not in self._warned and key not in _WARNED_KEYS:
+                self._warned.add(key)
+                _WARNED_KEYS.add(key)
                 logger.warning(message)
 
     # --- the Hugging Face path: "auto" values, then finalisation --------------------------------
@@ -255,6 +263,24 @@ class DeepSpeedConfig(ConfigSection):
     @property
     def is_finalized(self) -> bool:
         return self._world_size is not None
+
+
+_WARNED_KEYS: set[str] = set()
+"""Keys warned about in this process: a script that builds several engines (or a config that
+is finalised again) is told about each key once."""
+_QUOTED_KEY = re.compile(r"^'([A-Za-z0-9_.]+)'")
+_DOTTED_KEY = re.compile(r"^([a-z0-9_]+(?:\.[a-z0-9_]+)+)\b")
+
+
+def _warning_key(message: str) -> str:
+    """The key a warning is about (its leading 'key' or dotted.key), else the message."""
+    match = _QUOTED_KEY.match(message) or _DOTTED_KEY.match(message)
+    return match.group(1) if match else message
+
+
+def forget_warnings() -> None:
+    """Lets every key be warned about again (for tests that count the warnings)."""
+    _WARNED_KEYS.clear()
 
 
 @functools.cache

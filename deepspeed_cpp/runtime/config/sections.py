@@ -19,7 +19,7 @@ class FP16Config(ConfigSection):
 
     enabled: boolean() = False
     auto_cast: boolean() = False
-    """Cast the module's floating-point inputs to fp16 in forward."""
+    """Cast floating-point inputs (nested in tuples, lists, dicts too) to fp16 in forward."""
     loss_scale: number(minimum=0.0) = 0.0
     """A fixed loss scale; 0 means dynamic loss scaling (the fields below)."""
     initial_scale_power: integer(0, 127) = 16
@@ -97,18 +97,24 @@ class ZeroConfig(ConfigSection):
     stage: integer(0, 3) = 0
     """0: plain data parallelism; 1: optimizer state; 2: + gradients; 3: + parameters."""
     contiguous_gradients: boolean() = True
+    """Always true here (gradients go straight into their bucket); false warns, no effect."""
     reduce_scatter: boolean() = True
     reduce_bucket_size: integer(1) = 500_000_000
     """Elements per gradient-reduction bucket."""
     allgather_bucket_size: integer(1) = 500_000_000
-    """Elements per all-gather of updated parameters."""
+    """DeepSpeed's all-gather size; no effect here (updated parameters are all-gathered in the
+    buckets of ``reduce_bucket_size``), so giving it warns."""
     overlap_comm: boolean(optional=True) = None
-    """Overlap gradient reduction with backward; unset means true for stage 3 only."""
+    """DeepSpeed: overlap gradient reduction with backward (unset: true for stage 3 only).
+    Reductions always overlap here; false warns that it has no effect."""
     ignore_unused_parameters: boolean() = True
-    """False: parameters that get no gradient in a step are an error instead of skipped."""
+    """True (DeepSpeed's default and the only behaviour here): a parameter that gets no
+    gradient in a step is reduced as a zero gradient; false is refused, not supported yet."""
     offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: OffloadParamConfig | None = None
     sub_group_size: integer(1) = 1_000_000_000
+    """Elements per group the offloaded optimizer steps at once (with ``offload_optimizer``;
+    without it, giving it warns that it has no effect)."""
 
     # ZeRO stage 3 (named as DeepSpeed's attributes; the JSON keys carry the stage3_ prefix).
     prefetch_bucket_size: integer(0) = Field(50_000_000, alias="stage3_prefetch_bucket_size")
@@ -128,6 +134,8 @@ class ZeroConfig(ConfigSection):
     def _default_overlap_comm(self):
         if self.overlap_comm is None and isinstance(self.stage, int):
             self.overlap_comm = self.stage == 3  # DeepSpeed's default
+            # Still a default, not a value given: field_policy warns only about given ones.
+            self.model_fields_set.discard("overlap_comm")
         return self
 
     def offload_devices(self) -> dict[str, Any]:
