@@ -61,16 +61,49 @@ def write_atomically_by_name(path: str | os.PathLike, write: Callable[[Path], No
     return _publish_file(Path(path), write_and_sync)
 
 
+def _free_bytes(directory: Path) -> str:
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return "the free space there is unknown (the directory cannot be read)"
+    return f"{stats.f_bavail * stats.f_frsize} bytes are free on that file system"
+
+
+def _write_error(path: Path, temporary: Path, error: OSError) -> OSError:
+    """``error`` (same errno, so the same OSError subclass) naming the file being published,
+    how far the write got and the free space: a full disk, a file size limit (EFBIG), a
+    read-only file system and a vanished directory all look alike without them."""
+    try:
+        written = (
+            f"{temporary.stat().st_size} bytes of it were written under the temporary name "
+            f"{temporary.name}, which was removed"
+        )
+    except OSError:
+        written = f"its temporary file {temporary.name} could not be created or is gone"
+    reason = error.strerror or str(error)
+    return OSError(
+        error.errno,
+        f"could not write {path}: {reason}; {written}, and {path.name} was left as it was; "
+        f"{_free_bytes(path.parent)}",
+    )
+
+
 def _publish_file(path: Path, write_and_sync: Callable[[Path], None]) -> int:
     """Runs ``write_and_sync(temporary)``, renames the temporary file over ``path`` and makes
-    the rename durable; on any error the temporary file is removed. Returns the file size."""
+    the rename durable; on any error the temporary file is removed (an OSError is raised again
+    naming ``path`` and the bytes written). Returns the file size."""
     temporary = _temporary_name(path)
     try:
         write_and_sync(temporary)
         size = temporary.stat().st_size
         os.replace(temporary, path)
+    except OSError as error:
+        described = _write_error(path, temporary, error)
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise described from error
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             temporary.unlink()
         raise
     fsync_directory(path.parent)

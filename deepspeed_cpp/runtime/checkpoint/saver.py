@@ -212,12 +212,22 @@ def _prepare(save_dir: Path, staging: Path, client_state, allow_pickle: bool) ->
     return pickled
 
 
-def _publish(engine, tag, save_dir, staging, files, save_latest, exclude_frozen, pickled):
+def _publish(engine, tag, save_dir, staging, files, save_latest, exclude_frozen, pickled, previous):
+    latest = f"{save_dir / LATEST_FILE} still names {previous!r}"
     metadata = seal_metadata(_metadata(engine, tag, files, exclude_frozen, pickled))
-    write_text_atomically(staging / METADATA_FILE, to_json_text(metadata))
-    publish_directory(staging, save_dir / tag, save_dir / f"{tag}{DISPLACED_SUFFIX}")
+    try:
+        write_text_atomically(staging / METADATA_FILE, to_json_text(metadata))
+        publish_directory(staging, save_dir / tag, save_dir / f"{tag}{DISPLACED_SUFFIX}")
+    except OSError as error:
+        raise OSError(error.errno, f"{error.strerror}; nothing was published, {latest}") from error
     if save_latest:
-        write_text_atomically(save_dir / LATEST_FILE, tag)
+        try:
+            write_text_atomically(save_dir / LATEST_FILE, tag)
+        except OSError as error:
+            # The tag is whole and loads by name; only the pointer to it did not move.
+            raise OSError(
+                error.errno, f"{save_dir / tag} is complete, but {error.strerror}; {latest}"
+            ) from error
 
 
 def save_checkpoint(
@@ -284,6 +294,7 @@ def save_checkpoint(
                 save_latest,
                 exclude_frozen_parameters,
                 pickled,
+                previous,
             )
             if rank == 0
             else None

@@ -1,0 +1,87 @@
+"""Storage faults during save_checkpoint: a full disk at each file (a small tmpfs in a private
+mount namespace), RLIMIT_FSIZE, a read-only file system and the staging directory removed
+mid-save. Each gives a CheckpointSaveError naming the path and the bytes, leaves ``latest`` and
+the previous checkpoint loadable, and leaves no file under a final name that is not complete
+(tests/storage_fault_saves.py does the saving, in a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT
+from disk_folders import mount_namespace_prefix
+
+SCRIPT = REPO_ROOT / "tests" / "storage_fault_saves.py"
+
+
+def run_phases(*phases, directory, prefix=()) -> dict:
+    environment = {"PYTHONPATH": f"{REPO_ROOT}:{REPO_ROOT / 'tests'}"}
+    result = subprocess.run(
+        [*prefix, sys.executable, str(SCRIPT), *phases, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **environment},
+    )
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def assert_untouched(outcome: dict) -> None:
+    """What every failed save must leave: latest at the previous checkpoint, which loads."""
+    assert outcome["latest"] == "good"
+    assert outcome["loads"] is True
+    assert outcome["temporaries"] == []  # no half-written file under any name
+
+
+def test_full_disk_at_each_file_and_read_only_file_system(tmp_path):
+    prefix = mount_namespace_prefix(tmp_path)
+    if prefix is None:
+        pytest.skip("no mount namespace here to make a small file system")
+    (tmp_path / "fs").mkdir()
+    out = run_phases("enospc", "read_only", directory=tmp_path / "fs", prefix=prefix)
+    root = tmp_path / "fs" / "checkpoints"
+    written = []  # the files before the one that failed, complete under their final names
+    for index, outcome in enumerate(out["enospc"]):
+        name, error, tag = outcome["file"], outcome["error"], f"fail{index}"
+        assert_untouched(outcome)
+        assert "No space left on device" in error and "bytes" in error, error
+        if name == "latest":
+            # Everything of the tag was published; only the pointer could not move.
+            assert outcome["published"] is True
+            assert f"{root / tag} is complete" in error
+            assert f"{root / 'latest'} still names 'good'" in error
+            assert f"could not write {root / 'latest'}" in error
+            continue
+        assert outcome["published"] is False
+        assert f"could not write {root / f'{tag}.partial' / name}" in error, error
+        assert f"{root / 'latest'} still names 'good'" in error, error
+        assert outcome["partial"] == sorted(written), (name, outcome["partial"])
+        written.append(name)
+    read_only = out["read_only"]
+    assert_untouched(read_only)
+    assert "Read-only file system" in read_only["error"]
+    assert str(root / "ro.partial") in read_only["error"]
+    assert read_only["published"] is False
+
+
+def test_file_size_limit_and_staging_directory_removed(tmp_path):
+    out = run_phases("fsize", "removed", directory=tmp_path)
+    root = tmp_path / "checkpoints"
+    shard = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    big = out["fsize"]
+    assert_untouched(big)
+    assert big["published"] is False and big["partial"] == []
+    assert "File too large" in big["error"]
+    assert f"could not write {root / 'big.partial' / shard}" in big["error"]
+    assert f"{big['limit']} bytes of it were written" in big["error"]
+    gone = out["removed"]
+    assert_untouched(gone)
+    assert gone["published"] is False
+    assert f"could not write {root / 'gone.partial' / shard}" in gone["error"]
+    assert "No such file or directory" in gone["error"]
+    assert "could not be created or is gone" in gone["error"]
