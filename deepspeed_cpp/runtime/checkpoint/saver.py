@@ -11,7 +11,9 @@ The protocol (each step ends with every rank agreeing that every rank succeeded,
    the directory to ``save_dir/<tag>`` and only then rewrites ``save_dir/latest``.
 
 A crash at any point therefore leaves ``latest`` naming the previous complete checkpoint, and no
-directory named after a tag that lacks its metadata.
+directory named after a tag that lacks its metadata. Rank 0 holds ``save_dir``'s save lock from
+step 1 to the end (``save_lock.py``): a second training saving into the same folder meanwhile is
+refused, naming the holder.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from .model_save import share_tied
 from .rank_agreement import agree_on
 from .reshard import classify_state
 from .rng_state import capture_rng_states
+from .save_lock import SaveLock
 
 before_rank_files: Callable[[Path, int], None] | None = None
 """Test seam: when set, called on every rank with (staging directory, rank) just before the rank
@@ -201,11 +204,13 @@ def _metadata(engine, tag: str, files: list[dict], exclude_frozen: bool, pickled
     }
 
 
-def _prepare(save_dir: Path, staging: Path, client_state, allow_pickle: bool) -> bool:
-    """Rank 0: checks the client state (before anything is written; only rank 0's is saved) and
-    creates the staging directory. Returns whether the client state needs full unpickling."""
+def _prepare(save_dir: Path, staging: Path, client_state, allow_pickle: bool, lock) -> bool:
+    """Rank 0: checks the client state (before anything is written; only rank 0's is saved),
+    takes the folder's save lock and creates the staging directory. Returns whether the client
+    state needs full unpickling."""
     pickled = check_client_state({} if client_state is None else client_state, allow_pickle)
     save_dir.mkdir(parents=True, exist_ok=True)
+    lock.acquire()  # before touching any <tag>.partial: it may be another training's save
     remove_tree(staging)
     staging.mkdir()
     fsync_directory(save_dir)
@@ -258,58 +263,64 @@ def save_checkpoint(
     except (OSError, ValueError, RuntimeError):
         previous = None
     unchanged = f"nothing was published; {save_dir / LATEST_FILE} still names {previous!r}"
-    (pickled, *_) = agree_on(
-        lambda: _prepare(save_dir, staging, client_state, allow_pickle) if rank == 0 else None,
-        group=group,
-        what=f"checkpoint '{tag}': creating {staging} ({unchanged})",
-        error_type=CheckpointSaveError,
-    )
-    # ZeRO-3 gathers the parameters to rank 0 one at a time: collectives, so they run in a step
-    # of their own, before any rank-local failure (a full disk) could leave the other ranks
-    # waiting in a gather. The other ranks keep nothing; rank 0 keeps the consolidated state.
-    module_state: dict = {}
-    agree_on(
-        lambda: module_state.update(engine.full_module_state_dict(rank0_only=True)),
-        group=group,
-        what=f"checkpoint '{tag}': gathering the module state to rank 0 ({unchanged})",
-        error_type=CheckpointSaveError,
-    )
-    written = agree_on(
-        lambda: _write_rank_files(
-            engine, staging, client_state or {}, exclude_frozen_parameters, module_state
-        ),
-        group=group,
-        what=f"checkpoint '{tag}': writing the rank files into {staging} ({unchanged})",
-        error_type=CheckpointSaveError,
-    )
-    files = [entry for entries in written for entry in entries]
-    agree_on(
-        lambda: (
-            _publish(
-                engine,
-                tag,
-                save_dir,
-                staging,
-                files,
-                save_latest,
-                exclude_frozen_parameters,
-                pickled,
-                previous,
-            )
-            if rank == 0
-            else None
-        ),
-        group=group,
-        what=f"checkpoint '{tag}': publishing {save_dir / tag}",
-        error_type=CheckpointSaveError,
-    )
-    if rank == 0:
-        total = sum(entry["bytes"] for entry in files)
-        logger.info(
-            "deepspeed_cpp: saved checkpoint %s (%d files, %.1f MB)%s",
-            save_dir / tag,
-            len(files) + 1,
-            total / 1e6,
-            f"; {LATEST_FILE} -> {tag}" if save_latest else "",
+    lock = SaveLock(save_dir)  # rank 0 takes it in _prepare; released however the save ends
+    try:
+        (pickled, *_) = agree_on(
+            lambda: (
+                _prepare(save_dir, staging, client_state, allow_pickle, lock) if rank == 0 else None
+            ),
+            group=group,
+            what=f"checkpoint '{tag}': creating {staging} ({unchanged})",
+            error_type=CheckpointSaveError,
         )
-    return True
+        # ZeRO-3 gathers the parameters to rank 0 one at a time: collectives, so they run in a step
+        # of their own, before any rank-local failure (a full disk) could leave the other ranks
+        # waiting in a gather. The other ranks keep nothing; rank 0 keeps the consolidated state.
+        module_state: dict = {}
+        agree_on(
+            lambda: module_state.update(engine.full_module_state_dict(rank0_only=True)),
+            group=group,
+            what=f"checkpoint '{tag}': gathering the module state to rank 0 ({unchanged})",
+            error_type=CheckpointSaveError,
+        )
+        written = agree_on(
+            lambda: _write_rank_files(
+                engine, staging, client_state or {}, exclude_frozen_parameters, module_state
+            ),
+            group=group,
+            what=f"checkpoint '{tag}': writing the rank files into {staging} ({unchanged})",
+            error_type=CheckpointSaveError,
+        )
+        files = [entry for entries in written for entry in entries]
+        agree_on(
+            lambda: (
+                _publish(
+                    engine,
+                    tag,
+                    save_dir,
+                    staging,
+                    files,
+                    save_latest,
+                    exclude_frozen_parameters,
+                    pickled,
+                    previous,
+                )
+                if rank == 0
+                else None
+            ),
+            group=group,
+            what=f"checkpoint '{tag}': publishing {save_dir / tag}",
+            error_type=CheckpointSaveError,
+        )
+        if rank == 0:
+            total = sum(entry["bytes"] for entry in files)
+            logger.info(
+                "deepspeed_cpp: saved checkpoint %s (%d files, %.1f MB)%s",
+                save_dir / tag,
+                len(files) + 1,
+                total / 1e6,
+                f"; {LATEST_FILE} -> {tag}" if save_latest else "",
+            )
+        return True
+    finally:
+        lock.release()
