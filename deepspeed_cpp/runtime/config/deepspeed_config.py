@@ -179,6 +179,14 @@ class DeepSpeedConfig(ConfigSection):
                 )
         if optimizer_offloaded:
             warnings += _offload_keys_without_effect(offload_optimizer)
+            ratio = offload_optimizer.ratio
+            if zero.stage == 0 and not is_auto(ratio) and ratio != 0.0:
+                # Found by a config fuzzer: it used to surface as a ValueError from the engine.
+                problems.append(
+                    f"zero_optimization.offload_optimizer.device = {offload_optimizer.device!r} "
+                    f"needs ZeRO stage 1, 2 or 3 (it offloads the partitioned optimizer state); "
+                    f"got stage 0"
+                )
             if offload_optimizer.delayed_param_update and offload_optimizer.device != "cpu":
                 problems.append(
                     f"zero_optimization.offload_optimizer.delayed_param_update = true needs "
