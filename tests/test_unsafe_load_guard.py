@@ -113,6 +113,20 @@ def test_no_unguarded_unpickling_in_the_package():
     assert allowed_seen == ALLOWED, f"stale ALLOWED entries: {ALLOWED - allowed_seen}"
 
 
+def test_client_state_check_names_the_first_object_weights_only_refuses():
+    from collections import Counter, OrderedDict, defaultdict
+
+    from deepspeed_cpp.runtime.checkpoint.client_state import check_client_state
+
+    plain = {"a": OrderedDict(b=[1, (2.5, "x")]), "c": Counter(k=2), "t": torch.ones(2)}
+    assert check_client_state({**plain, "s": {1, 2}, "d": torch.float16}, False) is False
+    refused = {"d": defaultdict(int), "f": frozenset([1]), "r": Fraction(1, 2)}
+    for key, value in refused.items():
+        with pytest.raises(ValueError, match=rf"client_state\['{key}'\] is a "):
+            check_client_state({**plain, key: value}, allow_pickle=False)
+        assert check_client_state({key: value}, allow_pickle=True) is True
+
+
 # ---- the opt-in on a real engine ------------------------------------------------------------
 
 

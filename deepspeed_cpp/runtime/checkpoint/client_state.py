@@ -15,6 +15,7 @@ allow_pickle=True)`` — the one place in the package that unpickles in full
 
 from __future__ import annotations
 
+import collections
 import io
 from pathlib import Path
 
@@ -28,6 +29,8 @@ NEEDS_PICKLE_KEY = "client_state_needs_pickle"
 
 # Leaves weights_only=True rebuilds for certain; anything else is tried on its own (below).
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+# Walked into; other dict types (defaultdict: refused by weights_only) are tried on their own.
+_PLAIN_DICTS = (dict, collections.OrderedDict, collections.Counter)
 
 
 def _first_non_plain(value, where: str):
@@ -43,7 +46,7 @@ def _first_non_plain(value, where: str):
             if found is not None:
                 return found
         return None
-    if isinstance(value, dict) and type(value).__module__ in ("builtins", "collections"):
+    if type(value) in _PLAIN_DICTS:
         for key, item in value.items():
             found = _first_non_plain(key, f"a key of {where}")
             found = found or _first_non_plain(item, f"{where}[{key!r}]")
