@@ -5,6 +5,7 @@ config or raises DeepSpeedConfigError, never any other exception. Seeded by the 
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 
@@ -42,7 +43,8 @@ def random_config(rng: random.Random, paths: list[str]) -> dict:
     if rng.random() < 0.5:
         config["scheduler"] = {"type": rng.choice(SCHEDULERS), "params": {}}
     for _ in range(rng.randint(1, 6)):
-        _put(config, rng.choice(paths), rng.choice(VALUES))
+        # A copy each time: a shared dict would be filled in later and end up in itself.
+        _put(config, rng.choice(paths), copy.deepcopy(rng.choice(VALUES)))
     return config
 
 
