@@ -478,8 +478,10 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
         if self.home.kind != "none":
             total += self.home.host_bytes()
         optimizer = self.optimizer if self._device_optimizer is None else self._device_optimizer
-        for state in optimizer.state.values():
-            for value in state.values():
+        # list(): a delayed step may be adding state in its thread; copying a dict's values is
+        # one call under the GIL, iterating it is not.
+        for state in list(optimizer.state.values()):
+            for value in list(state.values()):
                 if torch.is_tensor(value) and value.dim() > 0:
                     total += value.numel() * value.element_size()
         return total

@@ -113,7 +113,8 @@ class HostHome(DeviceHome):
         total = sum(g.numel() * g.element_size() for g in self._grads)
         total += sum(m.numel() * m.element_size() for m in self._masters)
         for master in self._masters:
-            for value in self._optimizer.state.get(master, {}).values():
+            # list(): the delayed update's thread may be creating this state right now.
+            for value in list(self._optimizer.state.get(master, {}).values()):
                 if torch.is_tensor(value) and value.dim() > 0:
                     total += value.numel() * value.element_size()
         return total
