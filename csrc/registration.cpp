@@ -58,4 +58,21 @@ TORCH_LIBRARY(deepspeed_cpp, m) {
   m.def(
       "zero_plan_buckets(int[] numels, int[] groups, int capacity, int world_size, int alignment) "
       "-> (Tensor slots, Tensor bucket_sizes)");
+
+  // csrc/moe: Mixture-of-Experts gating dispatch (DeepSpeed's top1gating/top2gating) over logits
+  // [tokens, experts] (float32/float64). Per (token, slot): combine weight (first, as the one
+  // differentiable output), expert index, position in that expert's capacity buffer (-1 when
+  // dropped), kept; and the choices per (slot, expert) before any drop. capacity < 0 keeps every
+  // token. noise (same shape as logits) is added to the logits when choosing the last slot
+  // (top-1 RSample, top-2 second-expert sampling); priority [tokens] (k = 1 only) lets
+  // higher-priority tokens claim capacity first (random token selection). Ties between experts
+  // go to the lower index.
+  m.def(
+      "moe_gating(Tensor logits, int k, int capacity, Tensor? noise=None, "
+      "Tensor? priority=None) -> (Tensor weight, Tensor expert, Tensor position, Tensor kept, "
+      "Tensor slot_counts)");
+  // d(loss)/d(logits) from d(loss)/d(weight) of moe_gating (its autograd formula).
+  m.def(
+      "moe_gating_backward(Tensor grad_weight, Tensor logits, Tensor expert, Tensor kept) "
+      "-> Tensor");
 }

@@ -10,6 +10,7 @@ from .cpu_adagrad import CPUAdagradBuilder
 from .cpu_adam import CPUAdamBuilder
 from .cpu_lion import CPULionBuilder
 from .fused_adam import FusedAdamBuilder, FusedAdamHostBuilder
+from .moe import MoEBuilder, MoECudaBuilder
 from .registry import RegistryBuilder
 from .zero import ZeroBuilder
 
@@ -21,6 +22,8 @@ ALL_OPS: dict[str, type[OpBuilder]] = {
     FusedAdamBuilder.NAME: FusedAdamBuilder,
     ZeroBuilder.NAME: ZeroBuilder,
     AsyncIOBuilder.NAME: AsyncIOBuilder,
+    MoEBuilder.NAME: MoEBuilder,
+    MoECudaBuilder.NAME: MoECudaBuilder,
 }
 
 __all__ = [
@@ -31,6 +34,8 @@ __all__ = [
     "CPULionBuilder",
     "FusedAdamBuilder",
     "FusedAdamHostBuilder",
+    "MoEBuilder",
+    "MoECudaBuilder",
     "OpBuilder",
     "OpNotAvailableError",
     "RegistryBuilder",
