@@ -77,4 +77,4 @@ def gumbel(shape, generator, dtype=torch.float32):
     """Gumbel(0, 1) samples from `generator` (DeepSpeed's gumbel_rsample, seeded)."""
     uniform = torch.rand(shape, generator=generator, dtype=dtype)
     tiny = torch.finfo(dtype).tiny
-    return -torch.log(-torch.log(uniform.clamp(min=tiny)).clamp(min=tiny))
+    return -torch.log((-torch.log(uniform.clamp(min=tiny))).clamp(min=tiny))

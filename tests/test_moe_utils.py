@@ -1,4 +1,5 @@
-"""deepspeed_cpp.moe: non-MoE models pass through the param-group helper; MoE is refused."""
+"""deepspeed_cpp.moe.utils: non-MoE models pass through the param-group helper; expert
+parameters are refused by it (their engine integration is pending)."""
 
 import pytest
 import torch
@@ -104,7 +105,13 @@ def test_shared_and_expert_split_helpers():
     assert len(shared_grads) == 2 and torch.equal(expert_grads[0], params[1].grad)
 
 
-def test_moe_layer_is_refused_and_plain_models_have_none():
-    with pytest.raises(NotImplementedError, match=r"deepspeed.moe.layer.MoE.*num_experts=4"):
-        moe.layer.MoE(hidden_size=84, expert=nn.Linear(84, 84), num_experts=4, ep_size=1, k=1)
+def test_moe_layers_are_found_and_plain_models_have_none():
+    layer = moe.layer.MoE(hidden_size=84, expert=nn.Linear(84, 84), num_experts=4, ep_size=1, k=1)
+    assert has_moe_layers(nn.Sequential(nn.Linear(84, 84), layer)) == (True, 4)
     assert has_moe_layers(small_model()) == (False, 0)
+
+
+def test_the_layers_expert_parameters_are_refused_by_the_group_helper():
+    layer = moe.layer.MoE(hidden_size=6, expert=nn.Linear(6, 6), num_experts=2)
+    with pytest.raises(NotImplementedError, match=r"params\[1\] of shape \(6, 6\)"):
+        split_params_into_different_moe_groups_for_optimizer({"params": layer.parameters()})

@@ -1,5 +1,6 @@
-"""DeepSpeed's ``deepspeed.moe`` namespace. Mixture of Experts itself is not implemented: the
-``MoE`` layer refuses to be built, and the parameter-group helpers pass non-MoE models through."""
+"""DeepSpeed's ``deepspeed.moe`` namespace: the ``MoE`` layer (layer.py) with its gate
+(gating.py), experts (experts.py) and token dispatch (dispatch.py); parameter-group helpers
+(utils.py)."""
 
 from . import layer, utils
 from .layer import MoE

@@ -1,9 +1,9 @@
 """DeepSpeed's MoE helpers for building optimizer parameter groups.
 
-deepspeed_cpp has no Mixture-of-Experts layers, so every parameter is a shared (data-parallel)
-one and the helpers return the groups unchanged. Expert parameters, recognised as DeepSpeed
-marks them (``param.allreduce is False``, with a ``group_name``), are refused by name rather than
-silently trained as if they were shared.
+The engine does not yet average expert gradients over their expert-data-parallel group, so the
+optimizer-group helper passes shared parameters through and refuses expert parameters
+(recognised as DeepSpeed marks them: ``param.allreduce is False``, with a ``group_name``) by name
+rather than let them be trained as if they were shared.
 """
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layer import MOE_NOT_SUPPORTED, MoE
+from .layer import MoE
+
+MOE_NOT_SUPPORTED = (
+    "Mixture of Experts parameters cannot be trained through deepspeed_cpp's optimizer groups "
+    "yet (expert-data-parallel gradient averaging is not implemented)"
+)
 
 DEFAULT_MAX_GROUP_SIZE = 178956971
 
@@ -61,8 +66,9 @@ def split_params_into_different_moe_groups_for_optimizer(
 
     Accepts one group (a dict with ``"params"``), or a list or tuple of them, and returns a list
     of groups, each a new dict whose ``"params"`` is a list (generators are consumed once). As
-    deepspeed_cpp has no MoE, the result holds the same groups and parameters in the same order;
-    a parameter marked as an expert's raises ``NotImplementedError`` naming its group and index.
+    deepspeed_cpp cannot yet train expert parameters, the result holds the same groups and
+    parameters in the same order; a parameter marked as an expert's raises
+    ``NotImplementedError`` naming its group and index.
     ``max_group_size`` (the size limit of the expert groups) is accepted for compatibility.
     """
     if isinstance(param_groups, dict):
