@@ -1,0 +1,106 @@
+"""Jobs run on every rank of a 2-process gloo pool by tests/test_moe_expert_parallel.py."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+HIDDEN = 11
+
+
+def make_expert():
+    return nn.Sequential(nn.Linear(HIDDEN, 19), nn.GELU(), nn.Linear(19, HIDDEN))
+
+
+def group_layout(ep_size: int, use_data_before_expert_parallel: bool) -> dict:
+    from deepspeed_cpp.utils import groups
+
+    groups._reset_for_tests()
+    groups._create_expert_and_data_parallel(ep_size, use_data_before_expert_parallel)
+    name = groups.expert_group_name(ep_size)
+    return {
+        "ep_ranks": groups._get_expert_parallel_ranks(name),
+        "ep_world": groups._get_expert_parallel_world_size(name),
+        "ep_rank": groups._get_expert_parallel_rank(name),
+        "edp_ranks": dist.get_process_group_ranks(groups._get_expert_data_parallel_group(name)),
+        "edp_world": groups._get_expert_data_parallel_world_size(name),
+        "edp_rank": groups._get_expert_data_parallel_rank(name),
+        "src": groups._get_expert_broadcast_src_rank(name),
+        "max": groups._get_max_expert_size_name(),
+    }
+
+
+def bad_ep_size() -> str:
+    from deepspeed_cpp.moe.layer import MoE
+
+    try:
+        MoE(HIDDEN, make_expert(), num_experts=4, ep_size=4)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def expert_parallel_matches_one_rank(k: int, drop_tokens: bool, use_residual: bool, seed: int):
+    """MoE(ep_size=2) on this rank vs MoE(ep_size=1) holding all experts, run here on both ranks'
+    batches: max abs differences of outputs, l_aux, exp_counts and gradients."""
+    from deepspeed_cpp.moe.layer import MoE
+
+    rank = dist.get_rank()
+    kwargs = dict(num_experts=4, k=k, capacity_factor=0.8, min_capacity=2,
+                  drop_tokens=drop_tokens, use_residual=use_residual)  # fmt: skip
+    torch.manual_seed(seed)  # the same weights and batches on both ranks
+    full = MoE(HIDDEN, make_expert(), ep_size=1, **kwargs)
+    split = MoE(HIDDEN, make_expert(), ep_size=2, **kwargs)
+    full_experts = full.deepspeed_moe.experts.deepspeed_experts
+    split_experts = split.deepspeed_moe.experts.deepspeed_experts
+    assert len(split_experts) == 2 and len(full_experts) == 4
+    with torch.no_grad():
+        # Rank r holds global experts 2r and 2r + 1.
+        for name, param in split.named_parameters():
+            if ".deepspeed_experts." not in name:
+                param.copy_(dict(full.named_parameters())[name])
+        for local, expert in enumerate(split_experts):
+            expert.load_state_dict(full_experts[2 * rank + local].state_dict())
+    batches = [torch.randn(3, 13, HIDDEN) for _ in range(2)]
+    upstreams = [torch.randn(3, 13, HIDDEN) for _ in range(2)]
+
+    def run(model, r):
+        x = batches[r].clone().requires_grad_(True)
+        torch.manual_seed(seed + 1 + r)  # the gate's draws (RTS priorities, Gumbel noise)
+        out, l_aux, counts = model(x)
+        ((out * upstreams[r]).sum() + 0.1 * l_aux).backward()
+        return out.detach(), l_aux.detach(), counts, x.grad
+
+    out, l_aux, counts, x_grad = run(split, rank)
+    diffs = {}
+    expert_grads = [None] * 4
+    for r in range(2):
+        full.zero_grad(set_to_none=True)
+        ref_out, ref_l_aux, ref_counts, ref_x_grad = run(full, r)
+        for e in range(4):
+            grads = [p.grad.clone() for p in full_experts[e].parameters()]
+            if expert_grads[e] is None:
+                expert_grads[e] = grads
+            else:
+                expert_grads[e] = [a + b for a, b in zip(expert_grads[e], grads)]
+        if r == rank:
+            diffs["output"] = (out - ref_out).abs().max().item()
+            diffs["l_aux"] = (l_aux - ref_l_aux).abs().item()
+            diffs["counts_equal"] = bool(torch.equal(counts, ref_counts))
+            diffs["input_grad"] = (x_grad - ref_x_grad).abs().max().item()
+            shared = [n for n, _ in split.named_parameters() if ".deepspeed_experts." not in n]
+            full_params = dict(full.named_parameters())
+            split_params = dict(split.named_parameters())
+            diffs["shared_grad"] = max(
+                (split_params[n].grad - full_params[n].grad).abs().max().item() for n in shared
+            )
+            diffs["output_scale"] = out.abs().max().item()
+    # An expert's gradient sums both ranks' tokens: in one matmul here, in two there; the
+    # summation order differs, so the difference is relative to the gradient's size (>= 1).
+    diffs["expert_grad"] = max(
+        (p.grad - g).abs().max().item() / max(1.0, g.abs().max().item())
+        for local, expert in enumerate(split_experts)
+        for p, g in zip(expert.parameters(), expert_grads[2 * rank + local])
+    )
+    return diffs

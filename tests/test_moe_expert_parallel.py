@@ -1,0 +1,42 @@
+"""Expert parallelism on 2 real gloo processes: DeepSpeed's group layout, and an MoE layer with
+ep_size=2 equal to the same layer with all experts on one rank (same tokens, same gate weights)
+in output, l_aux, exp_counts and every gradient."""
+
+import moe_parallel_jobs as jobs
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("data_before_expert", [False, True])
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_group_layout(pool2, ep_size, data_before_expert):
+    layouts = pool2.run(jobs.group_layout, ep_size, data_before_expert, timeout=120.0)
+    for rank, layout in enumerate(layouts):
+        # Two ranks: the expert-parallel group is everyone when ep_size=2, else just this rank,
+        # whatever the order; expert-data-parallel groups are the complement.
+        assert layout["ep_ranks"] == ([0, 1] if ep_size == 2 else [rank])
+        assert layout["ep_world"] == ep_size and layout["ep_rank"] == (rank if ep_size == 2 else 0)
+        assert layout["edp_ranks"] == ([rank] if ep_size == 2 else [0, 1])
+        assert layout["edp_world"] == 2 // ep_size
+        assert layout["src"] == (rank if ep_size == 2 else 0)
+        assert layout["max"] == f"ep_size_{ep_size}"
+
+
+def test_ep_size_larger_than_the_world_is_named(pool2):
+    for message in pool2.run(jobs.bad_ep_size, timeout=120.0):
+        assert "ep_size=4 is larger than the world size" in message
+        assert "allowed values: 1, 2" in message
+
+
+@pytest.mark.parametrize(
+    "k, drop_tokens, use_residual",
+    [(1, True, False), (2, True, True), (1, False, False), (2, False, False)],
+)
+def test_two_ranks_equal_one(pool2, k, drop_tokens, use_residual):
+    seed = int(torch.randint(2**31, ()))
+    for rank, diffs in enumerate(pool2.run(jobs.expert_parallel_matches_one_rank, k, drop_tokens,
+                                           use_residual, seed, timeout=300.0)):  # fmt: skip
+        assert diffs["counts_equal"], rank
+        for key in ("output", "l_aux", "input_grad", "shared_grad", "expert_grad"):
+            assert diffs[key] <= 1e-6, (rank, key, diffs)
+        assert diffs["output_scale"] > 1e-3  # the comparison is not of zeros
