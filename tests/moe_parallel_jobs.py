@@ -104,3 +104,61 @@ def expert_parallel_matches_one_rank(k: int, drop_tokens: bool, use_residual: bo
         for p, g in zip(expert.parameters(), expert_grads[2 * rank + local])
     )
     return diffs
+
+
+class _MoENet(nn.Module):
+    def __init__(self, ep_size: int):
+        from deepspeed_cpp.moe.layer import MoE
+
+        super().__init__()
+        self.inp = nn.Linear(7, HIDDEN)
+        self.moe = MoE(HIDDEN, make_expert(), num_experts=2, ep_size=ep_size, k=2)
+        self.out = nn.Linear(HIDDEN, 3)
+
+    def forward(self, x):
+        hidden, l_aux, _ = self.moe(torch.relu(self.inp(x)))
+        return self.out(hidden), l_aux
+
+
+def _engine_config(stage: int) -> dict:
+    return {
+        "train_batch_size": 8,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage},
+    }
+
+
+def engine_refuses_expert_parallel() -> str:
+    import deepspeed_cpp
+
+    try:
+        deepspeed_cpp.initialize(model=_MoENet(ep_size=2), config=_engine_config(0))
+    except NotImplementedError as error:
+        return str(error)
+    return "no error"
+
+
+def engine_trains_moe_with_ep_size_1(stage: int, seed: int) -> list[float]:
+    """ep_size=1 experts through the engine with DeepSpeed's MoE parameter groups: a few steps;
+    returns a digest of every parameter (equal on both ranks when gradients were averaged)."""
+    import deepspeed_cpp
+    from deepspeed_cpp.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    torch.manual_seed(seed)
+    model = _MoENet(ep_size=1)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "parameters"}
+    )
+    engine, *_ = deepspeed_cpp.initialize(model=model, model_parameters=groups,
+                                          config=_engine_config(stage))  # fmt: skip
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.manual_seed(seed + 1 + dist.get_rank())  # different data (and gate draws) per rank
+    for _ in range(3):
+        x = torch.randn(4, 7)
+        logits, l_aux = engine(x)
+        loss = nn.functional.cross_entropy(logits, torch.randint(0, 3, (4,))) + 0.01 * l_aux
+        engine.backward(loss)
+        engine.step()
+    moved = [not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters())]
+    assert all(moved), moved
+    return [float(p.detach().double().sum()) for p in model.parameters()]

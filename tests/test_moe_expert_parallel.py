@@ -40,3 +40,16 @@ def test_two_ranks_equal_one(pool2, k, drop_tokens, use_residual):
         for key in ("output", "l_aux", "input_grad", "shared_grad", "expert_grad"):
             assert diffs[key] <= 1e-6, (rank, key, diffs)
         assert diffs["output_scale"] > 1e-3  # the comparison is not of zeros
+
+
+def test_engine_refuses_expert_parallel_parameters(pool2):
+    for message in pool2.run(jobs.engine_refuses_expert_parallel, timeout=120.0):
+        assert "parameter 'moe.deepspeed_moe.experts.deepspeed_experts.0.0.weight'" in message
+        assert "group 'ep_size_2'" in message and "ep_size=1" in message
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_engine_trains_ep_size_1_experts_in_their_own_groups(pool2, stage):
+    seed = int(torch.randint(2**31, ()))
+    digests = pool2.run(jobs.engine_trains_moe_with_ep_size_1, stage, seed, timeout=300.0)
+    assert digests[0] == digests[1]  # every gradient, expert ones included, was averaged

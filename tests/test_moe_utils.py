@@ -1,5 +1,5 @@
 """deepspeed_cpp.moe.utils: non-MoE models pass through the param-group helper; expert
-parameters are refused by it (their engine integration is pending)."""
+parameters get groups of their own per expert group name, as DeepSpeed splits them."""
 
 import pytest
 import torch
@@ -64,18 +64,46 @@ def test_the_result_trains_like_the_plain_parameter_list():
         assert torch.equal(mine, expected)
 
 
-def test_expert_parameters_are_refused_by_name():
+def test_expert_parameters_get_groups_of_their_own_per_group_name():
     model = small_model()
-    expert = list(model.parameters())[2]
-    expert.allreduce = False
-    expert.group_name = "ep_size_2"
-    with pytest.raises(NotImplementedError, match=r"Mixture of Experts") as error:
-        split_params_into_different_moe_groups_for_optimizer(
-            {"params": list(model.parameters()), "name": "parameters"}
-        )
-    message = str(error.value)
-    assert "param_groups[0] (name='parameters') params[2] of shape (3, 5)" in message
-    assert "group_name='ep_size_2'" in message
+    params = list(model.parameters())  # w0 (5, 7), b0 (5), w1 (3, 5), b1 (3)
+    for index, name in ((0, "ep_size_1"), (2, "ep_size_2"), (3, "ep_size_1")):
+        params[index].allreduce = False
+        params[index].group_name = name
+    source = [
+        {"params": params[:2], "name": "first", "lr": 0.1},
+        {"params": params[2:], "name": "second", "weight_decay": 0.5},
+    ]
+    groups = split_params_into_different_moe_groups_for_optimizer(source)
+    index = {id(p): i for i, p in enumerate(params)}
+    summary = [(g["name"], g.get("moe", False), [index[id(p)] for p in g["params"]])
+               for g in groups]  # fmt: skip
+    assert summary == [
+        ("first", False, [1]),
+        ("second", False, []),
+        ("ep_size_1", True, [0]),
+        ("ep_size_2", True, [2]),
+        ("ep_size_1", True, [3]),
+    ]
+    assert groups[2]["lr"] == 0.1 and groups[3]["weight_decay"] == 0.5 and "lr" not in groups[3]
+    assert [len(g["params"]) for g in source] == [2, 2]  # the input is left alone
+    # max_group_size splits greedily; a parameter larger than the limit stands alone.
+    for p in params:
+        p.allreduce, p.group_name = False, "ep_size_1"
+    limited = split_params_into_different_moe_groups_for_optimizer({"params": params}, 20)
+    sizes = [[p.numel() for p in g["params"]] for g in limited]
+    assert sizes == [[], [35], [5, 15], [3]]
+    unlimited = split_params_into_different_moe_groups_for_optimizer({"params": params}, None)
+    assert [len(g["params"]) for g in unlimited] == [0, 4]
+
+
+def test_expert_parameter_without_group_name_is_named():
+    model = small_model()
+    list(model.parameters())[1].allreduce = False
+    with pytest.raises(
+        ValueError, match=r"param_groups\[0\] params\[1\] of shape \(5,\) is an expert"
+    ):
+        split_params_into_different_moe_groups_for_optimizer({"params": model.parameters()})
 
 
 @pytest.mark.parametrize(
@@ -111,7 +139,10 @@ def test_moe_layers_are_found_and_plain_models_have_none():
     assert has_moe_layers(small_model()) == (False, 0)
 
 
-def test_the_layers_expert_parameters_are_refused_by_the_group_helper():
+def test_a_moe_layer_splits_into_shared_and_expert_groups():
     layer = moe.layer.MoE(hidden_size=6, expert=nn.Linear(6, 6), num_experts=2)
-    with pytest.raises(NotImplementedError, match=r"params\[1\] of shape \(6, 6\)"):
-        split_params_into_different_moe_groups_for_optimizer({"params": layer.parameters()})
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": layer.parameters(), "name": "parameters"}
+    )
+    assert [(g["name"], len(g["params"])) for g in groups] == [("parameters", 1), ("ep_size_1", 4)]
+    assert groups[0]["params"][0] is layer.deepspeed_moe.gate.wg.weight

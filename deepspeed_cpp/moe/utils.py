@@ -1,9 +1,9 @@
 """DeepSpeed's MoE helpers for building optimizer parameter groups.
 
-The engine does not yet average expert gradients over their expert-data-parallel group, so the
-optimizer-group helper passes shared parameters through and refuses expert parameters
-(recognised as DeepSpeed marks them: ``param.allreduce is False``, with a ``group_name``) by name
-rather than let them be trained as if they were shared.
+Expert parameters are recognised as DeepSpeed marks them (``param.allreduce is False``, with a
+``group_name`` of ``"ep_size_<n>"``). The engine does not yet average expert gradients over their
+expert-data-parallel group, so it trains expert parameters of ep_size=1 (whose group is the whole
+world) and refuses those of larger ep_size (``refuse_expert_parallel_training``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch import nn
 from .layer import MoE
 
 MOE_NOT_SUPPORTED = (
-    "Mixture of Experts parameters cannot be trained through deepspeed_cpp's optimizer groups "
-    "yet (expert-data-parallel gradient averaging is not implemented)"
+    "the engine does not yet average Mixture of Experts gradients over their "
+    "expert-data-parallel group"
 )
 
 DEFAULT_MAX_GROUP_SIZE = 178956971
@@ -65,11 +65,12 @@ def split_params_into_different_moe_groups_for_optimizer(
     """Optimizer parameter groups with the expert parameters split into groups of their own.
 
     Accepts one group (a dict with ``"params"``), or a list or tuple of them, and returns a list
-    of groups, each a new dict whose ``"params"`` is a list (generators are consumed once). As
-    deepspeed_cpp cannot yet train expert parameters, the result holds the same groups and
-    parameters in the same order; a parameter marked as an expert's raises
-    ``NotImplementedError`` naming its group and index.
-    ``max_group_size`` (the size limit of the expert groups) is accepted for compatibility.
+    of new dicts (the input is not modified; generators are consumed once): first every input
+    group with its expert parameters taken out, in order; then, as DeepSpeed does, for each input
+    group and each expert group name (``param.group_name``, in order of first appearance), groups
+    holding that group's expert parameters of that name, with the input group's options,
+    ``"name"`` set to the expert group name and ``"moe": True``; each at most ``max_group_size``
+    elements (a larger parameter gets a group of its own; ``None``: no limit).
     """
     if isinstance(param_groups, dict):
         groups = [param_groups]
@@ -81,7 +82,8 @@ def split_params_into_different_moe_groups_for_optimizer(
             f"{type(param_groups).__name__}; expected a dict with 'params', or a list or tuple "
             "of such dicts"
         )
-    result = []
+    shared_groups = []
+    expert_groups = []
     for group_index, group in enumerate(groups):
         where = f"split_params_into_different_moe_groups_for_optimizer: param_groups[{group_index}]"
         if not isinstance(group, dict):
@@ -93,13 +95,61 @@ def split_params_into_different_moe_groups_for_optimizer(
             raise TypeError(f"{where} has keys {sorted(group)} but no 'params' entry")
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        by_name: dict[str, list[torch.Tensor]] = {}
+        shared = []
         for param_index, param in enumerate(params):
-            if is_moe_param(param):
-                raise NotImplementedError(
-                    f"{MOE_NOT_SUPPORTED}: param_groups[{group_index}] "
-                    f"(name={group.get('name')!r}) params[{param_index}] of shape "
-                    f"{tuple(param.shape)} is an expert parameter "
-                    f"(allreduce=False, group_name={getattr(param, 'group_name', None)!r})"
+            if not is_moe_param(param):
+                shared.append(param)
+                continue
+            name = getattr(param, "group_name", None)
+            if not isinstance(name, str):
+                raise ValueError(
+                    f"{where} params[{param_index}] of shape {tuple(param.shape)} is an expert "
+                    f"parameter (allreduce=False) without a group_name (got {name!r}); expert "
+                    "parameters carry group_name='ep_size_<n>' (set by the MoE layer)"
                 )
-        result.append({**group, "params": params})
-    return result
+            by_name.setdefault(name, []).append(param)
+        shared_groups.append({**group, "params": shared})
+        options = {key: value for key, value in group.items() if key not in ("params", "name")}
+        for name, members in by_name.items():
+            for chunk in _chunks_of_at_most(members, max_group_size):
+                expert_groups.append({**options, "name": name, "moe": True, "params": chunk})
+    return shared_groups + expert_groups
+
+
+def _chunks_of_at_most(params: list[torch.Tensor], max_numel: int | None):
+    """Consecutive runs of ``params`` of at most ``max_numel`` elements each (DeepSpeed's
+    greedy split; a parameter larger than the limit is a run of its own)."""
+    if max_numel is None:
+        yield params
+        return
+    run, size = [], 0
+    for param in params:
+        if run and size + param.numel() > max_numel:
+            yield run
+            run, size = [], 0
+        run.append(param)
+        size += param.numel()
+    if run:
+        yield run
+
+
+def refuse_expert_parallel_training(model: nn.Module) -> None:
+    """NotImplementedError if ``model`` has expert parameters split over several ranks.
+
+    The engine averages every gradient over the whole data-parallel group and broadcasts every
+    parameter from rank 0. That is right for experts with ep_size=1 (their expert-data-parallel
+    group is the whole world) and wrong for ep_size > 1, whose experts differ between ranks.
+    """
+    for name, param in model.named_parameters():
+        group_name = getattr(param, "group_name", None)
+        if not is_moe_param(param) or not isinstance(group_name, str):
+            continue
+        ep_size = int(group_name.rsplit("_", 1)[-1]) if group_name.startswith("ep_size_") else 0
+        if ep_size != 1:
+            raise NotImplementedError(
+                f"deepspeed_cpp.initialize: parameter {name!r} is an expert parameter of group "
+                f"{group_name!r}; {MOE_NOT_SUPPORTED} for ep_size > 1: the engine would average "
+                "its gradient over every rank. Train MoE layers with ep_size=1 through the "
+                "engine, or use expert parallelism with the MoE layer and your own optimizer step"
+            )

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..accelerator import get_accelerator
+from ..moe.utils import refuse_expert_parallel_training
 from ..utils.logging import logger
 from .config import DeepSpeedConfig
 from .config_optimizer import config_optimizer_factory
@@ -59,6 +60,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.device = torch.device(accelerator.device_name(self.local_rank))
 
         _release_previous_engine(model)
+        refuse_expert_parallel_training(model)  # ep_size > 1 needs per-group averaging
         self._is_boundary_override: bool | None = None
         self.module = model
         if self.zero_optimization_stage() < 3:
