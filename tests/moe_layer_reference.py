@@ -49,7 +49,9 @@ def reference_moe_forward(moe, hidden, experts=None):
     # combine_weights [S, E, C] = sum over slots of weight * onehot(expert) x onehot(position)
     combine = torch.zeros(num_tokens, num_experts, capacity, dtype=logits.dtype)
     for slot in range(k):
-        location = F.one_hot(position[:, slot].clamp(min=0), capacity).to(logits.dtype)
+        # (one extra class so that a capacity of 0 has a one-hot at all; cut off after)
+        location = F.one_hot(position[:, slot].clamp(min=0), capacity + 1)[:, :capacity]
+        location = location.to(logits.dtype)
         location = location * kept[:, slot : slot + 1]
         per_expert = F.one_hot(expert[:, slot], num_experts).to(logits.dtype)
         combine = combine + torch.einsum(

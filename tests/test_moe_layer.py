@@ -64,6 +64,14 @@ def test_matches_dense_reference(k, drop_tokens, use_rts, policy, factor):
     assert int(exp_counts.sum()) == 51 * k
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_zero_capacity_drops_every_token(k):
+    moe = MoE(HIDDEN, make_expert(), num_experts=3, k=k, capacity_factor=0.0, min_capacity=0)
+    hidden = torch.randn(10, HIDDEN)
+    out, _ = compare_with_reference(moe, hidden, seed=11)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 def test_top2_without_second_expert_sampling():
     moe = MoE(HIDDEN, make_expert(), num_experts=4, k=2, top2_2nd_expert_sampling=False)
     compare_with_reference(moe, torch.randn(29, HIDDEN), seed=int(torch.randint(2**31, ())))

@@ -51,7 +51,10 @@ class MOELayer(nn.Module):
         dispatched = slots.dispatch(tokens)  # [E * C, M], experts in global order
         # Rank r of the expert-parallel group receives every rank's chunk for its experts.
         dispatched = all_to_all(self.ep_group, dispatched)
-        dispatched = dispatched.reshape(self.ep_size, self.num_local_experts, -1, d_model)
+        # (explicit capacity: -1 cannot be inferred when the capacity is 0)
+        dispatched = dispatched.reshape(
+            self.ep_size, self.num_local_experts, gate.capacity, d_model
+        )
         expert_output = self.experts(dispatched)
         expert_output = all_to_all(self.ep_group, expert_output)
         expert_output = expert_output.reshape(num_experts * gate.capacity, d_model)
