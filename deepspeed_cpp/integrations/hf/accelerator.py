@@ -1,0 +1,260 @@
+"""An ``accelerate.Accelerator`` that trains through deepspeed_cpp's engine.
+
+accelerate has no hook for a third-party engine, so this subclass takes over the few calls the
+Trainer makes on the objects it prepares: ``prepare`` builds the engine
+(``deepspeed_cpp.initialize``); ``backward`` runs the engine's backward and, at the end of an
+accumulation, its optimizer step (clipping, fp16 overflow checks and the LR schedule included);
+``clip_grad_norm_`` reports the norm the engine clipped by; ``unwrap_model``, ``get_state_dict``
+(gathered whole, ZeRO-3 included), ``save_state``/``load_state`` (the engine's checkpoint).
+
+The Trainer keeps calling ``optimizer.step()``, ``lr_scheduler.step()`` and
+``model.zero_grad()`` after ``backward``; the optimizer and scheduler it holds are views of the
+engine's (``EngineOptimizer``, ``EngineScheduler``) whose ``step`` does nothing, because the
+engine has already stepped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+import deepspeed_cpp
+from deepspeed_cpp import DeepSpeedEngine
+
+from .config_filling import unresolved_auto_keys
+from .process_state import ensure_cpu_process_state
+
+
+@dataclass
+class EnginePlan:
+    """What ``prepare`` builds the engine from: the finished ds_config (no ``"auto"`` left) and,
+    when the schedule is Hugging Face's, a function building it on the engine's optimizer."""
+
+    config: dict
+    lr_scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None
+
+
+class EngineOptimizer:
+    """The Trainer's handle on the engine's optimizer: ``step``/``zero_grad`` do nothing (the
+    engine steps in ``backward``); ``param_groups`` and the state are the engine's."""
+
+    def __init__(self, engine: DeepSpeedEngine, accelerator: EngineAccelerator):
+        self.engine = engine
+        self._accelerator = accelerator
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.engine.optimizer.param_groups
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self._accelerator.optimizer_step_was_skipped
+
+    def step(self, closure=None) -> None:
+        """Nothing: the engine stepped at the end of the accumulation, in ``backward``."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing: the engine clears its gradients after its step."""
+
+    def state_dict(self) -> dict:
+        return self.engine.optimizer.state_dict()
+
+
+class EngineScheduler:
+    """The Trainer's handle on the engine's LR schedule: ``step`` does nothing (the engine steps
+    the schedule with the optimizer, and not on a skipped fp16 step)."""
+
+    def __init__(self, engine: DeepSpeedEngine):
+        self.engine = engine
+
+    def step(self, *args, **kwargs) -> None:
+        """Nothing: the engine stepped the schedule."""
+
+    def get_last_lr(self) -> list[float]:
+        schedule = self.engine.lr_scheduler
+        if schedule is not None and hasattr(schedule, "get_last_lr"):
+            return list(schedule.get_last_lr())
+        return self.engine.get_lr()
+
+    def state_dict(self) -> dict:
+        schedule = self.engine.lr_scheduler
+        return schedule.state_dict() if schedule is not None else {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.engine.lr_scheduler is not None:
+            self.engine.lr_scheduler.load_state_dict(state_dict)
+
+
+class EngineAccelerator(Accelerator):
+    """``accelerate.Accelerator`` whose ``prepare`` wraps the model in deepspeed_cpp's engine.
+
+    ``engine_config``: a finished ds_config dict (or call ``plan_engine`` before ``prepare``; the
+    Trainer does, once it knows the step count). Mixed precision is the engine's (the config's
+    fp16/bf16 sections), so accelerate's own is turned off.
+    """
+
+    def __init__(self, *args, engine_config: dict | None = None, **kwargs):
+        ensure_cpu_process_state()
+        kwargs["mixed_precision"] = "no"
+        super().__init__(*args, **kwargs)
+        self._plan = EnginePlan(engine_config) if engine_config is not None else None
+        self.engine: DeepSpeedEngine | None = None
+        self._last_step_skipped = False
+
+    def plan_engine(self, plan: EnginePlan) -> None:
+        """Sets what the next ``prepare`` of a model builds the engine from."""
+        left = unresolved_auto_keys(plan.config)
+        if left:
+            raise ValueError(
+                f'{", ".join(repr(k) for k in left)} still "auto" when the engine is built: '
+                "expected values (the Trainer fills these; outside it, set them in the config)"
+            )
+        self._plan = plan
+
+    # --- prepare -----------------------------------------------------------------------------
+    def prepare(self, *args, device_placement=None):
+        modules = [a for a in args if isinstance(a, torch.nn.Module)]
+        if not modules:
+            return super().prepare(*args, device_placement=device_placement)
+        if len(modules) > 1:
+            raise ValueError(
+                f"prepare got {len(modules)} models: deepspeed_cpp's engine trains one model; "
+                "prepare each model with its own Accelerator"
+            )
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        schedulers = [a for a in args if isinstance(a, torch.optim.lr_scheduler.LRScheduler)]
+        engine = self._build_engine(
+            modules[0], optimizers[0] if optimizers else None, schedulers[0] if schedulers else None
+        )
+        prepared = []
+        for item in args:
+            if isinstance(item, torch.nn.Module):
+                prepared.append(engine)
+            elif item is None or isinstance(item, torch.optim.Optimizer):
+                # None: the Trainer's placeholder when the config brings the optimizer.
+                prepared.append(EngineOptimizer(engine, self))
+            elif isinstance(item, torch.optim.lr_scheduler.LRScheduler):
+                prepared.append(EngineScheduler(engine))
+            else:
+                prepared.append(super().prepare(item))
+        return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+    def _build_engine(self, model, client_optimizer, client_scheduler) -> DeepSpeedEngine:
+        if isinstance(model, DeepSpeedEngine):
+            return model
+        if self._plan is None:
+            raise RuntimeError(
+                "EngineAccelerator.prepare(model) needs a ds_config: pass "
+                "EngineAccelerator(engine_config={...}) or call plan_engine() first"
+            )
+        config = dict(self._plan.config)
+        scheduler = client_scheduler if client_scheduler is not None else None
+        if scheduler is None and self._plan.lr_scheduler_factory is not None:
+            scheduler = self._plan.lr_scheduler_factory
+        if client_optimizer is not None and "optimizer" in config:
+            raise ValueError(
+                "the ds_config has an 'optimizer' section and an optimizer was given too: "
+                "expected one of them (drop the section, or pass no optimizer)"
+            )
+        if client_optimizer is not None:
+            # A torch optimizer under ZeRO: DeepSpeed asks for this permission; the Hugging Face
+            # integration grants it, as the guide says.
+            config.setdefault("zero_allow_untested_optimizer", True)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        engine, *_ = deepspeed_cpp.initialize(
+            model=model,
+            optimizer=client_optimizer,
+            model_parameters=trainable if client_optimizer is None else None,
+            lr_scheduler=scheduler,
+            config=config,
+        )
+        self.engine = engine
+        self._models.append(engine)
+        return engine
+
+    # --- the training step ---------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        if self.engine is None:
+            return super().backward(loss, **kwargs)
+        engine = self.engine
+        # The Trainer decides where an accumulation ends (the last batch of an epoch may end one
+        # early) and has already divided the loss for it: the engine must not divide again.
+        engine.set_gradient_accumulation_boundary(self.sync_gradients)
+        skipped_before = engine.skipped_steps
+        engine.backward(loss, scale_wrt_gas=False)
+        engine.step()
+        if self.sync_gradients:
+            self._last_step_skipped = engine.skipped_steps > skipped_before
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the engine skipped the last optimizer step (fp16 overflow)."""
+        if self.engine is None:
+            return super().optimizer_step_was_skipped
+        return self._last_step_skipped
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """The engine clipped at its step (``gradient_clipping``); returns the global gradient
+        norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does."""
+        if self.engine is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else torch.tensor(float(norm))
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        # The engine reduces gradients at accumulation boundaries only.
+        yield
+
+    # --- the model and its state ---------------------------------------------------------------
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        if isinstance(model, DeepSpeedEngine):
+            return model.module
+        return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+
+    def get_state_dict(self, model, unwrap: bool = True) -> dict:
+        """The whole model's state dict on rank 0 (``{}`` elsewhere), gathered from the shards
+        under ZeRO-3. Collective: every rank calls it."""
+        engine = self._engine_of(model)
+        if engine is None:
+            return super().get_state_dict(model, unwrap)
+        return engine.full_module_state_dict(rank0_only=True)
+
+    def save_state(self, output_dir: str | None = None, **kwargs) -> str:
+        """The engine's checkpoint (model, optimizer, schedule, loss scale) in ``output_dir``:
+        ``global_step<N>/`` and ``latest``. Collective."""
+        if self.engine is None:
+            return super().save_state(output_dir, **kwargs)
+        if output_dir is None:
+            raise ValueError("save_state(output_dir=None): expected the folder to save into")
+        self.engine.save_checkpoint(output_dir)
+        return output_dir
+
+    def load_state(self, input_dir: str | None = None, **kwargs) -> None:
+        """Restores the engine's checkpoint from ``input_dir`` (its ``latest``). Collective."""
+        if self.engine is None:
+            return super().load_state(input_dir, **kwargs)
+        path, _ = self.engine.load_checkpoint(input_dir)
+        if path is None:
+            raise FileNotFoundError(
+                f"load_state({input_dir!r}): no 'latest' file there: expected a folder written "
+                "by save_state or the Trainer's checkpoint-N"
+            )
+
+    def free_memory(self, *objects):
+        if self.engine is not None:
+            self.engine.destroy()
+            self.engine = None
+        return super().free_memory(*objects)
+
+    def _engine_of(self, model) -> DeepSpeedEngine | None:
+        if isinstance(model, DeepSpeedEngine):
+            return model
+        if self.engine is not None and model is self.engine.module:
+            return self.engine
+        return None

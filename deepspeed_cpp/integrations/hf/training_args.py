@@ -1,0 +1,77 @@
+"""``TrainingArguments`` and ``Seq2SeqTrainingArguments`` that take ``deepspeed=`` for us.
+
+transformers treats a ``deepspeed`` argument as a request for the ``deepspeed`` distribution (it
+imports it, and builds accelerate's DeepSpeed plugin). These subclasses keep the field, so
+``TrainingArguments(deepspeed=...)`` and ``--deepspeed ds_config.json`` through
+``HfArgumentParser`` read as before, but hide it from transformers while it sets itself up, and
+fill the config's ``"auto"`` values from the arguments instead (``config_filling``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import cached_property
+
+import transformers
+
+from deepspeed_cpp.runtime.config import DeepSpeedConfig
+
+from .config_filling import fill_from_arguments
+from .process_state import launched_without_gpu
+
+
+class _EngineArgumentsMixin:
+    """What both argument classes add: the hidden ``deepspeed`` field and the filled config."""
+
+    def __post_init__(self):
+        with self._deepspeed_hidden():
+            super().__post_init__()
+        self.deepspeed_cpp_config = None
+        if self.deepspeed:
+            # The config is read and validated now (a bad key fails here, not at train()),
+            # "auto" allowed; what is filled here comes from the arguments alone.
+            parsed = DeepSpeedConfig.parse(self.deepspeed)
+            self.deepspeed_cpp_config = fill_from_arguments(parsed.raw, self, self.world_size)
+
+    @contextlib.contextmanager
+    def _deepspeed_hidden(self):
+        given, self.deepspeed = self.deepspeed, None
+        try:
+            yield
+        finally:
+            self.deepspeed = given
+
+    @cached_property
+    def _setup_devices(self):
+        # transformers reads `deepspeed` here too (to build a DeepSpeed process state). Launched
+        # on a machine without a GPU, accelerate builds a real process group only when asked for
+        # the CPU (process_state.py): ask for it while transformers builds the state, without
+        # changing the user's `use_cpu`.
+        given_use_cpu = self.use_cpu
+        if launched_without_gpu():
+            self.use_cpu = True
+            self.ddp_backend = self.ddp_backend or "gloo"
+        try:
+            with self._deepspeed_hidden():
+                return super()._setup_devices
+        finally:
+            self.use_cpu = given_use_cpu
+
+    @property
+    def deepspeed_cpp_enabled(self) -> bool:
+        """Whether the Trainer trains with deepspeed_cpp's engine (a config was given)."""
+        return self.deepspeed_cpp_config is not None
+
+
+@dataclass
+class TrainingArguments(_EngineArgumentsMixin, transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` whose ``deepspeed`` (a ds_config path or dict) selects
+    deepspeed_cpp's engine; ``deepspeed_cpp_config`` is that config with the ``"auto"`` values
+    the arguments decide filled in."""
+
+
+@dataclass
+class Seq2SeqTrainingArguments(_EngineArgumentsMixin, transformers.Seq2SeqTrainingArguments):
+    """``transformers.Seq2SeqTrainingArguments`` taking ``deepspeed=`` as ``TrainingArguments``
+    does."""
