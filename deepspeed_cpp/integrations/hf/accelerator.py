@@ -69,17 +69,21 @@ class EngineScheduler:
     """The Trainer's handle on the engine's LR schedule: ``step`` does nothing (the engine steps
     the schedule with the optimizer, and not on a skipped fp16 step)."""
 
-    def __init__(self, engine: DeepSpeedEngine):
+    def __init__(self, engine: DeepSpeedEngine, accelerator: EngineAccelerator):
         self.engine = engine
+        self._accelerator = accelerator
 
     def step(self, *args, **kwargs) -> None:
         """Nothing: the engine stepped the schedule."""
 
     def get_last_lr(self) -> list[float]:
-        schedule = self.engine.lr_scheduler
-        if schedule is not None and hasattr(schedule, "get_last_lr"):
-            return list(schedule.get_last_lr())
-        return self.engine.get_lr()
+        """The learning rates the last optimizer step used (before any step: the current ones).
+
+        The Trainer asks between its ``optimizer.step()`` and ``lr_scheduler.step()``, when a
+        torch schedule still holds the step's rates; the engine has moved its schedule on by
+        then, so the rates are those recorded before the engine's step."""
+        recorded = self._accelerator.learning_rates_of_last_step
+        return list(recorded) if recorded is not None else self.engine.get_lr()
 
     def state_dict(self) -> dict:
         schedule = self.engine.lr_scheduler
@@ -105,6 +109,7 @@ class EngineAccelerator(Accelerator):
         self._plan = EnginePlan(engine_config) if engine_config is not None else None
         self.engine: DeepSpeedEngine | None = None
         self._last_step_skipped = False
+        self.learning_rates_of_last_step: list[float] | None = None
 
     def plan_engine(self, plan: EnginePlan) -> None:
         """Sets what the next ``prepare`` of a model builds the engine from."""
@@ -139,7 +144,7 @@ class EngineAccelerator(Accelerator):
                 # None: the Trainer's placeholder when the config brings the optimizer.
                 prepared.append(EngineOptimizer(engine, self))
             elif isinstance(item, torch.optim.lr_scheduler.LRScheduler):
-                prepared.append(EngineScheduler(engine))
+                prepared.append(EngineScheduler(engine, self))
             else:
                 prepared.append(super().prepare(item))
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
@@ -187,6 +192,8 @@ class EngineAccelerator(Accelerator):
         engine.set_gradient_accumulation_boundary(self.sync_gradients)
         skipped_before = engine.skipped_steps
         engine.backward(loss, scale_wrt_gas=False)
+        if self.sync_gradients:
+            self.learning_rates_of_last_step = engine.get_lr()
         engine.step()
         if self.sync_gradients:
             self._last_step_skipped = engine.skipped_steps > skipped_before

@@ -97,7 +97,7 @@ class _EngineTrainerMixin:
         if isinstance(self.optimizer, EngineOptimizer):
             # Called after prepare: the engine already holds its schedule (the config's or the
             # Trainer's, built in the plan's factory); the Trainer gets a view of it.
-            self.lr_scheduler = EngineScheduler(self.optimizer.engine)
+            self.lr_scheduler = EngineScheduler(self.optimizer.engine, self.accelerator)
             return self.lr_scheduler
         return super().create_scheduler(num_training_steps, optimizer)
 

@@ -1,0 +1,104 @@
+"""Training jobs for the Hugging Face Trainer tests: a tiny GPT-2 from a config, a seeded token
+data set, and one function that trains it with deepspeed_cpp's Trainer (in the pool's ranks) or
+with transformers' own Trainer (the one-process reference)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB, SEQUENCE, SAMPLES = 64, 12, 64
+
+
+def tiny_gpt2():
+    """A 2-layer GPT-2 with tied input/output embeddings, the same weights for a given seed."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(1234)
+    return GPT2LMHeadModel(config)
+
+
+def token_dataset(seed: int = 7) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQUENCE), generator=generator)
+    return [{"input_ids": row, "labels": row} for row in tokens]
+
+
+def run_trainer(spec: dict) -> dict:
+    """Trains per ``spec`` and returns the logged losses, learning rates and gradient norms, the
+    world size the arguments saw, what the engine held, and (rank 0) the final weights.
+
+    spec: output_dir, deepspeed (a ds_config dict, or None for transformers' own Trainer),
+    micro (per-device batch), accumulation, max_steps, save_steps (0: no checkpoints),
+    resume (None, True or a path), optim_args (extra TrainingArguments).
+    """
+    import transformers
+
+    from deepspeed_cpp import hf
+
+    use_engine = spec.get("deepspeed") is not None
+    arguments_class = hf.TrainingArguments if use_engine else transformers.TrainingArguments
+    trainer_class = hf.Trainer if use_engine else transformers.Trainer
+    save_steps = spec.get("save_steps", 0)
+    extra = dict(spec.get("optim_args", {}))
+    if use_engine:
+        extra["deepspeed"] = spec["deepspeed"]
+    args = arguments_class(
+        output_dir=spec["output_dir"],
+        per_device_train_batch_size=spec.get("micro", 4),
+        gradient_accumulation_steps=spec.get("accumulation", 1),
+        max_steps=spec.get("max_steps", 6),
+        learning_rate=spec.get("learning_rate", 1e-3),
+        logging_steps=1,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        seed=42,
+        **extra,
+    )
+    trainer = trainer_class(model=tiny_gpt2(), args=args, train_dataset=token_dataset())
+    trainer.train(resume_from_checkpoint=spec.get("resume"))
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    engine = getattr(trainer.accelerator, "engine", None) if use_engine else None
+    result = {
+        "world_size": args.world_size,
+        "losses": [entry["loss"] for entry in history],
+        "learning_rates": [entry["learning_rate"] for entry in history],
+        "grad_norms": [entry["grad_norm"] for entry in history],
+        "global_step": trainer.state.global_step,
+    }
+    if engine is not None:
+        result["engine_optimizer"] = type(engine.optimizer.optimizer).__name__
+        result["engine_scheduler"] = type(engine.lr_scheduler).__name__
+        result["zero_stage"] = engine.zero_optimization_stage()
+        state = engine.full_module_state_dict(rank0_only=True)
+    else:
+        state = trainer.model.state_dict()
+    rank = int(os.environ.get("RANK", "0"))
+    result["weights"] = {k: v.detach().clone() for k, v in state.items()} if rank == 0 else {}
+    return result
+
+
+def accelerate_world_without_our_fix() -> int:
+    """What accelerate's state says when transformers' own TrainingArguments build it under a
+    launcher on a machine without a GPU: the pitfall our arguments and accelerator avoid."""
+    import transformers
+
+    args = transformers.TrainingArguments(output_dir="/tmp/unused", report_to=[])
+    return args.world_size

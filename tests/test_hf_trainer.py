@@ -1,0 +1,214 @@
+"""deepspeed_cpp.hf.Trainer on 2 CPU ranks (gloo) against transformers' own Trainer in one
+process on the same data: ZeRO stages 0-3, optimizer/schedule origins, gradient accumulation,
+checkpoints and exact resume, and accelerate's world size on a machine without a GPU."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from hf_trainer_jobs import accelerate_world_without_our_fix, run_trainer  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+WORLD = 2
+MICRO = 4
+
+
+def _auto_config(stage: int, **sections) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"},
+        **sections,
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """transformers' own Trainer, one process, the 2 ranks' global batch in one micro-batch."""
+    spec = {"output_dir": str(tmp_path_factory.mktemp("reference")), "micro": MICRO * WORLD}
+    return run_trainer(dict(spec, deepspeed=None))
+
+
+def _assert_same_training(ours: dict, reference: dict, tolerance: float) -> None:
+    assert len(ours["losses"]) == len(reference["losses"]) > 0
+    for step, (a, b) in enumerate(zip(ours["losses"], reference["losses"])):
+        assert abs(a - b) <= tolerance, f"step {step + 1}: loss {a} vs reference {b}"
+    assert ours["learning_rates"] == pytest.approx(reference["learning_rates"], rel=1e-12)
+    for name, value in reference["weights"].items():
+        torch.testing.assert_close(ours["weights"][name], value, atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stage_losses_equal_one_process_reference(pool2, tmp_path, reference, stage):
+    results = pool2.run(
+        run_trainer, {"output_dir": str(tmp_path), "micro": MICRO, "deepspeed": _auto_config(stage)}
+    )
+    ours = results[0]
+    assert [r["world_size"] for r in results] == [WORLD, WORLD]
+    assert ours["zero_stage"] == stage
+    assert ours["engine_optimizer"] == "AdamW", "HF's optimizer (no 'optimizer' in the config)"
+    assert results[1]["losses"] == ours["losses"], "every rank logs the same global loss"
+    _assert_same_training(ours, reference, tolerance=1e-5)
+
+
+def test_gradient_accumulation_matches_one_big_batch(pool2, tmp_path):
+    big, accumulated = (
+        pool2.run(
+            run_trainer,
+            {
+                "output_dir": str(tmp_path / name),
+                "micro": micro,
+                "accumulation": accumulation,
+                "max_steps": 4,
+                "deepspeed": _auto_config(2),
+            },
+        )[0]
+        for name, micro, accumulation in [("bs8", 8, 1), ("bs2x4", 2, 4)]
+    )
+    # 16 samples an optimizer step either way (2 ranks).
+    assert big["losses"] == pytest.approx(accumulated["losses"], abs=1e-5)
+    for name, value in big["weights"].items():
+        torch.testing.assert_close(accumulated["weights"][name], value, atol=1e-5, rtol=0)
+
+
+OPTIMIZER = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto"}}
+SCHEDULER = {
+    "type": "WarmupDecayLR",
+    "params": {
+        "warmup_min_lr": "auto",
+        "warmup_max_lr": "auto",
+        "warmup_num_steps": "auto",
+        "total_num_steps": "auto",
+        "warmup_type": "linear",
+    },
+}
+
+
+def test_optimizer_and_schedule_from_either_side(pool2, tmp_path, reference):
+    runs = {}
+    for optimizer_from in ("config", "trainer"):
+        for schedule_from in ("config", "trainer"):
+            sections = {}
+            if optimizer_from == "config":
+                sections["optimizer"] = OPTIMIZER
+            if schedule_from == "config":
+                sections["scheduler"] = SCHEDULER
+            spec = {
+                "output_dir": str(tmp_path / f"{optimizer_from}-{schedule_from}"),
+                "micro": MICRO,
+                "deepspeed": _auto_config(2, **sections),
+                "optim_args": {"weight_decay": 0.0},
+            }
+            runs[optimizer_from, schedule_from] = pool2.run(run_trainer, spec)[0]
+    for (optimizer_from, schedule_from), run in runs.items():
+        expected_optimizer = "DeepSpeedCPUAdam" if optimizer_from == "config" else "AdamW"
+        expected_schedule = "WarmupDecayLR" if schedule_from == "config" else "LambdaLR"
+        assert run["engine_optimizer"] == expected_optimizer, (optimizer_from, schedule_from)
+        assert run["engine_scheduler"] == expected_schedule, (optimizer_from, schedule_from)
+    # The schedule decides the learning rates, whoever built the optimizer.
+    for schedule_from in ("config", "trainer"):
+        assert (
+            runs["config", schedule_from]["learning_rates"]
+            == runs["trainer", schedule_from]["learning_rates"]
+        )
+    assert runs["trainer", "trainer"]["learning_rates"] == reference["learning_rates"]
+    # Our CPU AdamW follows torch's AdamW closely: the same losses as the reference.
+    assert runs["config", "trainer"]["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+    assert runs["config", "config"]["learning_rates"] != reference["learning_rates"]
+
+
+def test_checkpoints_hold_transformers_files_and_the_engines(pool2, tmp_path):
+    results = pool2.run(
+        run_trainer,
+        {
+            "output_dir": str(tmp_path),
+            "deepspeed": _auto_config(3),
+            "max_steps": 4,
+            "save_steps": 2,
+        },
+    )
+    for step in (2, 4):
+        folder = tmp_path / f"checkpoint-{step}"
+        names = set(os.listdir(folder))
+        for expected in ("model.safetensors", "trainer_state.json", "training_args.bin"):
+            assert expected in names, f"{expected} missing from {folder}: {sorted(names)}"
+        assert "config.json" in names
+        assert (folder / "latest").read_text().strip() == f"global_step{step}"
+        assert (folder / f"global_step{step}").is_dir()
+        assert "optimizer.pt" not in names, "the optimizer lives in the engine's checkpoint"
+    # The safetensors file holds the whole model (gathered: ZeRO-3 trained it in shards), the
+    # final weights at the last checkpoint; the tied lm_head is stored once, as transformers does.
+    saved = load_file(str(tmp_path / "checkpoint-4" / "model.safetensors"))
+    final = results[0]["weights"]
+    assert set(saved) == set(final) - {"lm_head.weight"}
+    for name, value in saved.items():
+        assert torch.equal(value, final[name]), name
+
+
+def test_resume_from_step_5_gives_bitwise_equal_weights(pool2, tmp_path):
+    # 64 samples / 8 a step: an epoch is 8 steps, so the resumed run crosses an epoch boundary.
+    common = {"deepspeed": _auto_config(2), "max_steps": 10}
+    straight = pool2.run(run_trainer, dict(common, output_dir=str(tmp_path / "a"), save_steps=5))
+    # resume_from_checkpoint=True finds the last checkpoint in output_dir: give it step 5 only.
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "checkpoint-5", tmp_path / "b" / "checkpoint-5")
+    resumed = pool2.run(run_trainer, dict(common, output_dir=str(tmp_path / "b"), resume=True))
+    assert resumed[0]["global_step"] == 10
+    # The log of steps 1-5 comes back from trainer_state.json; steps 6-10 are trained again.
+    assert resumed[0]["losses"] == straight[0]["losses"]
+    for name, value in straight[0]["weights"].items():
+        assert torch.equal(resumed[0]["weights"][name], value), name
+    by_path = pool2.run(
+        run_trainer,
+        dict(
+            common,
+            output_dir=str(tmp_path / "c"),
+            resume=str(tmp_path / "a" / "checkpoint-5"),
+        ),
+    )
+    for name, value in straight[0]["weights"].items():
+        assert torch.equal(by_path[0]["weights"][name], value), name
+
+
+def test_resume_from_a_folder_without_engine_checkpoint_fails_clearly(pool2, tmp_path):
+    (tmp_path / "checkpoint-3").mkdir()
+    with pytest.raises(RuntimeError, match="Can't find a valid checkpoint.*'latest'"):
+        pool2.run(
+            run_trainer,
+            {
+                "output_dir": str(tmp_path),
+                "deepspeed": _auto_config(1),
+                "resume": str(tmp_path / "checkpoint-3"),
+            },
+        )
+
+
+def test_config_mismatch_names_every_key_on_every_rank(pool2, tmp_path):
+    config = dict(_auto_config(2), train_micro_batch_size_per_gpu=8, gradient_clipping=0.3)
+    with pytest.raises(RuntimeError) as caught:
+        pool2.run(run_trainer, {"output_dir": str(tmp_path), "deepspeed": config})
+    message = str(caught.value)
+    for rank in (0, 1):
+        assert f"rank {rank}:" in message
+    assert (
+        "'train_micro_batch_size_per_gpu' = 8" in message and "'gradient_clipping' = 0.3" in message
+    )
+    for section in message.split("rank ")[1:]:
+        assert "ConfigMismatchError" in section
+
+
+def test_accelerate_alone_sees_a_world_of_one_and_ours_sees_two(pool2, tmp_path):
+    # The pitfall, reproduced: transformers' own arguments on 2 CPU ranks.
+    assert pool2.run(accelerate_world_without_our_fix) == [1, 1]
+    results = pool2.run(
+        run_trainer,
+        {"output_dir": str(tmp_path), "deepspeed": _auto_config(0), "max_steps": 1},
+    )
+    assert [r["world_size"] for r in results] == [WORLD, WORLD]
