@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from hf_trainer_jobs import accelerate_world_without_our_fix, run_trainer  # noqa: E402
+from hf_trainer_jobs import accelerate_world_without_our_fix, run_trainer, tiny_gpt2  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 WORLD = 2
@@ -149,6 +149,12 @@ def test_checkpoints_hold_transformers_files_and_the_engines(pool2, tmp_path):
     final = results[0]["weights"]
     assert set(saved) == set(final) - {"lm_head.weight"}
     for name, value in saved.items():
+        assert torch.equal(value, final[name]), name
+    # The engine's part of checkpoint-N is an ordinary ZeRO checkpoint: zero_to_fp32 reads it.
+    from deepspeed_cpp.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
+
+    model = load_state_dict_from_zero_checkpoint(tiny_gpt2(), tmp_path / "checkpoint-4")
+    for name, value in model.state_dict().items():
         assert torch.equal(value, final[name]), name
 
 
