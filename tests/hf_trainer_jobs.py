@@ -80,13 +80,16 @@ def run_trainer(spec: dict) -> dict:
         "world_size": args.world_size,
         "losses": [entry["loss"] for entry in history],
         "learning_rates": [entry["learning_rate"] for entry in history],
-        "grad_norms": [entry["grad_norm"] for entry in history],
+        "grad_norms": [entry.get("grad_norm") for entry in history],
         "global_step": trainer.state.global_step,
     }
     if engine is not None:
         result["engine_optimizer"] = type(engine.optimizer.optimizer).__name__
         result["engine_scheduler"] = type(engine.lr_scheduler).__name__
         result["zero_stage"] = engine.zero_optimization_stage()
+        result["skipped_steps"] = engine.skipped_steps
+        result["last_lr"] = trainer.lr_scheduler.get_last_lr()
+        result["step_was_skipped"] = trainer.accelerator.optimizer_step_was_skipped
         state = engine.full_module_state_dict(rank0_only=True)
     else:
         state = trainer.model.state_dict()

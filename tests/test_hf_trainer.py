@@ -210,6 +210,25 @@ def test_config_mismatch_names_every_key_on_every_rank(pool2, tmp_path):
         assert "ConfigMismatchError" in section
 
 
+def test_fp16_overflow_skips_the_step_and_the_schedule(pool2, tmp_path):
+    # A loss scale of 2**32 overflows fp16 gradients: each step is skipped (the scale halves),
+    # the schedule does not move, and the Trainer can still read the learning rate.
+    config = _auto_config(2, fp16={"enabled": "auto", "initial_scale_power": 32})
+    spec = {
+        "output_dir": str(tmp_path),
+        "deepspeed": config,
+        "max_steps": 2,
+        "optim_args": {"fp16": True},
+    }
+    ours = pool2.run(run_trainer, spec)[0]
+    assert ours["skipped_steps"] == 2 and ours["step_was_skipped"]
+    assert ours["learning_rates"] == [1e-3, 1e-3]
+    assert ours["last_lr"] and all(lr == 1e-3 for lr in ours["last_lr"])
+    initial = tiny_gpt2().half().state_dict()
+    for name, value in ours["weights"].items():
+        assert torch.equal(value, initial[name]), f"{name} changed by a skipped step"
+
+
 def test_accelerate_alone_sees_a_world_of_one_and_ours_sees_two(pool2, tmp_path):
     # The pitfall, reproduced: transformers' own arguments on 2 CPU ranks.
     assert pool2.run(accelerate_world_without_our_fix) == [1, 1]

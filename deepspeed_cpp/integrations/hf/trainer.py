@@ -43,6 +43,10 @@ class _EngineTrainerMixin:
     # --- the accelerator ----------------------------------------------------------------------
     def _build_accelerator_args(self, **kwargs) -> dict:
         accelerator_args = super()._build_accelerator_args(**kwargs)
+        if self.deepspeed_cpp_enabled:
+            # fp16/bf16 are the engine's (the config's sections, filled from the arguments);
+            # accelerate's autocast and grad scaler would act a second time.
+            accelerator_args["mixed_precision"] = "no"
         self._accelerator_args = accelerator_args
         return accelerator_args
 
