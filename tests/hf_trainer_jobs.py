@@ -57,6 +57,17 @@ def run_trainer(spec: dict) -> dict:
     extra = dict(spec.get("optim_args", {}))
     if use_engine:
         extra["deepspeed"] = spec["deepspeed"]
+    evaluate = spec.get("evaluate", False)
+    if evaluate:
+        # Evaluate at every checkpoint and reload the "best" at the end. Best is the highest
+        # eval loss, so that an earlier checkpoint than the last is reloaded (training lowers it).
+        extra.update(
+            eval_strategy="steps",
+            eval_steps=save_steps,
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+            greater_is_better=True,
+        )
     args = arguments_class(
         output_dir=spec["output_dir"],
         per_device_train_batch_size=spec.get("micro", 4),
@@ -72,9 +83,20 @@ def run_trainer(spec: dict) -> dict:
         seed=42,
         **extra,
     )
-    trainer = trainer_class(model=tiny_gpt2(), args=args, train_dataset=token_dataset())
+    trainer = trainer_class(
+        model=tiny_gpt2(),
+        args=args,
+        train_dataset=token_dataset(),
+        eval_dataset=token_dataset(seed=3)[:16] if evaluate else None,
+    )
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    if evaluate:
+        result_evaluation = {
+            "eval_losses": [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e],
+            "best_checkpoint": trainer.state.best_model_checkpoint,
+            "final_eval_loss": trainer.evaluate()["eval_loss"],
+        }
     engine = getattr(trainer.accelerator, "engine", None) if use_engine else None
     result = {
         "world_size": args.world_size,
@@ -83,6 +105,8 @@ def run_trainer(spec: dict) -> dict:
         "grad_norms": [entry.get("grad_norm") for entry in history],
         "global_step": trainer.state.global_step,
     }
+    if evaluate:
+        result.update(result_evaluation)
     if engine is not None:
         result["engine_optimizer"] = type(engine.optimizer.optimizer).__name__
         result["engine_scheduler"] = type(engine.lr_scheduler).__name__

@@ -158,6 +158,23 @@ def test_checkpoints_hold_transformers_files_and_the_engines(pool2, tmp_path):
         assert torch.equal(value, final[name]), name
 
 
+def test_zero3_evaluation_and_best_model_at_end_match_the_reference(pool2, tmp_path):
+    spec = {"max_steps": 6, "save_steps": 2, "evaluate": True, "micro": MICRO}
+    ours = pool2.run(
+        run_trainer, dict(spec, output_dir=str(tmp_path / "ours"), deepspeed=_auto_config(3))
+    )[0]
+    theirs = run_trainer(
+        dict(spec, output_dir=str(tmp_path / "theirs"), deepspeed=None, micro=MICRO * WORLD)
+    )
+    assert len(ours["eval_losses"]) == 3
+    assert ours["eval_losses"] == pytest.approx(theirs["eval_losses"], abs=1e-5)
+    assert os.path.basename(ours["best_checkpoint"]) == os.path.basename(theirs["best_checkpoint"])
+    assert not ours["best_checkpoint"].endswith("checkpoint-6"), "an earlier one is reloaded"
+    # After training the best checkpoint's weights are back in the (ZeRO-3 partitioned) model.
+    assert ours["final_eval_loss"] == pytest.approx(max(ours["eval_losses"]), abs=1e-6)
+    assert ours["final_eval_loss"] == pytest.approx(theirs["final_eval_loss"], abs=1e-5)
+
+
 def test_resume_from_step_5_gives_bitwise_equal_weights(pool2, tmp_path):
     # 64 samples / 8 a step: an epoch is 8 steps, so the resumed run crosses an epoch boundary.
     common = {"deepspeed": _auto_config(2), "max_steps": 10}
