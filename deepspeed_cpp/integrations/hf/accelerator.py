@@ -158,8 +158,8 @@ class EngineAccelerator(Accelerator):
                 "EngineAccelerator(engine_config={...}) or call plan_engine() first"
             )
         config = dict(self._plan.config)
-        scheduler = client_scheduler if client_scheduler is not None else None
-        if scheduler is None and self._plan.lr_scheduler_factory is not None:
+        scheduler = client_scheduler
+        if scheduler is None:
             scheduler = self._plan.lr_scheduler_factory
         if client_optimizer is not None and "optimizer" in config:
             raise ValueError(

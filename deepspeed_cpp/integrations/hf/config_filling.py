@@ -51,7 +51,7 @@ class _Filler:
     config: dict
     mismatches: list[str] = field(default_factory=list)
 
-    def _node(self, path: str, create: bool = False) -> tuple[dict | None, str]:
+    def _node(self, path: str) -> tuple[dict | None, str]:
         *parents, key = path.split(".")
         node = self.config
         for parent in parents:

@@ -24,6 +24,7 @@ engine's own ``global_stepN/`` and ``latest``, which ``resume_from_checkpoint`` 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import os
 
@@ -59,8 +60,8 @@ class _EngineTrainerMixin:
         self.accelerator = EngineAccelerator(**self._accelerator_args)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
-            self.gather_function = lambda *a, _g=self.gather_function, **k: _g(
-                *a, use_gather_object=self.args.eval_use_gather_object, **k
+            self.gather_function = functools.partial(
+                self.gather_function, use_gather_object=self.args.eval_use_gather_object
             )
 
     # --- what the engine is built from --------------------------------------------------------
