@@ -32,6 +32,26 @@ def tiny_gpt2():
     return GPT2LMHeadModel(config)
 
 
+def tiny_t5():
+    """A 2-layer T5 encoder-decoder (for the Seq2Seq classes), the same weights every time."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=16,
+        d_ff=64,
+        num_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(1234)
+    return T5ForConditionalGeneration(config)
+
+
 def token_dataset(seed: int = 7) -> list[dict]:
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (SAMPLES, SEQUENCE), generator=generator)
@@ -51,8 +71,15 @@ def run_trainer(spec: dict) -> dict:
     from deepspeed_cpp import hf
 
     use_engine = spec.get("deepspeed") is not None
-    arguments_class = hf.TrainingArguments if use_engine else transformers.TrainingArguments
-    trainer_class = hf.Trainer if use_engine else transformers.Trainer
+    seq2seq = spec.get("model") == "t5"
+    if seq2seq:
+        arguments_class = (
+            hf.Seq2SeqTrainingArguments if use_engine else transformers.Seq2SeqTrainingArguments
+        )
+        trainer_class = hf.Seq2SeqTrainer if use_engine else transformers.Seq2SeqTrainer
+    else:
+        arguments_class = hf.TrainingArguments if use_engine else transformers.TrainingArguments
+        trainer_class = hf.Trainer if use_engine else transformers.Trainer
     save_steps = spec.get("save_steps", 0)
     extra = dict(spec.get("optim_args", {}))
     if use_engine:
@@ -84,7 +111,7 @@ def run_trainer(spec: dict) -> dict:
         **extra,
     )
     trainer = trainer_class(
-        model=tiny_gpt2(),
+        model=tiny_t5() if seq2seq else tiny_gpt2(),
         args=args,
         train_dataset=token_dataset(),
         eval_dataset=token_dataset(seed=3)[:16] if evaluate else None,

@@ -58,6 +58,26 @@ def test_zero_stage_losses_equal_one_process_reference(pool2, tmp_path, referenc
     _assert_same_training(ours, reference, tolerance=1e-5)
 
 
+def test_seq2seq_trainer_at_zero2_matches_the_reference(pool2, tmp_path):
+    # T5's forward takes **kwargs but its loss ignores num_items_in_batch (a mean), while the
+    # Trainer's compute_loss multiplies by the world size for token averaging: the loss would be
+    # doubled on 2 ranks. Averaging per rank instead equals the one-process mean (equal lengths).
+    spec = {
+        "model": "t5",
+        "max_steps": 4,
+        "micro": MICRO,
+        "optim_args": {"average_tokens_across_devices": False},
+    }
+    ours = pool2.run(
+        run_trainer, dict(spec, output_dir=str(tmp_path / "ours"), deepspeed=_auto_config(2))
+    )[0]
+    theirs = run_trainer(
+        dict(spec, output_dir=str(tmp_path / "theirs"), deepspeed=None, micro=MICRO * WORLD)
+    )
+    assert ours["zero_stage"] == 2
+    _assert_same_training(ours, theirs, tolerance=1e-5)
+
+
 def test_gradient_accumulation_matches_one_big_batch(pool2, tmp_path):
     big, accumulated = (
         pool2.run(
