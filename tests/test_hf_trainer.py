@@ -45,10 +45,16 @@ def _assert_same_training(ours: dict, reference: dict, tolerance: float) -> None
         torch.testing.assert_close(ours["weights"][name], value, atol=tolerance, rtol=0)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_zero_stage_losses_equal_one_process_reference(pool2, tmp_path, reference, stage):
+@pytest.mark.parametrize(
+    "stage, offload", [(0, False), (1, False), (2, False), (3, False), (2, True), (3, True)]
+)
+def test_zero_stage_losses_equal_one_process_reference(pool2, tmp_path, reference, stage, offload):
+    config = _auto_config(stage)
+    if offload:
+        # The Trainer's torch AdamW, stepped on the host on the offloaded fp32 masters.
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     results = pool2.run(
-        run_trainer, {"output_dir": str(tmp_path), "micro": MICRO, "deepspeed": _auto_config(stage)}
+        run_trainer, {"output_dir": str(tmp_path), "micro": MICRO, "deepspeed": config}
     )
     ours = results[0]
     assert [r["world_size"] for r in results] == [WORLD, WORLD]
