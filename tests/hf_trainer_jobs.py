@@ -110,8 +110,12 @@ def run_trainer(spec: dict) -> dict:
         seed=42,
         **extra,
     )
+    if spec.get("zero_init"):
+        model = _partitioned_tiny_gpt2(spec["deepspeed"])
+    else:
+        model = tiny_t5() if seq2seq else tiny_gpt2()
     trainer = trainer_class(
-        model=tiny_t5() if seq2seq else tiny_gpt2(),
+        model=model,
         args=args,
         train_dataset=token_dataset(),
         eval_dataset=token_dataset(seed=3)[:16] if evaluate else None,
@@ -147,6 +151,26 @@ def run_trainer(spec: dict) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     result["weights"] = {k: v.detach().clone() for k, v in state.items()} if rank == 0 else {}
     return result
+
+
+def _partitioned_tiny_gpt2(ds_config: dict):
+    """tiny_gpt2 built partitioned (HfDeepSpeedConfig.zero_init at ZeRO-3), then given the same
+    initial weights as the unpartitioned one (rank 0's copy, written under GatheredParameters):
+    initialising shards draws different random numbers than initialising whole tensors."""
+    from deepspeed_cpp import hf, zero
+
+    keeper = hf.HfDeepSpeedConfig(ds_config)
+    assert hf.is_deepspeed_zero3_enabled()
+    whole = tiny_gpt2().state_dict()
+    with keeper.zero_init():
+        model = tiny_gpt2()
+    embedding = model.transformer.wte.weight
+    assert not embedding.ds_persist and embedding.ds_tensor.numel() < embedding.ds_numel
+    assert model.lm_head.weight is embedding, "the output embedding stays tied"
+    with zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        if int(os.environ.get("RANK", "0")) == 0:
+            model.load_state_dict(whole)
+    return model
 
 
 def accelerate_world_without_our_fix() -> int:

@@ -290,3 +290,35 @@ def test_without_transformers_the_import_error_says_what_to_install():
     assert done.returncode != 0
     assert "ImportError" in done.stderr and "pip install deepspeed_cpp[hf]" in done.stderr
     assert "transformers" in done.stderr.splitlines()[-1]
+
+
+# --- HfDeepSpeedConfig: is ZeRO-3 on, for code outside the Trainer ----------------------------
+def test_hf_deepspeed_config_answers_while_alive():
+    import gc
+
+    import transformers.integrations.deepspeed as transformers_deepspeed
+
+    from deepspeed_cpp import hf
+
+    keeper = hf.HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_batch_size": "auto"})
+    assert hf.is_deepspeed_zero3_enabled() and keeper.is_zero3() and not keeper.is_offload()
+    assert hf.deepspeed_config()["zero_optimization"] == {"stage": 3}
+    # transformers' own check answers for the deepspeed distribution: it stays off.
+    assert not transformers_deepspeed.is_deepspeed_zero3_enabled()
+    del keeper
+    gc.collect()
+    assert not hf.is_deepspeed_zero3_enabled() and hf.deepspeed_config() is None
+    below_three = hf.HfDeepSpeedConfig(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    )
+    assert not hf.is_deepspeed_zero3_enabled() and below_three.is_offload()
+
+
+def test_training_arguments_keep_their_config_alive(tmp_path):
+    from deepspeed_cpp import hf
+
+    args = hf.TrainingArguments(
+        output_dir=str(tmp_path), deepspeed={"zero_optimization": {"stage": 3}}
+    )
+    assert hf.is_deepspeed_zero3_enabled()
+    assert hf.deepspeed_config() == args.deepspeed_cpp_config

@@ -50,6 +50,11 @@ from .accelerator import EngineAccelerator, EngineOptimizer, EnginePlan, EngineS
 from .config_filling import ConfigMismatchError  # noqa: E402
 from .trainer import Seq2SeqTrainer, Trainer  # noqa: E402
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments  # noqa: E402
+from .zero3_config import (  # noqa: E402
+    HfDeepSpeedConfig,
+    deepspeed_config,
+    is_deepspeed_zero3_enabled,
+)
 
 __all__ = [
     "ConfigMismatchError",
@@ -57,8 +62,11 @@ __all__ = [
     "EngineOptimizer",
     "EnginePlan",
     "EngineScheduler",
+    "HfDeepSpeedConfig",
     "Seq2SeqTrainer",
     "Seq2SeqTrainingArguments",
     "Trainer",
     "TrainingArguments",
+    "deepspeed_config",
+    "is_deepspeed_zero3_enabled",
 ]

@@ -19,6 +19,7 @@ from deepspeed_cpp.runtime.config import DeepSpeedConfig
 
 from .config_filling import fill_from_arguments
 from .process_state import launched_without_gpu
+from .zero3_config import HfDeepSpeedConfig
 
 
 class _EngineArgumentsMixin:
@@ -28,11 +29,14 @@ class _EngineArgumentsMixin:
         with self._deepspeed_hidden():
             super().__post_init__()
         self.deepspeed_cpp_config = None
+        self.deepspeed_cpp_hf_config = None
         if self.deepspeed:
             # The config is read and validated now (a bad key fails here, not at train()),
             # "auto" allowed; what is filled here comes from the arguments alone.
             parsed = DeepSpeedConfig.parse(self.deepspeed)
             self.deepspeed_cpp_config = fill_from_arguments(parsed.raw, self, self.world_size)
+            # Kept alive with the arguments: is_deepspeed_zero3_enabled() answers from it.
+            self.deepspeed_cpp_hf_config = HfDeepSpeedConfig(self.deepspeed_cpp_config)
 
     @contextlib.contextmanager
     def _deepspeed_hidden(self):
