@@ -180,3 +180,34 @@ def accelerate_world_without_our_fix() -> int:
 
     args = transformers.TrainingArguments(output_dir="/tmp/unused", report_to=[])
     return args.world_size
+
+
+def partitioned_from_config_statistics() -> dict:
+    """AutoModelForCausalLM.from_config under HfDeepSpeedConfig.zero_init() at ZeRO-3, then
+    initialize_weights_zero3: statistics of the gathered weights, as this rank sees them."""
+    from transformers import AutoModelForCausalLM
+
+    from deepspeed_cpp import hf, zero
+
+    keeper = hf.HfDeepSpeedConfig(
+        {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
+    )
+    config = tiny_gpt2().config
+    torch.manual_seed(int(os.environ.get("RANK", "0")))  # different streams: rank 0's must win
+    with keeper.zero_init():
+        model = AutoModelForCausalLM.from_config(config)
+    hf.initialize_weights_zero3(model)
+    embedding = model.transformer.wte.weight
+    with zero.GatheredParameters(list(model.parameters())):
+        state = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    return {
+        "partitioned": not embedding.ds_persist
+        and embedding.ds_tensor.numel() < embedding.ds_numel,
+        "embedding_std": float(state["transformer.wte.weight"].std()),
+        "projection_std": float(state["transformer.h.0.attn.c_proj.weight"].std()),
+        "layer_norm_weight": state["transformer.h.0.ln_1.weight"],
+        "attention_bias": state["transformer.h.0.attn.c_attn.bias"],
+        "state": state,
+        "initializer_range": config.initializer_range,
+        "layers": config.n_layer,
+    }

@@ -11,7 +11,12 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from hf_trainer_jobs import accelerate_world_without_our_fix, run_trainer, tiny_gpt2  # noqa: E402
+from hf_trainer_jobs import (  # noqa: E402
+    accelerate_world_without_our_fix,
+    partitioned_from_config_statistics,
+    run_trainer,
+    tiny_gpt2,
+)
 from safetensors.torch import load_file  # noqa: E402
 
 WORLD = 2
@@ -73,6 +78,21 @@ def test_model_built_partitioned_under_hf_deepspeed_config_trains_like_the_refer
     spec = {"output_dir": str(tmp_path), "micro": MICRO, "deepspeed": config}
     ours = pool2.run(run_trainer, dict(spec, zero_init=True))[0]
     _assert_same_training(ours, reference, tolerance=1e-5)
+
+
+def test_from_config_under_zero_init_gets_the_models_own_initialisation(pool2):
+    # Without initialize_weights_zero3 the embeddings would keep torch's N(0, 1) default: the
+    # model's init ran on empty shards.
+    first, second = pool2.run(partitioned_from_config_statistics)
+    assert first["partitioned"]
+    spread = first["initializer_range"]
+    assert first["embedding_std"] == pytest.approx(spread, rel=0.15)
+    # GPT-2 scales residual projections by 1/sqrt(2 x layers).
+    assert first["projection_std"] == pytest.approx(spread / (2 * first["layers"]) ** 0.5, rel=0.2)
+    assert torch.equal(first["layer_norm_weight"], torch.ones(32))
+    assert torch.equal(first["attention_bias"], torch.zeros(96))
+    for name, value in first["state"].items():
+        assert torch.equal(second["state"][name], value), f"{name} differs between ranks"
 
 
 def test_seq2seq_trainer_at_zero2_matches_the_reference(pool2, tmp_path):

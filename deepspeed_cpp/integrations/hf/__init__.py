@@ -53,6 +53,7 @@ from .training_args import Seq2SeqTrainingArguments, TrainingArguments  # noqa: 
 from .zero3_config import (  # noqa: E402
     HfDeepSpeedConfig,
     deepspeed_config,
+    initialize_weights_zero3,
     is_deepspeed_zero3_enabled,
 )
 
@@ -68,5 +69,6 @@ __all__ = [
     "Trainer",
     "TrainingArguments",
     "deepspeed_config",
+    "initialize_weights_zero3",
     "is_deepspeed_zero3_enabled",
 ]

@@ -11,7 +11,8 @@ Model construction under our ``zero.Init`` is explicit::
 
     ds = HfDeepSpeedConfig(ds_config)          # keep this object alive
     with ds.zero_init():                       # stage 3: parameters partitioned as built
-        model = GPT2LMHeadModel(config)        # or AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)
+    initialize_weights_zero3(model)            # the model's own init, on gathered parameters
 """
 
 from __future__ import annotations
@@ -72,3 +73,50 @@ def deepspeed_config() -> dict | None:
     """The live ``HfDeepSpeedConfig``'s config dict, or None."""
     live = _live_config()
     return live.config if live is not None else None
+
+
+def initialize_weights_zero3(model) -> None:
+    """Runs a transformers model's own weight initialisation on a model built under
+    ``zero_init()``. Collective: every rank calls it.
+
+    Submodules are partitioned as their ``__init__`` returns, so the initialisation transformers
+    runs at the end of the model's ``__init__`` saw empty tensors (and marked the modules done):
+    here each module's parameters are gathered, rank 0 initialises them with the model's
+    ``_init_weights`` and the result is scattered back to the shards, one module at a time (the
+    whole model is never gathered).
+    """
+    import torch
+    import torch.distributed as dist
+    from transformers import PreTrainedModel
+
+    from deepspeed_cpp import zero
+
+    writes = not dist.is_initialized() or dist.get_rank() == 0
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+        for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            tensor.__dict__.pop("_is_hf_initialized", None)
+
+    def initialise(module, owner: PreTrainedModel) -> None:
+        for child in module.children():
+            initialise(child, child if isinstance(child, PreTrainedModel) else owner)
+        # _init_weights of a module may also write its direct children's parameters.
+        params = list(module.parameters(recurse=False))
+        for child in module.children():
+            if not isinstance(child, PreTrainedModel):
+                params += list(child.parameters(recurse=False))
+        with zero.GatheredParameters(params, modifier_rank=0, enabled=bool(params)):
+            if writes:
+                owner._initialize_weights(module)
+
+    initialise(model, model)
+    model.tie_weights()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Parameters below the persistence threshold stay whole on every rank (not gathered
+        # above): rank 0's initialisation is sent to the others, as are the buffers.
+        with torch.no_grad():
+            for param in model.parameters():
+                if not (hasattr(param, "ds_id") and not param.ds_persist):
+                    dist.broadcast(param.data, src=0)
+            for buffer in model.buffers():
+                dist.broadcast(buffer.data, src=0)
