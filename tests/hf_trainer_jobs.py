@@ -114,9 +114,17 @@ def run_trainer(spec: dict) -> dict:
         model = _partitioned_tiny_gpt2(spec["deepspeed"])
     else:
         model = tiny_t5() if seq2seq else tiny_gpt2()
+    optimizers = (None, None)
+    if spec.get("own_optimizer"):
+        # The caller's optimizer and schedule (Trainer(optimizers=...)): SGD with momentum and a
+        # step decay, neither of which the Trainer or the config would pick.
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        optimizers = (optimizer, schedule)
     trainer = trainer_class(
         model=model,
         args=args,
+        optimizers=optimizers,
         train_dataset=token_dataset(),
         eval_dataset=token_dataset(seed=3)[:16] if evaluate else None,
     )

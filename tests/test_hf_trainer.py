@@ -115,6 +115,29 @@ def test_seq2seq_trainer_at_zero2_matches_the_reference(pool2, tmp_path):
     _assert_same_training(ours, theirs, tolerance=1e-5)
 
 
+def test_optimizer_and_schedule_passed_to_the_trainer(pool2, tmp_path):
+    spec = {"own_optimizer": True, "max_steps": 4, "micro": MICRO}
+    ours = pool2.run(
+        run_trainer, dict(spec, output_dir=str(tmp_path / "ours"), deepspeed=_auto_config(1))
+    )[0]
+    theirs = run_trainer(
+        dict(spec, output_dir=str(tmp_path / "theirs"), deepspeed=None, micro=MICRO * WORLD)
+    )
+    assert ours["engine_optimizer"] == "SGD" and ours["engine_scheduler"] == "StepLR"
+    assert theirs["learning_rates"] == [0.05, 0.05, 0.025, 0.025]
+    _assert_same_training(ours, theirs, tolerance=1e-5)
+
+
+def test_a_schedule_given_both_ways_is_refused(pool2, tmp_path):
+    spec = {
+        "own_optimizer": True,
+        "output_dir": str(tmp_path),
+        "deepspeed": _auto_config(1, scheduler=SCHEDULER),
+    }
+    with pytest.raises(RuntimeError, match="'scheduler' section too: expected one of them"):
+        pool2.run(run_trainer, spec)
+
+
 def test_gradient_accumulation_matches_one_big_batch(pool2, tmp_path):
     big, accumulated = (
         pool2.run(

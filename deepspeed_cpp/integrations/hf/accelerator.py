@@ -33,10 +33,11 @@ from .process_state import ensure_cpu_process_state
 @dataclass
 class EnginePlan:
     """What ``prepare`` builds the engine from: the finished ds_config (no ``"auto"`` left) and,
-    when the schedule is Hugging Face's, a function building it on the engine's optimizer."""
+    when the schedule is not the config's, the schedule: a function building it on the engine's
+    optimizer, or a schedule object the caller made on their optimizer."""
 
     config: dict
-    lr_scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None
+    lr_scheduler_factory: Callable[[torch.optim.Optimizer], Any] | Any | None = None
 
 
 class EngineOptimizer:

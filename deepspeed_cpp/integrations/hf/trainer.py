@@ -77,8 +77,14 @@ class _EngineTrainerMixin:
             num_training_steps,
             self.args.get_warmup_steps(num_training_steps),
         )
-        factory = None
-        if "scheduler" not in config:
+        given = self.lr_scheduler if not self._created_lr_scheduler else None
+        if given is not None and "scheduler" in config:
+            raise ValueError(
+                "a scheduler was passed to the Trainer (optimizers=(..., scheduler)) and the "
+                "ds_config has a 'scheduler' section too: expected one of them"
+            )
+        factory = given  # the caller's schedule object, stepped by the engine
+        if "scheduler" not in config and given is None:
 
             def factory(engine_optimizer):
                 # The Trainer's schedule (lr_scheduler_type, warm-up) on the engine's optimizer;
@@ -103,6 +109,7 @@ class _EngineTrainerMixin:
             # Called after prepare: the engine already holds its schedule (the config's or the
             # Trainer's, built in the plan's factory); the Trainer gets a view of it.
             self.lr_scheduler = EngineScheduler(self.optimizer.engine, self.accelerator)
+            self._created_lr_scheduler = True  # a later train() plans its schedule afresh
             return self.lr_scheduler
         return super().create_scheduler(num_training_steps, optimizer)
 
