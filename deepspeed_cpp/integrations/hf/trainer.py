@@ -89,15 +89,13 @@ class _EngineTrainerMixin:
             def factory(engine_optimizer):
                 # The Trainer's schedule (lr_scheduler_type, warm-up) on the engine's optimizer;
                 # a shallow copy so that the Trainer's own lr_scheduler slot stays untouched.
+                # (During prepare, self.optimizer is not yet the engine's view, so the call
+                # reaches transformers' create_scheduler, through any subclass override.)
                 builder = copy.copy(self)
                 builder.lr_scheduler = None
-                return builder._create_hf_scheduler(num_training_steps, engine_optimizer)
+                return builder.create_scheduler(num_training_steps, engine_optimizer)
 
         self.accelerator.plan_engine(EnginePlan(config, factory))
-        self._engine_config = config
-
-    def _create_hf_scheduler(self, num_training_steps, optimizer):
-        return transformers.Trainer.create_scheduler(self, num_training_steps, optimizer)
 
     def create_optimizer(self, model=None):
         if self.deepspeed_cpp_enabled and "optimizer" in self.args.deepspeed_cpp_config:
