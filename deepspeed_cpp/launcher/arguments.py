@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no_local_rank", action="store_true",
         help="do not pass --local_rank=N to the script (it reads LOCAL_RANK instead)",
     )  # fmt: skip
+    parser.add_argument(
+        "--alias-deepspeed", "--alias_deepspeed", dest="alias_deepspeed", action="store_true",
+        help="inside every worker, make `import deepspeed` (and importlib.metadata's 'deepspeed') "
+        "resolve to deepspeed_cpp, for scripts that cannot change a line; refused when a real "
+        "deepspeed is importable (deepspeed_cpp.compat)",
+    )  # fmt: skip
     for flag, (takes_value, _) in UNSUPPORTED_FLAGS.items():
         if takes_value:
             parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
@@ -133,6 +139,11 @@ def parse_launch_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--master_addr is empty; expected the host name or address of node 0")
     if args.module and args.no_python:
         parser.error("--module and --no_python exclude each other; pass at most one")
+    if args.alias_deepspeed and args.no_python:
+        parser.error(
+            "--alias-deepspeed works inside Python workers; with --no_python the program is an "
+            "executable the alias cannot reach"
+        )
     if not args.module and not args.no_python and not os.path.isfile(args.user_script):
         parser.error(
             f"user_script {args.user_script!r} is not a file (working directory "

@@ -24,6 +24,11 @@ import sys
 from typing import NoReturn
 
 MODES = ("python", "module", "exec")
+# Set by the launcher's --alias-deepspeed (deepspeed_cpp.compat.ENV_FLAG; repeated here because
+# this file imports nothing from the package): the worker then starts through
+# ``python -m deepspeed_cpp.compat``, which activates the ``import deepspeed`` alias before the
+# user's code runs.
+ALIAS_ENV_FLAG = "DEEPSPEED_CPP_ALIAS_DEEPSPEED"
 LOCAL_RANK_ARGS = ("local_rank", "no_local_rank")
 
 
@@ -48,10 +53,14 @@ def worker_command(argv: list[str], env: dict) -> list[str]:
             "'python -m deepspeed_cpp.launcher', which sets it"
         )
 
+    alias = env.get(ALIAS_ENV_FLAG) == "1"
+    if alias and mode == "exec":
+        _fail(f"{ALIAS_ENV_FLAG}=1 needs a Python worker; {target!r} is run as an executable")
+    bootstrap = ["-m", "deepspeed_cpp.compat"] if alias else []
     if mode == "python":
-        command = [sys.executable, "-u", target]
+        command = [sys.executable, "-u", *bootstrap, target]
     elif mode == "module":
-        command = [sys.executable, "-u", "-m", target]
+        command = [sys.executable, "-u", *bootstrap, "-m", target]
     else:
         command = [target]
     if local_rank_arg == "local_rank":

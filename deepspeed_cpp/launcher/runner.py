@@ -32,6 +32,21 @@ def main(argv: list[str] | None = None) -> None:
             args.hostfile, hosts, args.num_nodes, args.num_procs, args.master_port
         ):
             logger.info(line)
+    if args.alias_deepspeed:
+        from ..compat import ENV_FLAG, find_real_deepspeed
+
+        # Checked once here for one clear message; each worker checks again when it activates.
+        real = find_real_deepspeed()
+        if real is not None:
+            sys.exit(
+                f"deepspeed-cpp: error: --alias-deepspeed: a real 'deepspeed' is {real}; the "
+                "alias only stands in where DeepSpeed is absent"
+            )
+        # torchrun passes the environment to its workers; the trampoline reads this flag.
+        os.environ[ENV_FLAG] = "1"
+    else:
+        # The flag is the only way in: a value inherited from a parent launch does not count.
+        os.environ.pop("DEEPSPEED_CPP_ALIAS_DEEPSPEED", None)
     command = build_torchrun_command(args)
     logger.info(
         f"node {args.node_rank}/{args.num_nodes}: {args.num_procs} process(es), rendezvous at "

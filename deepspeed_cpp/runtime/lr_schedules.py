@@ -602,6 +602,8 @@ _SCHEDULERS = {
     cls.__name__: cls for cls in (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR)
 }
 SCHEDULER_NAMES = tuple(_SCHEDULERS)
+# DeepSpeed's name for the same list (code that checks `type(s).__name__ in VALID_LR_SCHEDULES`).
+VALID_LR_SCHEDULES = list(SCHEDULER_NAMES)
 
 
 def build_lr_scheduler(name: str, params: dict | None, optimizer):

@@ -40,7 +40,7 @@ from .scheduler import PARAMS_BY_TYPE as SCHEDULER_PARAMS
 from .scheduler import SchedulerConfig, validate_scheduler_params
 from .sections import AioConfig, BF16Config, FP16Config, ZeroConfig
 from .source import choose_config, read_config
-from .values import ConfigSection, boolean, integer, is_auto, number
+from .values import ConfigSection, boolean, integer, is_auto, number, print_interval
 
 
 class DeepSpeedConfig(ConfigSection):
@@ -58,7 +58,8 @@ class DeepSpeedConfig(ConfigSection):
     """Samples per forward/backward on one rank (set on every finalised config)."""
     gradient_accumulation_steps: integer(1, optional=True) = None
     """Micro-batches per optimizer step (set on every finalised config)."""
-    steps_per_print: integer(1) = 10
+    steps_per_print: print_interval() = 10
+    """Steps between progress lines; infinity (0 once read) prints none."""
     wall_clock_breakdown: boolean() = False
     gradient_clipping: number(minimum=0.0) = 0.0
     """Clip the global gradient norm to this; 0 disables clipping."""

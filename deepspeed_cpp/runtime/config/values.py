@@ -81,6 +81,25 @@ def integer(minimum: int | None = None, maximum: int | None = None, *, optional:
     return Annotated[int, _leaf(check, optional)]
 
 
+def print_interval():
+    """A step interval (an integer >= 1) or positive infinity, read as "never" and stored as 0.
+
+    accelerate's DeepSpeed plugin sets ``steps_per_print = float("inf")`` to silence DeepSpeed's
+    progress line, which DeepSpeed accepts; JSON cannot spell it, Python dicts can."""
+    expected = "an integer >= 1 or infinity (never)"
+
+    def check(value: Any) -> int:
+        if isinstance(value, float) and value == math.inf:
+            return 0
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            _reject(expected)
+        return value
+
+    return Annotated[int, _leaf(check, optional=False)]
+
+
 def _as_number(value: Any, expected: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         _reject(expected)

@@ -1,0 +1,314 @@
+"""The opt-in ``import deepspeed`` alias (deepspeed_cpp.compat), in real processes.
+
+Each check runs in a fresh interpreter: the alias changes ``sys.meta_path`` and ``sys.modules``,
+which must never leak into the test process (nor into anything but the process that asked).
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from launch_helpers import free_port, launch_env
+
+from deepspeed_cpp.launcher.local_rank_trampoline import worker_command
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO_ROOT / "examples" / "hf_trainer"
+OUR_IMPORT = "from deepspeed_cpp.hf import Trainer, TrainingArguments"
+HF_IMPORT = "from transformers import Trainer, TrainingArguments"
+
+
+def _python(code: str, *, extra_path: Path | None = None, timeout: int = 120):
+    path = str(REPO_ROOT) if extra_path is None else f"{extra_path}:{REPO_ROOT}"
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=launch_env(PYTHONPATH=path),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+    )
+
+
+def _ok(run) -> str:
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return run.stdout
+
+
+def test_no_deepspeed_without_the_alias():
+    # The premise of every test below: this environment has no real DeepSpeed.
+    out = _ok(
+        _python("""
+        import importlib.metadata as md, importlib.util
+        print(importlib.util.find_spec("deepspeed"))
+        try:
+            md.version("deepspeed")
+        except md.PackageNotFoundError:
+            print("no metadata")
+        """)
+    )
+    assert out.split() == ["None", "no", "metadata"]
+
+
+def test_finder_resolves_submodules_and_unresolves():
+    out = _ok(
+        _python("""
+        import json, sys
+        import deepspeed_cpp, deepspeed_cpp.compat as compat
+        compat.activate()
+        compat.activate()  # idempotent
+        import deepspeed
+        import deepspeed.moe.layer
+        import deepspeed.ops.adam
+        import deepspeed.runtime.zero.partition_parameters as pp
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_live
+        import deepspeed_cpp.moe.layer
+        from deepspeed_cpp.optim import DeepSpeedCPUAdam
+        import deepspeed_cpp.runtime.zero.partition_parameters as our_pp
+        report = {
+            "same_package": deepspeed is deepspeed_cpp,
+            "same_moe": deepspeed.moe.layer is deepspeed_cpp.moe.layer,
+            "same_adam": deepspeed.ops.adam.DeepSpeedCPUAdam is DeepSpeedCPUAdam,
+            "same_zero": pp is our_pp,
+            "module_name": deepspeed.moe.layer.__name__,
+            "initialize": deepspeed.initialize is deepspeed_cpp.initialize,
+        }
+        try:
+            import deepspeed.inference.engine
+        except ModuleNotFoundError as error:
+            report["missing"] = str(error)
+        compat.deactivate()
+        report["active_after"] = compat.is_active()
+        report["left_in_sys_modules"] = sorted(
+            n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")
+        )
+        try:
+            import deepspeed
+            report["after"] = "imported"
+        except ModuleNotFoundError as error:
+            report["after"] = str(error)
+        print(json.dumps(report))
+        """)
+    )
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["same_package"] and report["same_moe"] and report["same_adam"]
+    assert report["same_zero"] and report["initialize"]
+    # The module keeps its own name: tracebacks and pickles still say deepspeed_cpp.
+    assert report["module_name"] == "deepspeed_cpp.moe.layer"
+    assert "'deepspeed.inference'" in report["missing"]
+    assert "deepspeed_cpp.inference" in report["missing"]
+    assert report["active_after"] is False
+    assert report["left_in_sys_modules"] == []
+    assert report["after"] == "No module named 'deepspeed'"
+
+
+def test_metadata_is_answered_only_in_the_activated_process():
+    out = _ok(
+        _python("""
+        import importlib.metadata as md, json, subprocess, sys
+        import deepspeed_cpp.compat as compat
+        compat.activate()
+        from transformers.integrations.deepspeed import is_deepspeed_available
+        from transformers.utils.versions import require_version
+        require_version("deepspeed>=0.9.3")  # transformers' dep check for its DeepSpeed path
+        child = subprocess.run(
+            [sys.executable, "-c",
+             "import importlib.metadata as md\\n"
+             "try:\\n md.version('deepspeed'); print('found')\\n"
+             "except md.PackageNotFoundError: print('absent')"],
+            capture_output=True, text=True, check=True)
+        print(json.dumps({
+            "version": md.version("deepspeed"),
+            "name": md.distribution("deepspeed").metadata["Name"],
+            "transformers_sees_it": is_deepspeed_available(),
+            "expected": compat.ALIAS_VERSION,
+            "child": child.stdout.strip(),
+        }))
+        compat.deactivate()
+        try:
+            md.version("deepspeed")
+            print("still answered")
+        except md.PackageNotFoundError:
+            print("gone")
+        """)
+    )
+    *_, line, after = out.strip().splitlines()
+    report = json.loads(line)
+    assert report["version"] == report["expected"]
+    assert report["version"].startswith("0.19.8+deepspeed.cpp.")
+    assert report["name"] == "deepspeed"
+    assert report["transformers_sees_it"] is True
+    # A child of the activated process (same environment) does not see it: nothing on disk.
+    assert report["child"] == "absent"
+    assert after == "gone"
+
+
+def _fake_real_deepspeed(tmp_path: Path) -> Path:
+    package = tmp_path / "site" / "deepspeed"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise SystemExit('the fake deepspeed was imported')\n")
+    return tmp_path / "site"
+
+
+def test_refuses_when_a_real_deepspeed_is_importable(tmp_path):
+    site = _fake_real_deepspeed(tmp_path)
+    run = _python(
+        """
+        import sys
+        import deepspeed_cpp.compat as compat
+        try:
+            compat.activate()
+        except compat.RealDeepSpeedPresentError as error:
+            print("refused:", error)
+        print("active:", compat.is_active(), "imported:", "deepspeed" in sys.modules)
+        """,
+        extra_path=site,
+    )
+    out = _ok(run)
+    assert "refused: deepspeed_cpp.compat.activate(): a real 'deepspeed' is importable" in out
+    assert str(site / "deepspeed" / "__init__.py") in out
+    assert "active: False imported: False" in out
+
+
+def test_launcher_refuses_the_alias_beside_a_real_deepspeed(tmp_path):
+    site = _fake_real_deepspeed(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "deepspeed_cpp.launcher", "--num_procs", "2",
+         "--master_port", str(free_port()), "--alias-deepspeed", str(script)],
+        env=launch_env(PYTHONPATH=f"{site}:{REPO_ROOT}"),
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "--alias-deepspeed: a real 'deepspeed' is importable" in run.stderr
+    assert "ran" not in run.stdout
+
+
+def test_trampoline_starts_workers_through_the_alias():
+    env = {"LOCAL_RANK": "1", "DEEPSPEED_CPP_ALIAS_DEEPSPEED": "1"}
+    assert worker_command(["python", "local_rank", "t.py", "-a"], env) == [
+        sys.executable, "-u", "-m", "deepspeed_cpp.compat", "t.py", "--local_rank=1", "-a",
+    ]  # fmt: skip
+    assert worker_command(["module", "no_local_rank", "pkg.t"], env) == [
+        sys.executable, "-u", "-m", "deepspeed_cpp.compat", "-m", "pkg.t",
+    ]  # fmt: skip
+
+
+DEEPSPEED_SCRIPT = """\
+import argparse, importlib.metadata, json, os, sys
+import torch
+import deepspeed  # the line a DeepSpeed user cannot change
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int)
+parser.add_argument("--out")
+args = parser.parse_args()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+    "train_micro_batch_size_per_gpu": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+    "zero_optimization": {"stage": 2},
+})
+x = torch.randn(2, 4, generator=torch.Generator().manual_seed(engine.global_rank))
+loss = engine(x).pow(2).mean()
+engine.backward(loss)
+engine.step()
+rank = torch.distributed.get_rank()
+with open(os.path.join(args.out, f"rank{rank}.json"), "w") as handle:
+    json.dump({
+        "package": deepspeed.__name__,
+        "version": importlib.metadata.version("deepspeed"),
+        "world": torch.distributed.get_world_size(),
+        "local_rank": args.local_rank,
+        "main": __name__,
+        "path0": sys.path[0],
+        "weight": engine.module.weight.detach().flatten().tolist(),
+    }, handle)
+"""
+
+
+def test_launcher_flag_reaches_every_worker(tmp_path):
+    script = tmp_path / "scripts" / "train_ds.py"
+    script.parent.mkdir()
+    script.write_text(DEEPSPEED_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, "-m", "deepspeed_cpp.launcher", "--num_procs", "2",
+         "--master_port", str(free_port()), "--alias-deepspeed", str(script),
+         "--out", str(tmp_path)],
+        env=launch_env(PYTHONPATH=str(REPO_ROOT)),
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, seen in enumerate(ranks):
+        assert seen["package"] == "deepspeed_cpp"
+        assert seen["version"].startswith("0.19.8+deepspeed.cpp.")
+        assert seen["world"] == 2 and seen["local_rank"] == rank
+        # Run as `python train_ds.py` would run it.
+        assert seen["main"] == "__main__" and seen["path0"] == str(script.parent)
+    # One data-parallel step: both ranks hold the same updated weights.
+    assert ranks[0]["weight"] == ranks[1]["weight"]
+
+
+def _script_arguments(script: Path, output_dir: Path) -> list[str]:
+    return [
+        str(script),
+        "--deepspeed", str(EXAMPLE / "ds_config.json"),
+        "--output_dir", str(output_dir),
+        "--per_device_train_batch_size", "4",
+        "--max_steps", "2",
+        "--learning_rate", "1e-3",
+        "--save_strategy", "no",
+        "--report_to", "none",
+        "--disable_tqdm", "true",
+        "--dataloader_pin_memory", "false",
+    ]  # fmt: skip
+
+
+def test_unmodified_hf_trainer_script_gets_the_clear_message(tmp_path):
+    """transformers' own DeepSpeed path under the alias: refused, naming the one-line change.
+
+    (On this machine without a GPU accelerate would give each rank a world of one; see
+    deepspeed_cpp/compat/accelerate_guard.py for why the path is refused rather than mapped.)"""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    ours = (EXAMPLE / "train_tiny_gpt2.py").read_text()
+    assert OUR_IMPORT in ours
+    script = tmp_path / "train_hf.py"
+    script.write_text(ours.replace(OUR_IMPORT, HF_IMPORT))  # the script as HF users have it
+    run = subprocess.run(
+        [sys.executable, "-m", "deepspeed_cpp.launcher", "--num_procs", "2",
+         "--master_port", str(free_port()), "--alias-deepspeed",
+         *_script_arguments(script, tmp_path / "out")],
+        env=launch_env(PYTHONPATH=str(REPO_ROOT)),
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode != 0
+    output = run.stdout + run.stderr
+    assert "deepspeed_cpp.initialize was called by accelerate's DeepSpeed integration" in output
+    assert f"change `{HF_IMPORT}` to `{OUR_IMPORT}`" in output
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_names_transformers_and_accelerate_read_from_deepspeed_modules():
+    # The thin, honest part of the mapping: names that exist in DeepSpeed's modules and mean the
+    # same here (accelerate checks VALID_LR_SCHEDULES, transformers imports deepspeed.utils.logger,
+    # accelerate's plugin writes steps_per_print = inf to silence the progress line).
+    from deepspeed_cpp.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+    from deepspeed_cpp.runtime.lr_schedules import VALID_LR_SCHEDULES
+    from deepspeed_cpp.utils import logger
+
+    assert set(VALID_LR_SCHEDULES) == {
+        "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
+    }  # fmt: skip
+    assert logger.name == "deepspeed_cpp"
+    assert DeepSpeedConfig.parse({"steps_per_print": float("inf")}).steps_per_print == 0
+    assert DeepSpeedConfig.parse({"steps_per_print": 5.0}).steps_per_print == 5
+    for bad in (0, float("nan"), -float("inf"), True):
+        with pytest.raises(DeepSpeedConfigError, match="an integer >= 1 or infinity"):
+            DeepSpeedConfig.parse({"steps_per_print": bad})
