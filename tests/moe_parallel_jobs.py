@@ -128,14 +128,121 @@ def _engine_config(stage: int) -> dict:
     }
 
 
-def engine_refuses_expert_parallel() -> str:
-    import deepspeed_cpp
+class _ExpertNet(nn.Module):
+    """Dense layers around an MoE layer of 4 experts (top-1 or top-2)."""
 
+    def __init__(self, ep_size: int, k: int):
+        from deepspeed_cpp.moe.layer import MoE
+
+        super().__init__()
+        self.inp = nn.Linear(7, HIDDEN)
+        self.moe = MoE(HIDDEN, make_expert(), num_experts=4, ep_size=ep_size, k=k, min_capacity=2)
+        self.out = nn.Linear(HIDDEN, 3)
+
+    def forward(self, x):
+        hidden, l_aux, _ = self.moe(torch.relu(self.inp(x)))
+        return self.out(hidden), l_aux
+
+
+def _loss(model, step: int, r: int, seed: int) -> torch.Tensor:
+    """Rank r's loss at ``step``: its batch and the gate's draws depend on (seed, step, r) only."""
+    generator = torch.Generator().manual_seed(seed * 1000 + step * 10 + r)
+    x = torch.randn(6, 7, generator=generator)
+    y = torch.randint(0, 3, (6,), generator=generator)
+    torch.manual_seed(seed + 7 * step + r)  # RTS priorities
+    logits, l_aux = model(x)
+    return nn.functional.cross_entropy(logits, y) + 0.01 * l_aux
+
+
+def engine_expert_parallel_matches_reference(
+    stage: int, ep_size: int, k: int, clip: float, optimizer_kind: str, seed: int
+) -> dict:
+    """Engine training of ``_ExpertNet(ep_size)`` for 4 steps on this rank's batches vs a
+    one-process model holding all 4 experts, trained with the same torch optimizer
+    (``optimizer_kind``: "adamw" or "sgd" passed to initialize, or "config": the config's AdamW)
+    on both ranks' batches:
+    the loss is the mean of the two ranks' losses, so dense gradients are the average over the
+    ranks and expert gradients the sum over the ranks that routed tokens to them divided by the
+    world size (DeepSpeed's averaging), clipped by the global norm. Returns max abs differences
+    of the dense and expert parameters after the steps, and the grad norms."""
+    import deepspeed_cpp
+    from deepspeed_cpp.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    reference = _ExpertNet(ep_size=1, k=k)
+    model = _ExpertNet(ep_size=ep_size, k=k)
+    local = 4 // ep_size
+    ep_rank = rank % ep_size  # DeepSpeed's default layout: expert-parallel groups are consecutive
+    ref_params = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".deepspeed_experts." in name:
+                prefix, rest = name.split(".deepspeed_experts.")
+                index, tail = rest.split(".", 1)
+                name = f"{prefix}.deepspeed_experts.{ep_rank * local + int(index)}.{tail}"
+            param.copy_(ref_params[name])
+    initial = {name: param.detach().clone() for name, param in ref_params.items()}
+    options = {"lr": 0.3 if optimizer_kind == "sgd" else 1e-2, "weight_decay": 0.01}
+    # SGD sees any error in the gradients' scale; Adam normalises most of it away.
+    make = (lambda g: torch.optim.SGD(g, momentum=0.9)) if optimizer_kind == "sgd" else (
+        torch.optim.AdamW)  # fmt: skip
+
+    def groups_of(net):
+        return split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(net.parameters()), "name": "parameters", **options}
+        )
+
+    config = {
+        "train_batch_size": 6 * world,
+        "train_micro_batch_size_per_gpu": 6,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
+    }
+    if optimizer_kind != "config":
+        engine, *_ = deepspeed_cpp.initialize(
+            model=model, optimizer=make(groups_of(model)), config=config
+        )
+    else:
+        config["optimizer"] = {"type": "AdamW", "params": {"torch_adam": True, **options}}
+        engine, *_ = deepspeed_cpp.initialize(
+            model=model, model_parameters=groups_of(model), config=config
+        )
+    optimizer = make(groups_of(reference))
+    norms, ref_norms = [], []
+    for step in range(4):
+        loss = _loss(engine, step, rank, seed)
+        engine.backward(loss)
+        engine.step()
+        norms.append(engine.get_global_grad_norm())
+        optimizer.zero_grad()
+        total = sum(_loss(reference, step, r, seed) for r in range(world)) / world
+        total.backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(
+            reference.parameters(), clip if clip > 0 else float("inf"))))  # fmt: skip
+        optimizer.step()
+    diffs = {"dense": 0.0, "expert": 0.0, "norms": norms, "ref_norms": ref_norms}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            kind = "dense"
+            if ".deepspeed_experts." in name:
+                kind = "expert"
+                prefix, rest = name.split(".deepspeed_experts.")
+                index, tail = rest.split(".", 1)
+                name = f"{prefix}.deepspeed_experts.{ep_rank * local + int(index)}.{tail}"
+            diff = (param - ref_params[name]).abs().max().item()
+            diffs[kind] = max(diffs[kind], diff)
+        diffs["trained"] = max(
+            (param - initial[name]).abs().max().item() for name, param in ref_params.items()
+        )
+    sets = getattr(engine.optimizer, "sets", None)  # the expert-parallel composite's sets
+    if sets is not None:
+        diffs["set_sizes"] = dict(zip(engine.optimizer.keys, [m.world_size for m in sets]))
     try:
-        deepspeed_cpp.initialize(model=_MoENet(ep_size=2), config=_engine_config(0))
+        engine.save_checkpoint("/nonexistent-moe-checkpoint")
     except NotImplementedError as error:
-        return str(error)
-    return "no error"
+        diffs["checkpoint_error"] = str(error)
+    return diffs
 
 
 def engine_trains_moe_with_ep_size_1(stage: int, seed: int) -> list[float]:

@@ -178,6 +178,47 @@ def test_example_zero2_two_processes_learns(tmp_path):
     assert abs(zero3["final_test_accuracy"] - metrics["final_test_accuracy"]) <= 0.01
 
 
+@pytest.mark.parametrize(
+    "config, top_k, noisy",
+    [
+        ("ds_config_zero0_fp32.json", "1", "RSample"),
+        ("ds_config_zero1_bf16.json", "2", ""),
+        ("ds_config_zero2_fp32.json", "1", "RSample"),
+        ("ds_config_zero2_bf16.json", "2", ""),
+    ],
+)
+def test_run_ds_moe_trains_with_experts_split_over_two_processes(tmp_path, config, top_k, noisy):
+    # The tutorial's run_ds_moe.sh (2 processes, ep_size 2, 2 experts): each rank holds one
+    # expert, reduced over its own expert-data-parallel group, the rest over both ranks.
+    output_dir = tmp_path / "out"
+    run = subprocess.run(
+        ["bash", str(EXAMPLE_DIR / "run_ds_moe.sh"), "--epochs", "50", "--max-steps", "160",
+         "--log-interval", "40", "--data-dir", str(tmp_path / "no_data_here"),
+         "--output-dir", str(output_dir)],
+        env=launch_env(PYTHON=PYTHON, MASTER_PORT=str(free_port()), CONFIG=config, TOP_K=top_k,
+                       NOISY=noisy),
+        capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "ep_size_2: gradients reduced" in run.stdout + run.stderr  # the experts' own set
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    losses = [loss for _, loss in metrics["loss_curve"]]
+    assert all(math.isfinite(loss) for loss in losses), losses
+    assert losses[-1] < 0.85 * losses[0], losses
+    assert metrics["final_test_accuracy"] > 0.2, metrics["final_test_accuracy"]  # chance: 0.1
+
+
+def test_moe_noisy_gating_with_top_2_is_refused_by_name(tmp_path):
+    run = subprocess.run(
+        ["bash", str(EXAMPLE_DIR / "run_ds_moe.sh"), "--max-steps", "1",
+         "--data-dir", str(tmp_path / "no_data_here"), "--output-dir", str(tmp_path / "out")],
+        env=launch_env(PYTHON=PYTHON, MASTER_PORT=str(free_port()), TOP_K="2"),
+        capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "noisy_gate_policy" in run.stdout + run.stderr
+
+
 # ---- DeepSpeedExamples' CIFAR-10 API sequence ----------------------------------------------
 
 SEQUENCE = REPO_ROOT / "tests" / "deepspeed_tutorial_sequence.py"

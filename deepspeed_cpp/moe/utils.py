@@ -1,9 +1,8 @@
 """DeepSpeed's MoE helpers for building optimizer parameter groups.
 
 Expert parameters are recognised as DeepSpeed marks them (``param.allreduce is False``, with a
-``group_name`` of ``"ep_size_<n>"``). The engine does not yet average expert gradients over their
-expert-data-parallel group, so it trains expert parameters of ep_size=1 (whose group is the whole
-world) and refuses those of larger ep_size (``refuse_expert_parallel_training``).
+``group_name`` of ``"ep_size_<n>"``). The engine reduces the gradients of ep_size > 1 experts over
+their expert-data-parallel group (``runtime/zero/moe_stage.py``).
 """
 
 from __future__ import annotations
@@ -15,11 +14,6 @@ import torch
 from torch import nn
 
 from .layer import MoE
-
-MOE_NOT_SUPPORTED = (
-    "the engine does not yet average Mixture of Experts gradients over their "
-    "expert-data-parallel group"
-)
 
 DEFAULT_MAX_GROUP_SIZE = 178956971
 
@@ -132,24 +126,3 @@ def _chunks_of_at_most(params: list[torch.Tensor], max_numel: int | None):
         size += param.numel()
     if run:
         yield run
-
-
-def refuse_expert_parallel_training(model: nn.Module) -> None:
-    """NotImplementedError if ``model`` has expert parameters split over several ranks.
-
-    The engine averages every gradient over the whole data-parallel group and broadcasts every
-    parameter from rank 0. That is right for experts with ep_size=1 (their expert-data-parallel
-    group is the whole world) and wrong for ep_size > 1, whose experts differ between ranks.
-    """
-    for name, param in model.named_parameters():
-        group_name = getattr(param, "group_name", None)
-        if not is_moe_param(param) or not isinstance(group_name, str):
-            continue
-        ep_size = int(group_name.rsplit("_", 1)[-1]) if group_name.startswith("ep_size_") else 0
-        if ep_size != 1:
-            raise NotImplementedError(
-                f"deepspeed_cpp.initialize: parameter {name!r} is an expert parameter of group "
-                f"{group_name!r}; {MOE_NOT_SUPPORTED} for ep_size > 1: the engine would average "
-                "its gradient over every rank. Train MoE layers with ep_size=1 through the "
-                "engine, or use expert parallelism with the MoE layer and your own optimizer step"
-            )

@@ -11,13 +11,20 @@ import torch
 import torch.distributed as dist
 
 from ..accelerator import get_accelerator
-from ..moe.utils import refuse_expert_parallel_training
+from ..utils import groups as moe_groups
 from ..utils.logging import logger
 from .config import DeepSpeedConfig
 from .config_optimizer import config_optimizer_factory
 from .dataloader import make_distributed_loader
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
+from .zero.moe_stage import (
+    CHECKPOINT_NOT_SUPPORTED,
+    DENSE,
+    ExpertParallelZeroStage,
+    expert_set_of,
+    needs_expert_sets,
+)
 from .zero.offload.optimizer_offload import OptimizerOffload, ParamOffload
 from .zero.partitioned_optimizer import ZeroPartitionedOptimizer
 
@@ -60,7 +67,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self.device = torch.device(accelerator.device_name(self.local_rank))
 
         _release_previous_engine(model)
-        refuse_expert_parallel_training(model)  # ep_size > 1 needs per-group averaging
+        self._expert_parallel = needs_expert_sets(model.parameters())
+        if self._expert_parallel:
+            _refuse_expert_parallel_with(config)
         self._is_boundary_override: bool | None = None
         self.module = model
         if self.zero_optimization_stage() < 3:
@@ -116,7 +125,18 @@ class DeepSpeedEngine(torch.nn.Module):
             return
         with torch.no_grad():
             for tensor in list(self.module.parameters()) + list(self.module.buffers()):
-                dist.broadcast(tensor.data, src=0, group=self.group)
+                key = expert_set_of(tensor) if isinstance(tensor, torch.nn.Parameter) else DENSE
+                if key == DENSE:
+                    dist.broadcast(tensor.data, src=0, group=self.group)
+                else:
+                    # ep_size > 1 experts differ between expert-parallel ranks: each is a
+                    # replica only within its expert-data-parallel group, whose first rank's
+                    # copy every member starts from.
+                    dist.broadcast(
+                        tensor.data,
+                        src=moe_groups._get_expert_broadcast_src_rank(key),
+                        group=moe_groups._get_expert_data_parallel_group(key),
+                    )
 
     def _configure_zero_optimizer(self, client_optimizer, model_parameters):
         config_optimizer = self.config.optimizer
@@ -143,19 +163,26 @@ class DeepSpeedEngine(torch.nn.Module):
             offload=offload,
             device_optimizer=self._device_part_optimizer(offload),
         )
+        stage_class = ZeroPartitionedOptimizer
+        if self._expert_parallel:
+            # Expert parameters of ep_size > 1 get sets of their own, each reduced and sharded
+            # over its expert-data-parallel group (offloading was refused at construction).
+            stage_class = ExpertParallelZeroStage
+            for key in ("offload", "device_optimizer"):
+                del common[key]
         if client_optimizer is not None:
             if not isinstance(client_optimizer, torch.optim.Optimizer) and callable(
                 client_optimizer
             ):
                 client_optimizer = client_optimizer(self._param_groups(model_parameters))
             self._check_optimizer_covers_module(client_optimizer)
-            return ZeroPartitionedOptimizer(client_optimizer, **common)
+            return stage_class(client_optimizer, **common)
         if config_optimizer is None:
             return None  # inference or evaluation only; step() will say so
         factory = config_optimizer_factory(
             config_optimizer.type, config_optimizer.params, optimizer_device
         )
-        return ZeroPartitionedOptimizer(factory, self._param_groups(model_parameters), **common)
+        return stage_class(factory, self._param_groups(model_parameters), **common)
 
     def _configure_stage3(self, client_optimizer, model_parameters, offload, optimizer_device):
         from .zero.stage3 import ZeroStage3
@@ -362,6 +389,9 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         from .checkpoint import save_checkpoint
 
+        if self._expert_parallel:
+            raise NotImplementedError(f"save_checkpoint: {CHECKPOINT_NOT_SUPPORTED}")
+
         return save_checkpoint(
             self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, allow_pickle
         )
@@ -406,6 +436,9 @@ class DeepSpeedEngine(torch.nn.Module):
                 "load_checkpoint(custom_load_fn=...) is not supported by deepspeed_cpp"
             )
         from .checkpoint import load_checkpoint
+
+        if self._expert_parallel:
+            raise NotImplementedError(f"load_checkpoint: {CHECKPOINT_NOT_SUPPORTED}")
 
         return load_checkpoint(
             self,
@@ -480,6 +513,22 @@ def _release_previous_engine(model: torch.nn.Module) -> None:
     if previous is not None:
         logger.info("deepspeed_cpp: the model had an engine; destroying its hooks first")
         previous.destroy()
+
+
+def _refuse_expert_parallel_with(config: DeepSpeedConfig) -> None:
+    """Expert-parallel (ep_size > 1) MoE trains at ZeRO stages 0-2 without offloading: ZeRO-3
+    and the offloaded stepping partition everything over one group."""
+    zero = config.zero_optimization
+    if zero.stage == 3:
+        raise NotImplementedError(
+            "deepspeed_cpp.initialize: zero_optimization.stage 3 with expert-parallel MoE layers "
+            "(ep_size > 1) is not supported; use stage 0, 1 or 2, or ep_size=1"
+        )
+    if OptimizerOffload.from_config(zero, config.aio) is not None:
+        raise NotImplementedError(
+            "deepspeed_cpp.initialize: zero_optimization.offload_optimizer with expert-parallel "
+            "MoE layers (ep_size > 1) is not supported; remove offload_optimizer, or use ep_size=1"
+        )
 
 
 def _refuse_partitioned_parameters(model: torch.nn.Module, stage: int) -> None:

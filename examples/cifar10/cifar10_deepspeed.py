@@ -11,6 +11,11 @@ Two processes on this machine, ZeRO stage 2::
     python -m deepspeed_cpp.launcher --num_procs 2 examples/cifar10/cifar10_deepspeed.py \\
         --deepspeed --deepspeed_config examples/cifar10/ds_config_zero2_fp32.json
 
+Mixture of Experts, as the tutorial's ``run_ds_moe.sh`` (``run_ds_moe.sh`` here runs it through our
+launcher): ``--moe --ep-world-size 2 --num-experts 2 --top-k 1 --noisy-gate-policy RSample
+--moe-param-group`` puts MoE layers (linear experts) before the classifier, each rank holding
+num_experts / ep_world_size of them.
+
 Uses real CIFAR-10 from ``--data-dir`` when it is there (torchvision format), otherwise a
 generated CIFAR-shaped data set (and says so). Prints the loss and the test accuracy, and writes
 ``loss_curve.png`` and ``metrics.json`` to ``--output-dir``.
@@ -29,6 +34,7 @@ from cifar10_data import CLASSES, load_cifar10
 
 import deepspeed_cpp as deepspeed
 from deepspeed_cpp.accelerator import get_accelerator
+from deepspeed_cpp.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 
 def parse_arguments() -> argparse.Namespace:
@@ -53,6 +59,28 @@ def parse_arguments() -> argparse.Namespace:
         "--output-dir", default="runs/cifar10", help="where loss_curve.png and metrics.json go"
     )
     parser.add_argument("--seed", type=int, default=1234, help="seed of the initial weights")
+    # The tutorial's MoE flags (DeepSpeedExamples' cifar10_deepspeed.py), with its defaults.
+    parser.add_argument("--moe", action="store_true", help="use MoE layers before the classifier")
+    parser.add_argument(
+        "--ep-world-size", type=int, default=1, help="expert-parallel world size (ep_size)"
+    )
+    parser.add_argument(
+        "--num-experts", type=int, nargs="+", default=[1], help="experts per MoE layer (a list)"
+    )
+    parser.add_argument(
+        "--mlp-type", default="standard", choices=["standard", "residual"],
+        help="residual: DeepSpeed's Residual MoE (a dense MLP beside the experts)",
+    )  # fmt: skip
+    parser.add_argument("--top-k", type=int, default=1, help="experts per token: 1 or 2")
+    parser.add_argument("--min-capacity", type=int, default=0, help="minimum expert capacity")
+    parser.add_argument(
+        "--noisy-gate-policy", default=None, choices=[None, "RSample", "Jitter"],
+        help="noise in the gate (top-1 only)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--moe-param-group", action="store_true",
+        help="optimizer param groups per expert group (DeepSpeed's MoE groups)",
+    )  # fmt: skip
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     if args.epochs < 1:
@@ -63,20 +91,40 @@ def parse_arguments() -> argparse.Namespace:
 
 
 class Net(nn.Module):
-    """Three 3x3 conv layers and a linear classifier: ~24k parameters, quick on two CPU cores."""
+    """Three 3x3 conv layers and a linear classifier: ~24k parameters, quick on two CPU cores.
+    With ``args.moe``: one MoE layer per ``--num-experts`` entry (linear experts) between the
+    features and the classifier, as the tutorial's network."""
 
-    def __init__(self) -> None:
+    def __init__(self, args: argparse.Namespace | None = None) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
         self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
         self.conv3 = nn.Conv2d(32, 64, 3, padding=1)
+        self.moe_layers = nn.ModuleList()
+        if args is not None and args.moe:
+            for num_experts in args.num_experts:
+                self.moe_layers.append(
+                    deepspeed.moe.layer.MoE(
+                        hidden_size=64,
+                        expert=nn.Linear(64, 64),
+                        num_experts=num_experts,
+                        ep_size=args.ep_world_size,
+                        use_residual=args.mlp_type == "residual",
+                        k=args.top_k,
+                        min_capacity=args.min_capacity,
+                        noisy_gate_policy=args.noisy_gate_policy,
+                    )
+                )
         self.fc = nn.Linear(64, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = F.relu(self.conv3(x))
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        for layer in self.moe_layers:
+            x, _, _ = layer(x)  # (output, l_aux, exp_counts); the tutorial drops l_aux
+        return self.fc(x)
 
 
 def load_data(args):
@@ -145,8 +193,12 @@ def main(args):
 
     # The same seed on every rank gives every rank the same initial weights.
     torch.manual_seed(args.seed)
-    net = Net()
+    net = Net(args)
     parameters = filter(lambda p: p.requires_grad, net.parameters())
+    if args.moe_param_group:
+        parameters = split_params_into_different_moe_groups_for_optimizer(
+            {"params": [p for p in net.parameters() if p.requires_grad], "name": "parameters"}
+        )
     model_engine, optimizer, trainloader, lr_scheduler = deepspeed.initialize(
         args=args, model=net, model_parameters=parameters, training_data=trainset
     )

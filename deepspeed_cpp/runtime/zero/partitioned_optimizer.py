@@ -79,6 +79,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
         reduce_scatter: bool = True,
         offload: OptimizerOffload | None = None,
         device_optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
+        grad_divisor: int | None = None,
     ):
         """`optimizer` is either a torch optimizer over the model's parameters (the user's: its
         param groups are re-pointed at the master shards in place) or a factory that builds one
@@ -87,7 +88,10 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
         ``zero_optimization.reduce_scatter``) reduces stage 1/2 gradients with all-reduce.
         ``offload`` puts the master shards and optimizer state on the host or NVMe (see
         ``offload/optimizer_homes.py``); with ``ratio`` < 1 the buckets left on the device are
-        stepped by ``device_optimizer`` (a factory like a config ``optimizer``)."""
+        stepped by ``device_optimizer`` (a factory like a config ``optimizer``).
+        ``grad_divisor`` (default: the size of ``group``) is what the summed gradients are divided
+        by: expert parameters are reduced over their expert-data-parallel group but averaged over
+        the whole data-parallel world (``moe_stage.py``)."""
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} handles stages {self.STAGES}, got {stage}")
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -149,7 +153,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
         )
         # Each reduced bucket is averaged straight into this rank's shard gradient as soon as
         # its collective completes, during backward.
-        self.reducer.accumulate_into(self.shard_grads, 1.0 / self.world_size)
+        self.reducer.accumulate_into(self.shard_grads, 1.0 / (grad_divisor or self.world_size))
         self._gather_by_broadcast = backend_for(group, device) == "gloo"
         # Shard gradients are zeroed lazily: the first reduction after zero_grad() writes them
         # instead of adding to zeros (a full pass over every shard saved per step).

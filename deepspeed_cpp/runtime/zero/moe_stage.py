@@ -1,0 +1,248 @@
+"""ZeRO stages 0-2 for models with expert-parallel (ep_size > 1) Mixture-of-Experts layers.
+
+Expert parameters with ep_size > 1 differ between the ranks of an expert-parallel group: each
+is a replica only within its expert-data-parallel group. So the trainable parameters are split
+into sets: the dense ones (reduced and sharded over the whole data-parallel world) and one set
+per expert group name (reduced and sharded over that name's expert-data-parallel group). Each
+set is an ordinary ``ZeroPartitionedOptimizer`` of the engine's stage over its own group; this
+composite drives them as one ``ZeroStage``:
+
+- gradients: every set's summed gradients are divided by the data-parallel world size, expert
+  ones included, as DeepSpeed's engine does ("to maintain the gradients value unaffected by
+  ep_size setting"): an expert's gradient already holds the tokens of every rank of its
+  expert-parallel group (they reached it by all-to-all), so summing over its expert-data-parallel
+  group covers every rank once, and dividing by the world size gives the gradient of the loss
+  averaged over all ranks, exactly as for the dense parameters;
+- one fp16 overflow decision and one global gradient norm over all sets, from one all-reduce
+  over the world in which every gradient element is counted once (replicated stage-0 sets
+  count only on their group's first rank);
+- one torch optimizer (the user's, re-pointed at the master shards, or the config's) stepping
+  every set's masters in one ``step()``; then each set gathers its parameters over its group.
+
+Offloading and ZeRO-3 with such experts are refused by the engine; so are checkpoints, which
+cannot yet describe parameters sharded over different groups.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ...utils import groups
+from .partitioned_optimizer import ZeroPartitionedOptimizer
+
+DENSE = ""  # the set key of dense parameters (expert sets are keyed by their group name)
+
+CHECKPOINT_NOT_SUPPORTED = (
+    "checkpoints of models with expert-parallel (ep_size > 1) MoE layers are not supported yet: "
+    "their expert parameters are sharded over expert-data-parallel groups, which the checkpoint "
+    "format does not describe"
+)
+
+
+def expert_set_of(param: torch.nn.Parameter) -> str:
+    """The set ``param`` belongs to: its expert group name when ep_size > 1, else ``DENSE``
+    (ep_size=1 experts are replicated on every rank, like dense parameters)."""
+    name = getattr(param, "group_name", None)
+    if getattr(param, "allreduce", True) is not False or not isinstance(name, str):
+        return DENSE
+    if name == groups.expert_group_name(1):  # its groups need not exist (one process)
+        return DENSE
+    if groups._get_expert_data_parallel_world_size(name) == dist.get_world_size():
+        return DENSE
+    return name
+
+
+def needs_expert_sets(params) -> bool:
+    return any(expert_set_of(p) != DENSE for p in params if p.requires_grad)
+
+
+class _Collect:
+    """Stands in for the optimizer while a set is built: it only records the master groups, so
+    that one real optimizer can be made over every set's masters afterwards."""
+
+    def __init__(self, param_groups: list[dict]):
+        self.param_groups = param_groups
+        self.state: dict = {}
+
+
+class ExpertParallelZeroStage:
+    """``ZeroStage`` over a dense set and one set per expert group (see the module docstring)."""
+
+    trains = True
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer | Callable[[list[dict]], torch.optim.Optimizer],
+        param_groups: list[dict] | None = None,
+        *,
+        stage: int,
+        group: dist.ProcessGroup,
+        reduce_bucket_size: int,
+        gradient_clipping: float = 0.0,
+        loss_scaler=None,
+        reduce_scatter: bool = True,
+    ):
+        if isinstance(optimizer, torch.optim.Optimizer):
+            param_groups = optimizer.param_groups
+        elif param_groups is None:
+            raise ValueError("param_groups is required when optimizer is a factory")
+        self.stage = stage
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.gradient_clipping = float(gradient_clipping)
+        self.loss_scaler = loss_scaler
+        self.global_grad_norm: float | None = None
+        self.skipped_steps = 0
+
+        # Per set: the part of each user group in it, and which user group each part came from.
+        split: dict[str, tuple[list[dict], list[int]]] = {}
+        for index, param_group in enumerate(param_groups):
+            by_set: dict[str, list[torch.nn.Parameter]] = {}
+            for param in param_group["params"]:
+                if param.requires_grad:
+                    by_set.setdefault(expert_set_of(param), []).append(param)
+            options = {k: v for k, v in param_group.items() if k != "params"}
+            for key, params in by_set.items():
+                parts, origins = split.setdefault(key, ([], []))
+                parts.append({**options, "params": params})
+                origins.append(index)
+        # Sets are built (their reducers are collective) in the same order on every rank.
+        self.keys = sorted(split)
+        self.sets: list[ZeroPartitionedOptimizer] = []
+        for key in self.keys:
+            self.sets.append(
+                ZeroPartitionedOptimizer(
+                    _Collect,
+                    split[key][0],
+                    stage=stage,
+                    group=group if key == DENSE else groups._get_expert_data_parallel_group(key),
+                    reduce_bucket_size=reduce_bucket_size,
+                    reduce_scatter=reduce_scatter,
+                    grad_divisor=self.world_size,
+                )
+            )
+        # One optimizer over every set's masters, its groups in the user's order.
+        masters_of: list[list[torch.nn.Parameter]] = [[] for _ in param_groups]
+        for key, member in zip(self.keys, self.sets):
+            for origin, master_group in zip(split[key][1], member.optimizer.param_groups):
+                masters_of[origin].extend(master_group["params"])
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for param_group, masters in zip(optimizer.param_groups, masters_of):
+                param_group["params"] = masters
+            optimizer.state.clear()
+            self.optimizer = optimizer
+        else:
+            self.optimizer = optimizer(
+                [
+                    {**{k: v for k, v in g.items() if k != "params"}, "params": masters}
+                    for g, masters in zip(param_groups, masters_of)
+                ]
+            )
+        for member in self.sets:
+            member.optimizer = self.optimizer
+
+    # --- training -------------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def begin_backward(self, boundary: bool) -> None:
+        for member in self.sets:
+            member.begin_backward(boundary)
+
+    def end_backward(self) -> None:
+        for member in self.sets:  # same order on every rank: each finishes its collectives
+            member.end_backward()
+
+    def step(self) -> bool:
+        """Overflow check, unscale, clip by the global norm, one optimizer step, gathers."""
+        for member in self.sets:
+            member._apply_pending_zero()
+        grads = [grad for member in self.sets for grad in member.shard_grads]
+        device = grads[0].device
+        overflow = torch.zeros((), dtype=torch.float64, device=device)
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+        for member in self.sets:
+            # A stage-0 set is replicated over its group: its first rank speaks for it.
+            if member.stage == 0 and member.rank != 0:
+                continue
+            for grad in member.shard_grads:
+                if self.loss_scaler is not None:
+                    overflow += (~torch.isfinite(grad)).any().double()
+            norms = torch._foreach_norm(member.shard_grads)
+            squares += torch.stack(norms).double().pow(2).sum()
+        totals = torch.stack([overflow, squares])
+        if self.world_size > 1:
+            dist.all_reduce(totals, group=self.group)
+        if self.loss_scaler is not None and totals[0].item() > 0:
+            self.loss_scaler.update_scale(True)
+            self.skipped_steps += 1
+            self.zero_grad()
+            return False
+        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        self.global_grad_norm = math.sqrt(float(totals[1].item())) / scale
+        factor = 1.0 / scale
+        if self.gradient_clipping > 0.0:
+            coefficient = self.gradient_clipping / (self.global_grad_norm + 1e-6)
+            if coefficient < 1.0:
+                factor *= coefficient
+        if factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+        self.optimizer.step()
+        for member in self.sets:
+            member._finish_gathers(
+                [member._launch_gather(b, m) for b, m in zip(member.buckets, member.masters)]
+            )
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        self.zero_grad()
+        return True
+
+    def zero_grad(self) -> None:
+        for member in self.sets:
+            member.zero_grad()
+
+    def apply_pending_update(self) -> None:
+        pass  # no delayed updates: offloading is refused with expert-parallel MoE
+
+    def describe(self) -> str:
+        parts = [
+            f"{'dense' if key == DENSE else key}: {member.describe()} over "
+            f"{member.world_size} rank(s)"
+            for key, member in zip(self.keys, self.sets)
+        ]
+        return "; ".join(parts)
+
+    def state_bytes(self) -> int:
+        total = sum(m.numel() * m.element_size() for s in self.sets for m in s.masters)
+        for state in list(self.optimizer.state.values()):
+            for value in list(state.values()):
+                if torch.is_tensor(value) and value.dim() > 0:
+                    total += value.numel() * value.element_size()
+        return total
+
+    def full_state_dict(self, module: torch.nn.Module, *, rank0_only: bool) -> dict:
+        return {} if rank0_only and self.rank != 0 else module.state_dict()
+
+    def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
+        module.load_state_dict(state_dict, strict=False)
+
+    def destroy(self) -> None:
+        for member in self.sets:
+            member.destroy()
+
+    # --- checkpoints: not yet (see CHECKPOINT_NOT_SUPPORTED) ------------------------------------
+    def _no_checkpoint(self, *args, **kwargs):
+        raise NotImplementedError(CHECKPOINT_NOT_SUPPORTED)
+
+    layout = owned_ranges = first_state = shard_state = _no_checkpoint
+    load_shard_state = refresh_masters_from_params = _no_checkpoint
