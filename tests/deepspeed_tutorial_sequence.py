@@ -6,10 +6,13 @@ Our own script (not a copy): it touches the same API in the same order as
 
 - imports: ``deepspeed``, ``deepspeed.accelerator.get_accelerator``,
   ``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``;
-- argparse with ``--local_rank``, ``--dtype {bf16,fp16,fp32}``, ``--stage {0,1,2,3}``, ``--moe``,
-  ``--moe-param-group`` and ``deepspeed.add_config_arguments(parser)``;
+- argparse with ``--local_rank``, ``--dtype {bf16,fp16,fp32}``, ``--stage {0,1,2,3}``, the MoE
+  flags (``--moe``, ``--ep-world-size``, ``--num-experts``, ``--mlp-type``, ``--top-k``,
+  ``--min-capacity``, ``--noisy-gate-policy``, ``--moe-param-group``) and
+  ``deepspeed.add_config_arguments(parser)``;
 - ``deepspeed.init_distributed()``, then ``torch.distributed.get_rank()`` / ``barrier()``;
-- ``deepspeed.moe.layer.MoE(...)`` when ``--moe``;
+- ``deepspeed.moe.layer.MoE(...)`` layers when ``--moe``, applied before ``fc3`` (their
+  ``l_aux`` dropped, as there);
 - a config *dict* with the same keys (including the deprecated ``zero_optimization.cpu_offload``
   and a disabled ``fp16`` block), passed as ``initialize(args=..., model=...,
   model_parameters=<filter or param groups>, training_data=..., config=...)``;
@@ -32,7 +35,10 @@ import torch.nn.functional as F
 
 import deepspeed_cpp as deepspeed
 from deepspeed_cpp.accelerator import get_accelerator
-from deepspeed_cpp.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed_cpp.moe.utils import (
+    is_moe_param,
+    split_params_into_different_moe_groups_for_optimizer,
+)
 
 sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "cifar10")
@@ -50,6 +56,10 @@ def add_argument():
     parser.add_argument("--moe", default=False, action="store_true")
     parser.add_argument("--ep-world-size", default=1, type=int)
     parser.add_argument("--num-experts", type=int, nargs="+", default=[1])
+    parser.add_argument("--mlp-type", type=str, default="standard")
+    parser.add_argument("--top-k", default=1, type=int)
+    parser.add_argument("--min-capacity", default=0, type=int)
+    parser.add_argument("--noisy-gate-policy", default=None, type=str)
     parser.add_argument("--moe-param-group", default=False, action="store_true")
     # Ours, for the test: a step limit and where to write the result.
     parser.add_argument("--max-steps", type=int, default=20)
@@ -115,6 +125,10 @@ class Net(nn.Module):
                     expert=nn.Linear(84, 84),
                     num_experts=n,
                     ep_size=args.ep_world_size,
+                    use_residual=args.mlp_type == "residual",
+                    k=args.top_k,
+                    min_capacity=args.min_capacity,
+                    noisy_gate_policy=args.noisy_gate_policy,
                 )
                 for n in args.num_experts
             )
@@ -125,13 +139,18 @@ class Net(nn.Module):
         x = self.pool(F.relu(self.conv2(x)))
         x = torch.flatten(x, 1)
         x = F.relu(self.fc2(F.relu(self.fc1(x))))
+        if self.moe:
+            for layer in self.experts:
+                x, _, _ = layer(x)
         return self.fc3(x)
 
 
-def parameter_digest(module):
+def parameter_digest(module, dense_only=False):
     # Under ZeRO-3 the parameters are partitioned: gathered for the digest (a no-op otherwise).
-    with deepspeed.zero.GatheredParameters(list(module.parameters())):
-        flat = torch.cat([p.detach().float().flatten() for p in module.parameters()])
+    # ``dense_only``: without expert parameters (with ep_size > 1 they differ between ranks).
+    params = [p for p in module.parameters() if not (dense_only and is_moe_param(p))]
+    with deepspeed.zero.GatheredParameters(params):
+        flat = torch.cat([p.detach().float().flatten() for p in params])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
@@ -204,6 +223,7 @@ def main(args):
         "test_total": total,
         "initial_parameters": initial_digest,
         "parameters": parameter_digest(model_engine.module),
+        "dense_parameters": parameter_digest(model_engine.module, dense_only=True),
     }
     with open(os.path.join(args.out, f"rank{result['rank']}.json"), "w") as handle:
         json.dump(result, handle)

@@ -155,7 +155,7 @@ def _loss(model, step: int, r: int, seed: int) -> torch.Tensor:
 
 
 def engine_expert_parallel_matches_reference(
-    stage: int, ep_size: int, k: int, clip: float, optimizer_kind: str, seed: int
+    stage: int, ep_size: int, k: int, clip: float, optimizer_kind: str, seed: int, gas: int = 1
 ) -> dict:
     """Engine training of ``_ExpertNet(ep_size)`` for 4 steps on this rank's batches vs a
     one-process model holding all 4 experts, trained with the same torch optimizer
@@ -183,7 +183,12 @@ def engine_expert_parallel_matches_reference(
                 name = f"{prefix}.deepspeed_experts.{ep_rank * local + int(index)}.{tail}"
             param.copy_(ref_params[name])
     initial = {name: param.detach().clone() for name, param in ref_params.items()}
-    options = {"lr": 0.3 if optimizer_kind == "sgd" else 1e-2, "weight_decay": 0.01}
+    options = {"lr": 0.3, "weight_decay": 0.01}
+    if optimizer_kind != "sgd":
+        # Adam divides by sqrt(v): an element whose gradient is ~0 by cancellation carries
+        # float-rounding differences (another summation order) of its own size, which eps=1e-8
+        # would turn into lr-sized steps; eps=1e-4 keeps such elements' steps small.
+        options = {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-4}
     # SGD sees any error in the gradients' scale; Adam normalises most of it away.
     make = (lambda g: torch.optim.SGD(g, momentum=0.9)) if optimizer_kind == "sgd" else (
         torch.optim.AdamW)  # fmt: skip
@@ -194,8 +199,9 @@ def engine_expert_parallel_matches_reference(
         )
 
     config = {
-        "train_batch_size": 6 * world,
+        "train_batch_size": 6 * world * gas,
         "train_micro_batch_size_per_gpu": 6,
+        "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
     }
@@ -211,13 +217,14 @@ def engine_expert_parallel_matches_reference(
     optimizer = make(groups_of(reference))
     norms, ref_norms = [], []
     for step in range(4):
-        loss = _loss(engine, step, rank, seed)
-        engine.backward(loss)
-        engine.step()
+        for micro in range(gas):  # gas micro-steps, then the optimizer step
+            engine.backward(_loss(engine, step * gas + micro, rank, seed))
+            engine.step()
         norms.append(engine.get_global_grad_norm())
         optimizer.zero_grad()
-        total = sum(_loss(reference, step, r, seed) for r in range(world)) / world
-        total.backward()
+        for micro in range(gas):
+            total = sum(_loss(reference, step * gas + micro, r, seed) for r in range(world))
+            (total / (world * gas)).backward()
         ref_norms.append(float(torch.nn.utils.clip_grad_norm_(
             reference.parameters(), clip if clip > 0 else float("inf"))))  # fmt: skip
         optimizer.step()

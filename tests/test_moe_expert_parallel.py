@@ -54,15 +54,16 @@ def test_two_ranks_equal_one(pool2, k, drop_tokens, use_residual):
         (0, 1, 1, 0.0, "config"),
     ],
 )
+@pytest.mark.parametrize("gas", [1, 2])
 def test_engine_expert_parallel_training_equals_one_process(
-    pool2, stage, ep_size, k, clip, optimizer_kind
+    pool2, stage, ep_size, k, clip, optimizer_kind, gas
 ):
     """Dense + MoE model through the engine on 2 ranks (experts split over them when ep_size=2)
     equals one process holding all experts trained with the same optimizer on both ranks'
     batches, with DeepSpeed's averaging (dense and expert gradients divided by the world size)."""
     seed = int(torch.randint(2**20, ()))
     for rank, diffs in enumerate(pool2.run(jobs.engine_expert_parallel_matches_reference, stage,
-                                           ep_size, k, clip, optimizer_kind, seed,
+                                           ep_size, k, clip, optimizer_kind, seed, gas,
                                            timeout=300.0)):  # fmt: skip
         assert diffs["trained"] > 1e-2, diffs  # the comparison is not of untrained weights
         assert diffs["dense"] <= 1e-6 and diffs["expert"] <= 1e-6, (rank, diffs)
