@@ -103,7 +103,18 @@ void GradientReducer::harvest_beyond_window() {
 void GradientReducer::harvest(size_t bucket_index, bool copy_slice) {
   Bucket& bucket = buckets_[bucket_index];
   at::Tensor& buffer = buffers_.buffer(static_cast<int64_t>(bucket_index));
-  bucket.work->wait();
+  try {
+    bucket.work->wait();
+  } catch (const std::exception& error) {
+    // The process group's own text (gloo: "Timed out waiting 8000ms for recv operation", a
+    // gloo::IoException rather than a c10::Error) names neither the collective nor the bucket;
+    // both are known only here.
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+    TORCH_CHECK(
+        false, "GradientReducer: the ", collective(), " of gradient bucket ", bucket_index, " of ",
+        buckets_.size(), " (", buffer.numel(), " elements, world size ", world_size_,
+        ") failed: ", c10_error != nullptr ? c10_error->what_without_backtrace() : error.what());
+  }
   bucket.work.reset();
   at::Tensor reduced;
   if (has_reduce_scatter_) {

@@ -4,6 +4,7 @@ Everything here is a thin layer over ``torch.distributed``; rendezvous is torchr
 launcher at all, a world of one on loopback).
 """
 
+from .collective_errors import CollectiveTimeoutError
 from .distributed import (
     barrier,
     get_local_rank,
@@ -14,6 +15,7 @@ from .distributed import (
 )
 
 __all__ = [
+    "CollectiveTimeoutError",
     "barrier",
     "get_local_rank",
     "get_rank",

@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..utils.logging import logger
+from .collective_errors import named_collective, set_configured_timeout
 
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -19,12 +20,31 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _resolve_timeout(timeout) -> timedelta | None:
+    if timeout is None:
+        minutes = os.environ.get("DEEPSPEED_TIMEOUT")
+        if not minutes:
+            return None
+        try:
+            # DeepSpeed reads whole minutes; a fraction is accepted here (tests, short jobs).
+            timeout = timedelta(minutes=float(minutes))
+        except ValueError:
+            raise ValueError(
+                f"DEEPSPEED_TIMEOUT must be a number of minutes, got {minutes!r}"
+            ) from None
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"init_distributed: timeout must be a positive timedelta, got {timeout!r}")
+    return timeout
+
+
 def init_distributed(
     dist_backend: str | None = None,
     auto_mpi_discovery: bool = True,
     distributed_port: int | None = None,
     verbose: bool = True,
-    timeout: timedelta | None = None,
+    timeout: timedelta | float | None = None,
     init_method: str | None = None,
     dist_init_required: bool | None = None,
     config=None,
@@ -37,6 +57,12 @@ def init_distributed(
     environment. With none of them set — a notebook or a plain ``python script.py`` — a world of
     one is created on loopback. Partly set variables are an error naming the missing ones.
     The backend defaults to the accelerator's (gloo on CPU, nccl on CUDA).
+
+    ``timeout`` bounds every collective (a ``timedelta``, or seconds); without it, DeepSpeed's
+    ``DEEPSPEED_TIMEOUT`` environment variable (minutes), else torch's default. A rank that does
+    not answer within it makes the others raise ``CollectiveTimeoutError`` naming the
+    collective and the silent rank (``collective_errors.py``). DeepSpeed has no ds_config key
+    for it (its ``comms_config`` holds only ``comms_logger``), so neither do we.
     """
     if dist.is_initialized():
         return
@@ -69,9 +95,11 @@ def init_distributed(
 
         dist_backend = get_accelerator().communication_backend_name()
     kwargs = {"backend": dist_backend, "init_method": init_method or "env://"}
+    timeout = _resolve_timeout(timeout)
     if timeout is not None:
         kwargs["timeout"] = timeout
     dist.init_process_group(**kwargs)
+    set_configured_timeout(timeout)
     if verbose and dist.get_rank() == 0:
         logger.info(
             "deepspeed_cpp: initialised %s process group, world size %d",
@@ -98,4 +126,5 @@ def get_local_rank() -> int:
 
 def barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier(group)
+        with named_collective("barrier"):
+            dist.barrier(group)

@@ -12,6 +12,8 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from ...comm.collective_errors import named_collective
+
 T = TypeVar("T")
 
 
@@ -40,7 +42,8 @@ def agree_on(
         None if local_error is None else f"{type(local_error).__name__}: {local_error}",
     )
     outcomes = [None] * dist.get_world_size(group)
-    dist.all_gather_object(outcomes, outcome, group=group)
+    with named_collective(f"all_gather of every rank's outcome in {what}"):
+        dist.all_gather_object(outcomes, outcome, group=group)
     failures = [(rank, text) for rank, (ok, _, text) in enumerate(outcomes) if not ok]
     if failures:
         if local_error is not None and keep_local_error:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ...comm.collective_errors import named_collective
 from ...utils.logging import logger
 from .atomic_files import (
     fsync_directory,
@@ -251,7 +252,8 @@ def save_checkpoint(
     rank, group = engine.global_rank, engine.group
     tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     tags = [None] * engine.world_size
-    dist.all_gather_object(tags, tag, group=group)
+    with named_collective("all_gather of the tag at the start of save_checkpoint"):
+        dist.all_gather_object(tags, tag, group=group)
     if len(set(tags)) != 1:
         raise ValueError(
             f"save_checkpoint: every rank must save the same tag; the ranks gave {tags}"

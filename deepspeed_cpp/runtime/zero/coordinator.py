@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...comm.collective_errors import named_collective
 from ...ops.zero import make_fetch_schedule
 from ...utils.logging import logger
 from . import partition_parameters as pp
@@ -240,7 +241,8 @@ class ParameterCoordinator:
         if check is None:
             return
         work, every = check
-        work.wait()
+        with named_collective("all_gather of the ZeRO-3 unit check"):
+            work.wait()
         uses = every.tolist()
         if len(set(uses)) == 1:
             return

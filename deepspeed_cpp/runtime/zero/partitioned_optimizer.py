@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ...comm.collective_errors import named_collective
 from ...ops.zero import (
     BucketPlan,
     flatten_into,
@@ -307,7 +308,8 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
             )
             self._fp32_accumulators[index] = None
         if grad is not None:
-            self.reducer.add_grad(index, grad)
+            with named_collective("gradient reduction (a bucket launched during backward)"):
+                self.reducer.add_grad(index, grad)
         self._handed.add(index)
         if self.stage >= 2 or self._fp32_accumulators is not None:
             param.grad = None  # the reducer holds a copy; the full gradient is not kept
@@ -329,7 +331,8 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
             if index not in self._handed:
                 self._hand_over(index, param)
         self._handed.clear()
-        self.reducer.finish()  # the shard gradients now hold this micro-step's reduction too
+        with named_collective("gradient reduction"):
+            self.reducer.finish()  # the shard gradients now hold this micro-step's reduction too
         self._shard_grads_zero_pending = False
         self._reduce_during_backward = False
 
@@ -376,23 +379,25 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
                 grad.zero_()
             self._shard_grads_zero_pending = False
 
-    def _sum_over_shards(self, value: torch.Tensor) -> torch.Tensor:
+    def _sum_over_shards(self, value: torch.Tensor, what: str) -> torch.Tensor:
         if self.stage != 0 and self.world_size > 1:
-            dist.all_reduce(value, group=self.group)
+            with named_collective(what):
+                dist.all_reduce(value, group=self.group)
         return value
 
     def _overflow_on_any_rank(self) -> bool:
         local = torch.zeros(1, dtype=torch.float32, device=self.shard_grads[0].device)
         for grad in self.shard_grads:
             local += (~torch.isfinite(grad)).any().float()
-        return bool(self._sum_over_shards(local).item() > 0)
+        return bool(self._sum_over_shards(local, "all_reduce of the overflow flag").item() > 0)
 
     def _global_norm(self) -> float:
         # One fused read of the shards (float32 norms, as torch's clip_grad_norm_), then the
         # partial sums of squares in float64 across shards and ranks.
         norms = torch._foreach_norm(self.shard_grads)
         squares = torch.stack(norms).double().pow(2).sum().reshape(1)
-        return math.sqrt(float(self._sum_over_shards(squares).item()))
+        total = self._sum_over_shards(squares, "all_reduce of the gradient norm")
+        return math.sqrt(float(total.item()))
 
     def _step_and_gather(self) -> None:
         """Steps the master shards and writes the updated values into every rank's parameters.
@@ -436,9 +441,12 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
 
     @staticmethod
     def _finish_gathers(pending) -> None:
-        for bucket, full, works, in_place in pending:
-            for work in works:
-                work.wait()
+        for index, (bucket, full, works, in_place) in enumerate(pending):
+            with named_collective(
+                lambda index=index: f"all_gather of parameter bucket {index} of {len(pending)}"
+            ):
+                for work in works:
+                    work.wait()
             if not in_place:
                 unflatten_from(full, [p.data for p in bucket.params], bucket.offsets)
 

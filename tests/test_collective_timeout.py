@@ -1,0 +1,98 @@
+"""A rank that stops responding: the other fails within the timeout, naming the collective and
+the silent rank; through the launcher the run exits non-zero with that message.
+
+Real processes and real gloo: rank 1 sends itself SIGSTOP in the forward of step 3 of a ZeRO-2
+training (tests/stalled_rank_job.py); rank 0 then waits in that step's gradient reduction.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from launch_helpers import free_port, launch_env
+
+from deepspeed_cpp.comm.distributed import _resolve_timeout
+
+PYTHON = sys.executable
+JOB = str(Path(__file__).parent / "stalled_rank_job.py")
+TIMEOUT_S = 6
+# After the timeout: the grace period in which peers report (timeout / 4, at most 3 s), the
+# traceback and the interpreter's exit, on 2 cores shared with other work.
+MARGIN_S = 12
+
+if not hasattr(signal, "SIGSTOP"):
+    pytest.skip("SIGSTOP is POSIX only", allow_module_level=True)
+
+
+def _assert_named(output: str) -> None:
+    assert "CollectiveTimeoutError" in output, output[-4000:]
+    assert "failed on rank 0 of 2: rank(s) 1 did not answer" in output, output[-4000:]
+    assert f"within the timeout of {TIMEOUT_S} s" in output, output[-4000:]
+    assert "GradientReducer: the " in output and "of gradient bucket " in output, output[-4000:]
+
+
+def test_stopped_rank_makes_the_other_raise_a_named_timeout(tmp_path):
+    port, processes = free_port(), []
+    for rank in range(2):
+        env = launch_env()  # drops launcher variables: set this world's after it
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        processes.append(subprocess.Popen(
+            [PYTHON, JOB, str(tmp_path), str(TIMEOUT_S), "2"], env=env, stdout=log, stderr=log,
+        ))  # fmt: skip
+    try:
+        code = processes[0].wait(timeout=300)
+        ended = time.time()
+    finally:
+        for process in processes:
+            process.kill()  # SIGKILL also ends a stopped process
+            process.wait()
+    output = (tmp_path / "rank0.log").read_text()
+    assert code != 0, output[-4000:]
+    stopped = float((tmp_path / "stopped_at").read_text())
+    assert ended - stopped < TIMEOUT_S + MARGIN_S, (ended - stopped, output[-4000:])
+    _assert_named(output)
+
+
+def test_launcher_exits_nonzero_with_the_named_timeout(tmp_path):
+    started = time.monotonic()
+    run = subprocess.run(
+        [PYTHON, "-m", "deepspeed_cpp.launcher", "--num_procs", "2", "--master_port",
+         str(free_port()), "--no_local_rank", JOB, str(tmp_path), str(TIMEOUT_S), "2"],
+        env=launch_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output[-4000:]
+    _assert_named(output)
+    print(f"launcher exited {run.returncode} after {time.monotonic() - started:.1f} s")
+
+
+def test_timeout_from_argument_or_deepspeed_timeout(monkeypatch):
+    monkeypatch.delenv("DEEPSPEED_TIMEOUT", raising=False)
+    assert _resolve_timeout(None) is None
+    assert _resolve_timeout(8) == timedelta(seconds=8)
+    assert _resolve_timeout(timedelta(minutes=2)) == timedelta(minutes=2)
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", "0.5")  # DeepSpeed's variable is in minutes
+    assert _resolve_timeout(None) == timedelta(seconds=30)
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", "ten")
+    with pytest.raises(ValueError, match="DEEPSPEED_TIMEOUT must be a number of minutes"):
+        _resolve_timeout(None)
+    for bad in (0, -1, "8", True):
+        with pytest.raises(ValueError, match="timeout must be a positive timedelta"):
+            _resolve_timeout(bad)
+
+
+def test_usage_errors_keep_their_own_message():
+    """Only a peer's silence is reworded; other failures inside a wrapped wait pass through."""
+    from deepspeed_cpp.comm.collective_errors import named_collective
+
+    with pytest.raises(RuntimeError, match="^size mismatch$"):
+        with named_collective("all_gather of parameter bucket 0 of 1"):
+            raise RuntimeError("size mismatch")
