@@ -58,6 +58,10 @@ def cpu_adagrad_step_multi(
     ``params`` and ``state_sums`` are updated in place; ``step`` is the step number after this
     update (1 on the first call). Bitwise identical for any thread count and ISA level.
     """
+    # With every list empty and no found_inf the dispatcher sees no tensor and cannot pick a
+    # kernel (NotImplementedError): an empty step is simply nothing to do.
+    if found_inf is None and not any((params, grads, state_sums)):
+        return
     if not _ready:
         load_cpu_adagrad()
     torch.ops.deepspeed_cpp.cpu_adagrad_step_multi.default(

@@ -135,6 +135,10 @@ def cpu_adam_step_multi(
 
     ``found_inf`` covers the whole list: one non-finite gradient anywhere skips every tensor.
     """
+    # With every list empty and no found_inf the dispatcher sees no tensor and cannot pick a
+    # kernel (NotImplementedError): an empty step is simply nothing to do.
+    if found_inf is None and not any((params, grads, exp_avgs, exp_avg_sqs)):
+        return
     if not _ready:
         load_cpu_adam()
     torch.ops.deepspeed_cpp.cpu_adam_step_multi.default(

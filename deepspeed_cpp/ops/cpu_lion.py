@@ -57,6 +57,10 @@ def cpu_lion_step_multi(
     ``params`` and ``exp_avgs`` are updated in place. Bitwise identical for any thread count and
     ISA level.
     """
+    # With every list empty and no found_inf the dispatcher sees no tensor and cannot pick a
+    # kernel (NotImplementedError): an empty step is simply nothing to do.
+    if found_inf is None and not any((params, grads, exp_avgs)):
+        return
     if not _ready:
         load_cpu_lion()
     torch.ops.deepspeed_cpp.cpu_lion_step_multi.default(
