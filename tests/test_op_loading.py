@@ -41,6 +41,29 @@ def test_jit_from_empty_cache_then_cached(tmp_path):
     assert "just in time" not in second.stderr
 
 
+def test_two_processes_building_the_same_op_at_once(tmp_path):
+    """Both start on an empty cache together: one compiles, the other waits on the build's
+    flock, then loads the finished library (no second compile, no half-built library)."""
+    env = dict(os.environ, DS_CPP_EXTENSIONS_DIR=str(tmp_path))
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", STEP_SCRIPT],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    outputs = [run.communicate(timeout=600) for run in runs]
+    for run, (out, err) in zip(runs, outputs):
+        assert run.returncode == 0, err
+        assert "STEP OK" in out
+    compiled = [err.count("compiling op 'cpu_adam' just in time") for _, err in outputs]
+    assert sorted(compiled) == [0, 1], compiled
+    assert len(list(tmp_path.rglob("cpu_adam_*.so"))) == 1
+
+
 def test_cache_key_follows_sources_flags_and_nothing_else(tmp_path, monkeypatch):
     import shutil
 
