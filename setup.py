@@ -137,7 +137,10 @@ def extension_for(builder):
     return extension_class(
         name=f"deepspeed_cpp._ops.{builder.NAME}",
         sources=[f"csrc/{source}" for source in builder.sources()],
-        include_dirs=[str(ROOT / "csrc")],
+        include_dirs=[
+            str(ROOT / "csrc"),
+            *(str(ROOT / "csrc" / d) for d in builder.include_dirs()),
+        ],
         extra_compile_args=compile_args,
         extra_link_args=builder.extra_ldflags(),
     )

@@ -1,6 +1,7 @@
 // The Adagrad step of the CPU kernel over a lane type (cpu_simd_*.h), for common/cpu_stream_loop.h.
 // Written once over the lane operations, so every ISA level and the scalar tails round alike.
-// Include only inside an ISA target region, after adagrad_math.h (see cpu_adagrad_avx512.cpp).
+// Include only inside an ISA target region, after adagrad_math.h (see
+// cpu_optim/cpu_optim_avx512.cpp).
 #pragma once
 
 #include "adagrad_math.h"
@@ -33,6 +34,9 @@ struct AdagradKernel {
     state[0] = sum;
   }
 };
+
+// What csrc/cpu_optim/'s ISA sources instantiate.
+using FamilyKernel = AdagradKernel;
 
 }  // namespace
 }  // namespace cpu_optim

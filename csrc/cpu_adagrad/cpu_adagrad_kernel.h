@@ -17,7 +17,4 @@ void cpu_adagrad_update(const std::vector<cpu_optim::OptimizerTensor>& tensors,
                         const cpu_optim::StreamTypes& types, const AdagradHyperParams& hp,
                         double grad_scale, float* found_inf);
 
-// Name of the ISA level the kernel runs at in this process ("avx512", "avx2", "neon", "scalar").
-const char* cpu_adagrad_isa_name();
-
 }  // namespace deepspeed_cpp

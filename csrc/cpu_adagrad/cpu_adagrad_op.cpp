@@ -7,7 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "../cpu_adam/cpu_optimizer_glue.h"
+#include "../common/cpu_isa.h"
+#include "../cpu_optim/cpu_optimizer_glue.h"
 #include "cpu_adagrad_kernel.h"
 
 namespace deepspeed_cpp {
@@ -57,7 +58,7 @@ TORCH_LIBRARY_IMPL(deepspeed_cpp, CPU, m) {
 // Read by the report command through ctypes; an invalid DS_CPU_ISA comes back as its message.
 extern "C" const char* deepspeed_cpp_cpu_adagrad_isa() {
   try {
-    return deepspeed_cpp::cpu_adagrad_isa_name();
+    return deepspeed_cpp::cpu_isa_name(deepspeed_cpp::selected_cpu_isa());
   } catch (const std::exception& error) {
     static thread_local std::string message;
     message = std::string("error: ") + error.what();

@@ -3,7 +3,7 @@
 // One float at a time it is adam_update_element itself (adam_math.h, shared with the CUDA
 // kernel); over vector lanes it is the same operations in the same order, each lane rounding
 // exactly as adam_update_element does. tests/test_cpu_adam_op.py checks the levels bit for bit.
-// Include only inside an ISA target region, after adam_math.h (see cpu_adam_avx512.cpp).
+// Include only inside an ISA target region, after adam_math.h (see cpu_optim/cpu_optim_avx512.cpp).
 #pragma once
 
 #include <type_traits>
@@ -58,6 +58,9 @@ struct AdamKernel {
     }
   }
 };
+
+// What csrc/cpu_optim/'s ISA sources instantiate.
+using FamilyKernel = AdamKernel;
 
 }  // namespace
 }  // namespace cpu_optim

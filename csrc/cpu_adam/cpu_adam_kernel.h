@@ -1,7 +1,6 @@
 // Torch-free CPU Adam kernel: raw pointers, sizes and a hyper-parameter struct.
 #pragma once
 
-#include <cstdint>
 #include <vector>
 
 #include "../common/adam_math.h"
@@ -9,30 +8,16 @@
 
 namespace deepspeed_cpp {
 
-// One contiguous float32 tensor's worth of Adam state.
-struct AdamTensorView {
-  float* param;
-  const float* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  int64_t numel;
-};
-
-// Updates every tensor in `tensors` in one parallel region. Work is cut into fixed-size chunks
+// One Adam step over every tensor in one parallel region. Work is cut into fixed-size chunks
 // that do not depend on the thread count, and every element goes through adam_update_element's
 // operations, so results are bitwise identical for any number of threads and any ISA level.
-void cpu_adam_update(const std::vector<AdamTensorView>& tensors, const AdamHyperParams& hp);
-
-// The general form: storage types per `types` (param float32/bfloat16/float16, grad likewise,
-// state float32/bfloat16, optional low-precision copy of a float32 param); tensor.state[0] is
-// exp_avg, state[1] exp_avg_sq. Gradients are multiplied by 1 / grad_scale first. With a
-// found_inf flag (see run_multi_tensor_step) non-finite gradients skip the whole step.
+// Storage types per `types` (param float32/bfloat16/float16, grad likewise, state float32 or
+// bfloat16, optional low-precision copy of a float32 param); tensor.state[0] is exp_avg,
+// state[1] exp_avg_sq. Gradients are multiplied by 1 / grad_scale first. With a found_inf flag
+// (see run_multi_tensor_step) non-finite gradients skip the whole step.
 // Throws std::invalid_argument for a combination of types the kernel does not have.
 void cpu_adam_update(const std::vector<cpu_optim::OptimizerTensor>& tensors,
                      const cpu_optim::StreamTypes& types, const AdamHyperParams& hp,
                      double grad_scale, float* found_inf);
-
-// Name of the ISA level the kernel runs at in this process ("avx512", "avx2", "neon", "scalar").
-const char* cpu_adam_isa_name();
 
 }  // namespace deepspeed_cpp

@@ -7,8 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "../common/cpu_isa.h"
+#include "../cpu_optim/cpu_optimizer_glue.h"
 #include "cpu_adam_kernel.h"
-#include "cpu_optimizer_glue.h"
 
 namespace deepspeed_cpp {
 namespace {
@@ -87,7 +88,7 @@ TORCH_LIBRARY_IMPL(deepspeed_cpp, CPU, m) {
 // An invalid DS_CPU_ISA comes back as its message (no exception may cross into ctypes).
 extern "C" const char* deepspeed_cpp_cpu_adam_isa() {
   try {
-    return deepspeed_cpp::cpu_adam_isa_name();
+    return deepspeed_cpp::cpu_isa_name(deepspeed_cpp::selected_cpu_isa());
   } catch (const std::exception& error) {
     static thread_local std::string message;
     message = std::string("error: ") + error.what();

@@ -1,6 +1,6 @@
 // The Lion step of the CPU kernel over a lane type (cpu_simd_*.h), for common/cpu_stream_loop.h.
 // Written once over the lane operations, so every ISA level and the scalar tails round alike.
-// Include only inside an ISA target region, after lion_math.h (see cpu_lion_avx512.cpp).
+// Include only inside an ISA target region, after lion_math.h (see cpu_optim/cpu_optim_avx512.cpp).
 #pragma once
 
 #include "lion_math.h"
@@ -34,6 +34,9 @@ struct LionKernel {
     state[0] = L::fma(c.beta2, state[0], L::mul(c.one_minus_beta2, grad));
   }
 };
+
+// What csrc/cpu_optim/'s ISA sources instantiate.
+using FamilyKernel = LionKernel;
 
 }  // namespace
 }  // namespace cpu_optim

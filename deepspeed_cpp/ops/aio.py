@@ -19,24 +19,21 @@ from typing import Any
 import torch
 
 from .op_builder import AsyncIOBuilder
+from .op_loader import OpLoader
 
 ENGINES = ("io_uring", "libaio", "threads")
 
-_builder = AsyncIOBuilder()
-_ready = False
+_op = OpLoader(AsyncIOBuilder())
 
 
 def load_aio() -> None:
     """Loads the op library (pre-built or JIT)."""
-    global _ready
-    if not _ready:
-        _builder.load()
-        _ready = True
+    _op.load()
 
 
 def _library() -> ctypes.CDLL:
     load_aio()
-    library = _builder.c_library()
+    library = _op.builder.c_library()
     for name in ("deepspeed_cpp_aio_default_engine", "deepspeed_cpp_aio_compiled_engines"):
         getattr(library, name).restype = ctypes.c_char_p
     library.deepspeed_cpp_aio_engine_unavailable_reason.restype = ctypes.c_char_p

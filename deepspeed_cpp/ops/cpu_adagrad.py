@@ -15,18 +15,12 @@ import torch
 
 from .cpu_adam import check_cpu_devices, isa_of, named_list
 from .op_builder import CPUAdagradBuilder
-
-_builder = CPUAdagradBuilder()
-_ready = False
+from .op_loader import OpLoader
 
 
 def load_cpu_adagrad() -> None:
     """Loads the op library (pre-built or JIT). Called before first use, outside torch.compile."""
-    global _ready
-    if not _ready:
-        _builder.load()
-        torch.library.register_fake("deepspeed_cpp::cpu_adagrad_step_multi")(_fake_multi)
-        _ready = True
+    _op.load()
 
 
 def _fake_multi(params, grads, state_sums, *hyper_params, params_lowp=None, grad_scale=1.0,
@@ -37,6 +31,9 @@ def _fake_multi(params, grads, state_sums, *hyper_params, params_lowp=None, grad
         + named_list("state_sums", state_sums) + named_list("params_lowp", params_lowp)
         + [("found_inf", found_inf)],
     )  # fmt: skip
+
+
+_op = OpLoader(CPUAdagradBuilder(), {"cpu_adagrad_step_multi": _fake_multi})
 
 
 def cpu_adagrad_step_multi(
@@ -62,8 +59,8 @@ def cpu_adagrad_step_multi(
     # kernel (NotImplementedError): an empty step is simply nothing to do.
     if found_inf is None and not any((params, grads, state_sums)):
         return
-    if not _ready:
-        load_cpu_adagrad()
+    if not _op.ready:
+        _op.load()
     torch.ops.deepspeed_cpp.cpu_adagrad_step_multi.default(
         list(params), list(grads), list(state_sums), step, lr, eps, weight_decay, lr_decay,
         params_lowp=None if params_lowp is None else list(params_lowp), grad_scale=grad_scale,
@@ -95,4 +92,4 @@ def cpu_adagrad_step(
 
 def cpu_adagrad_isa() -> str:
     """The instruction-set level the kernel runs at in this process: avx512, avx2, neon, scalar."""
-    return isa_of(_builder)
+    return isa_of(_op.builder)

@@ -14,19 +14,12 @@ from collections.abc import Sequence
 import torch
 
 from .op_builder import CPUAdamBuilder
-
-_builder = CPUAdamBuilder()
-_ready = False
+from .op_loader import OpLoader
 
 
 def load_cpu_adam() -> None:
     """Loads the op library (pre-built or JIT). Called before first use, outside torch.compile."""
-    global _ready
-    if not _ready:
-        _builder.load()
-        torch.library.register_fake("deepspeed_cpp::cpu_adam_step")(_fake_single)
-        torch.library.register_fake("deepspeed_cpp::cpu_adam_step_multi")(_fake_multi)
-        _ready = True
+    _op.load()
 
 
 def check_cpu_devices(op: str, named_tensors) -> None:
@@ -73,6 +66,11 @@ def _fake_multi(params, grads, exp_avgs, exp_avg_sqs, *hyper_params, params_lowp
     )  # fmt: skip
 
 
+_op = OpLoader(
+    CPUAdamBuilder(), {"cpu_adam_step": _fake_single, "cpu_adam_step_multi": _fake_multi}
+)
+
+
 def cpu_adam_step(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -104,8 +102,8 @@ def cpu_adam_step(
     and nothing is written, else to 0. The result does not depend on the number of threads nor on
     the ISA level.
     """
-    if not _ready:
-        load_cpu_adam()
+    if not _op.ready:
+        _op.load()
     torch.ops.deepspeed_cpp.cpu_adam_step.default(
         param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
         bias_correction, adamw_mode, param_lowp=param_lowp, grad_scale=grad_scale,
@@ -139,8 +137,8 @@ def cpu_adam_step_multi(
     # kernel (NotImplementedError): an empty step is simply nothing to do.
     if found_inf is None and not any((params, grads, exp_avgs, exp_avg_sqs)):
         return
-    if not _ready:
-        load_cpu_adam()
+    if not _op.ready:
+        _op.load()
     torch.ops.deepspeed_cpp.cpu_adam_step_multi.default(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), step, lr, beta1, beta2,
         eps, weight_decay, bias_correction, adamw_mode,
@@ -151,4 +149,4 @@ def cpu_adam_step_multi(
 
 def cpu_adam_isa() -> str:
     """The instruction-set level the kernel runs at in this process: avx512, avx2, neon, scalar."""
-    return isa_of(_builder)
+    return isa_of(_op.builder)

@@ -15,18 +15,12 @@ import torch
 
 from .cpu_adam import check_cpu_devices, isa_of, named_list
 from .op_builder import CPULionBuilder
-
-_builder = CPULionBuilder()
-_ready = False
+from .op_loader import OpLoader
 
 
 def load_cpu_lion() -> None:
     """Loads the op library (pre-built or JIT). Called before first use, outside torch.compile."""
-    global _ready
-    if not _ready:
-        _builder.load()
-        torch.library.register_fake("deepspeed_cpp::cpu_lion_step_multi")(_fake_multi)
-        _ready = True
+    _op.load()
 
 
 def _fake_multi(params, grads, exp_avgs, *hyper_params, params_lowp=None, grad_scale=1.0,
@@ -37,6 +31,9 @@ def _fake_multi(params, grads, exp_avgs, *hyper_params, params_lowp=None, grad_s
         + named_list("exp_avgs", exp_avgs) + named_list("params_lowp", params_lowp)
         + [("found_inf", found_inf)],
     )  # fmt: skip
+
+
+_op = OpLoader(CPULionBuilder(), {"cpu_lion_step_multi": _fake_multi})
 
 
 def cpu_lion_step_multi(
@@ -61,8 +58,8 @@ def cpu_lion_step_multi(
     # kernel (NotImplementedError): an empty step is simply nothing to do.
     if found_inf is None and not any((params, grads, exp_avgs)):
         return
-    if not _ready:
-        load_cpu_lion()
+    if not _op.ready:
+        _op.load()
     torch.ops.deepspeed_cpp.cpu_lion_step_multi.default(
         list(params), list(grads), list(exp_avgs), lr, beta1, beta2, weight_decay,
         params_lowp=None if params_lowp is None else list(params_lowp), grad_scale=grad_scale,
@@ -93,4 +90,4 @@ def cpu_lion_step(
 
 def cpu_lion_isa() -> str:
     """The instruction-set level the kernel runs at in this process: avx512, avx2, neon, scalar."""
-    return isa_of(_builder)
+    return isa_of(_op.builder)

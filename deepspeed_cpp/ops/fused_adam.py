@@ -7,24 +7,15 @@ from collections.abc import Sequence
 import torch
 
 from .op_builder import FusedAdamBuilder, FusedAdamHostBuilder, OpNotAvailableError, RegistryBuilder
+from .op_loader import OpLoader
 
 _OP_NAME = "deepspeed_cpp::fused_adam"
-_builder = FusedAdamBuilder()
-_cuda_ready = False
-_fake_registered = False
+_cuda = OpLoader(FusedAdamBuilder())
 
 
 def fused_adam_available() -> tuple[bool, str]:
     """Whether the CUDA op can be loaded here (pre-built, or nvcc to build it), else why not."""
-    return _builder.is_compatible()
-
-
-def _register_fake() -> None:
-    global _fake_registered
-    if not _fake_registered:
-        RegistryBuilder().load()
-        torch.library.register_fake(_OP_NAME)(_fake_fused_adam)
-        _fake_registered = True
+    return _cuda.builder.is_compatible()
 
 
 def load_fused_adam() -> None:
@@ -32,11 +23,8 @@ def load_fused_adam() -> None:
 
     Raises OpNotAvailableError saying what is missing (a CUDA build of torch, nvcc, ...).
     """
-    global _cuda_ready
-    if not _cuda_ready:
-        _builder.load()
-        _register_fake()
-        _cuda_ready = True
+    _cuda.load()
+    _fake.load()
 
 
 def load_fused_adam_host_emulation() -> None:
@@ -47,7 +35,7 @@ def load_fused_adam_host_emulation() -> None:
     and for debugging without a GPU; for CPU training use ``cpu_adam``.
     """
     FusedAdamHostBuilder().load()
-    _register_fake()
+    _fake.load()
 
 
 def _fake_fused_adam(params, grads, exp_avgs, exp_avg_sqs, *hyper_params, lr_tensor=None,
@@ -66,6 +54,11 @@ def _fake_fused_adam(params, grads, exp_avgs, exp_avg_sqs, *hyper_params, lr_ten
                     f"fused_adam: {name} is on {tensor.device} but {first_name} is on "
                     f"{first.device}; one call updates one device"
                 )
+
+
+# The schema library with the meta kernel: on its own it serves the host emulation and tracing
+# on machines without a GPU.
+_fake = OpLoader(RegistryBuilder(), {"fused_adam": _fake_fused_adam})
 
 
 def fused_adam(
@@ -104,10 +97,10 @@ def fused_adam(
     if not params:
         return
     if params[0].device.type == "cuda":
-        if not _cuda_ready:
+        if not _cuda.ready:
             load_fused_adam()
     elif not torch.compiler.is_compiling():  # checked by the eager call that preceded tracing
-        _register_fake()
+        _fake.load()
         key = params[0].device.type.upper()
         if key != "META" and not torch._C._dispatch_has_kernel_for_dispatch_key(_OP_NAME, key):
             raise OpNotAvailableError(

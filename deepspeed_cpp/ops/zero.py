@@ -8,19 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from .op_builder import ZeroBuilder
-
-_ready = False
+from .op_loader import OpLoader
 
 
 def load_zero() -> None:
     """Loads the op library (pre-built or JIT). Called before first use, outside torch.compile."""
-    global _ready
-    if not _ready:
-        ZeroBuilder().load()
-        torch.library.register_fake("deepspeed_cpp::zero_flatten_into")(_fake_nothing)
-        torch.library.register_fake("deepspeed_cpp::zero_unflatten_from")(_fake_nothing)
-        torch.library.register_fake("deepspeed_cpp::zero_plan_buckets")(_fake_plan)
-        _ready = True
+    _op.load()
 
 
 def _fake_nothing(*args) -> None:
@@ -32,6 +25,16 @@ def _fake_plan(numels, groups, capacity, world_size, alignment):
     num_buckets = ctx.new_dynamic_size()
     slots = torch.empty((len(numels), 2), dtype=torch.long)
     return slots, torch.empty((num_buckets,), dtype=torch.long)
+
+
+_op = OpLoader(
+    ZeroBuilder(),
+    {
+        "zero_flatten_into": _fake_nothing,
+        "zero_unflatten_from": _fake_nothing,
+        "zero_plan_buckets": _fake_plan,
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ def plan_buckets(
     its own; each bucket is padded to a multiple of ``world_size * alignment`` elements so that it
     splits into equal, aligned shards, one per rank.
     """
-    if not _ready:
+    if not _op.ready:
         load_zero()
     slots, sizes = torch.ops.deepspeed_cpp.zero_plan_buckets.default(
         list(numels), list(groups), int(capacity), int(world_size), int(alignment)
@@ -81,14 +84,14 @@ def plan_buckets(
 
 def flatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int]):
     """Copies each tensor (any shape, any dtype) into the 1-D ``flat`` at its element offset."""
-    if not _ready:
+    if not _op.ready:
         load_zero()
     torch.ops.deepspeed_cpp.zero_flatten_into.default(list(tensors), flat, list(offsets))
 
 
 def unflatten_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]):
     """Copies slices of the 1-D ``flat`` back into each tensor, in place (dtype converted)."""
-    if not _ready:
+    if not _op.ready:
         load_zero()
     torch.ops.deepspeed_cpp.zero_unflatten_from.default(flat, list(tensors), list(offsets))
 
@@ -107,7 +110,7 @@ def make_gradient_reducer(
     reduced (see csrc/zero/grad_reducer.h); ``device`` is where the gradients live. Built
     collectively: every rank of ``group`` must call this at the same point.
     """
-    if not _ready:
+    if not _op.ready:
         load_zero()
     return torch.classes.deepspeed_cpp.GradientReducer(
         group.group_name, plan.param_bucket, plan.param_offset, plan.param_numel,
@@ -130,7 +133,7 @@ def make_fetch_schedule(
     ``end_pass()`` returns the units still gathered. Decisions depend only on the call sequence,
     so all ranks agree. See csrc/zero/fetch_schedule.h for the rules.
     """
-    if not _ready:
+    if not _op.ready:
         load_zero()
     return torch.classes.deepspeed_cpp.FetchSchedule(
         [int(n) for n in unit_numel],

@@ -98,6 +98,10 @@ class OpBuilder:
     def sources(self) -> list[str]:
         raise NotImplementedError
 
+    def include_dirs(self) -> list[str]:
+        """Folders (relative to csrc/) searched for includes besides csrc/ itself."""
+        return []
+
     def extra_cflags(self) -> list[str]:
         return list(BASE_CXX_FLAGS)
 
@@ -120,6 +124,10 @@ class OpBuilder:
         return True, ""
 
     # --- derived ------------------------------------------------------------------------------
+    def absolute_include_dirs(self) -> list[Path]:
+        root = csrc_dir()
+        return [root, *(root / folder for folder in self.include_dirs())]
+
     def absolute_sources(self) -> list[Path]:
         root = csrc_dir()
         return [root / source for source in self.sources()]
@@ -135,6 +143,7 @@ class OpBuilder:
         digest.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}".encode())
         digest.update(str(root.resolve()).encode())
         flags = self.extra_cflags() + self.extra_ldflags() + self.extra_cuda_cflags()
+        flags += self.include_dirs()
         digest.update("|".join(flags).encode())
         headers = sorted(p for p in root.rglob("*") if p.suffix in (".h", ".cuh", ".hpp"))
         for path in self.absolute_sources() + headers:
@@ -236,7 +245,7 @@ class OpBuilder:
                     extra_cflags=self.extra_cflags(),
                     extra_ldflags=self.extra_ldflags(),
                     extra_cuda_cflags=self.extra_cuda_cflags() or None,
-                    extra_include_paths=[str(csrc_dir())],
+                    extra_include_paths=[str(p) for p in self.absolute_include_dirs()],
                     build_directory=str(build_dir),
                     is_python_module=False,
                     verbose=verbose,

@@ -1,22 +1,27 @@
 from .builder import OpBuilder
 
-# Torch-free pieces every CPU optimizer family compiles: the run-time ISA choice. The rest of the
-# shared machinery (csrc/common/cpu_*.h) is header-only.
-_COMMON_SOURCES = ["common/cpu_isa.cpp"]
-# One translation unit per ISA level; each compiles to nothing on other architectures.
-_LEVELS = ["scalar", "avx2", "avx512", "neon"]
+# Torch-free pieces every CPU optimizer family compiles: the run-time ISA choice, the step that
+# dispatches on it and one translation unit per ISA level (each compiles to nothing on other
+# architectures). They are the same files for every family; what differs is the family's folder
+# on the include path, whose cpu_optim_family.h names its per-element step (see
+# csrc/cpu_optim/family_levels.h). The rest (csrc/common/cpu_*.h) is header-only.
+_SHARED_SOURCES = [
+    "cpu_optim/cpu_optim_dispatch.cpp",
+    *(f"cpu_optim/cpu_optim_{level}.cpp" for level in ("scalar", "avx2", "avx512", "neon")),
+    "common/cpu_isa.cpp",
+]
 
 
 class CPUOptimizerBuilder(OpBuilder):
-    """A CPU optimizer family: csrc/<NAME>/ with an op, a kernel and one loop file per ISA level."""
+    """A CPU optimizer family: csrc/<NAME>/ with its op, its kernel entry and its per-element step,
+    compiled with the shared per-ISA loops of csrc/cpu_optim/."""
 
     def sources(self) -> list[str]:
         family = self.NAME
-        return (
-            [f"{family}/{family}_op.cpp", f"{family}/{family}_kernel.cpp"]
-            + [f"{family}/{family}_{level}.cpp" for level in _LEVELS]
-            + _COMMON_SOURCES
-        )
+        return [f"{family}/{family}_op.cpp", f"{family}/{family}_kernel.cpp", *_SHARED_SOURCES]
+
+    def include_dirs(self) -> list[str]:
+        return [self.NAME]
 
     def extra_cflags(self) -> list[str]:
         return super().extra_cflags() + ["-fopenmp"]
