@@ -2,7 +2,9 @@
 
 For each op it says whether it is pre-built for this torch, can be compiled just in time, or
 cannot be built here and why. Ops that are already built are loaded and report what they say about
-themselves (the CPU ISA level in use); ``--load`` compiles the others first.
+themselves (the CPU ISA level in use); ``--load`` compiles the others first. ``--timings`` compiles
+every op that can be built here into a new, empty cache folder, one fresh process per op, and
+prints how long each JIT build took on this machine (MAX_JOBS is honoured).
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
+import tempfile
+import time
 
 import torch
 
 from .ops.op_builder import ALL_OPS, OpNotAvailableError
-from .ops.op_builder.builder import jit_cache_root
+from .ops.op_builder.builder import default_max_jobs, jit_cache_root
 
 _CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
                  "avx512_fp16", "amx_bf16", "asimd", "sve")  # fmt: skip
@@ -81,10 +86,56 @@ def loaded_details(name: str) -> str:
     return ""
 
 
+def jit_build_timings(ops: list[str]) -> list[tuple[str, str]]:
+    """(op, seconds or why not) for a JIT build of each of `ops` from nothing, registry first.
+
+    Each build runs in its own process with DS_CPP_EXTENSIONS_DIR pointing at a temporary folder,
+    so nothing already compiled is reused and this process loads nothing. The schema library
+    (registry) is built first and is then shared, as it is in real use.
+    """
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="deepspeed_cpp_timings_") as cache:
+        env = dict(os.environ, DS_CPP_EXTENSIONS_DIR=cache)
+        for name in ["registry", *ops]:
+            if name != "registry":
+                if name not in ALL_OPS:
+                    rows.append((name, f"no such op (known: {', '.join(ALL_OPS)})"))
+                    continue
+                builder = ALL_OPS[name]()
+                ok, why = builder.is_compatible()
+                jit_ok, jit_why = builder.jit_available() if ok else (False, "")
+                if not (ok and jit_ok):
+                    rows.append((name, f"not built: {why or jit_why}"))
+                    continue
+            code = (
+                "import sys\n"
+                "from deepspeed_cpp.ops.op_builder import ALL_OPS, RegistryBuilder\n"
+                "name = sys.argv[1]\n"
+                "(RegistryBuilder if name == 'registry' else ALL_OPS[name])().load()\n"
+            )
+            start = time.perf_counter()
+            done = subprocess.run(
+                [sys.executable, "-c", code, name], env=env, capture_output=True, text=True
+            )
+            seconds = time.perf_counter() - start
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["?"])[-1]
+                rows.append((name, f"build failed after {seconds:.1f} s: {last}"))
+            else:
+                rows.append((name, f"{seconds:.1f} s"))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--load", action="store_true", help="load every available op and report on it"
+    )
+    parser.add_argument(
+        "--timings",
+        nargs="*",
+        metavar="OP",
+        help="time a JIT build of every op (or of the OPs named) from an empty cache (minutes)",
     )
     args = parser.parse_args(argv)
 
@@ -119,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
             except OpNotAvailableError as error:
                 line += f"; load failed: {error}"
         print(line)
+    if args.timings is not None:
+        jobs = default_max_jobs()
+        print(f"jit build time from an empty cache ({os.cpu_count()} cores, MAX_JOBS={jobs}):")
+        for name, result in jit_build_timings(args.timings or list(ALL_OPS)):
+            print(f"  {name:<{name_width}} : {result}")
     return 0
 
 
