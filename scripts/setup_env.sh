@@ -43,7 +43,7 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
 "$VENV/bin/python" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
 "$VENV/bin/python" -m pip install -q ninja numpy "pydantic>=2" matplotlib safetensors hypothesis \
-  pytest pytest-timeout ruff clang-format
+  pytest pytest-timeout ruff clang-format build
 # The Hugging Face Trainer drop-in's tests (the `hf` extra, at the version they were written for).
 "$VENV/bin/python" -m pip install -q "transformers==5.24.0" "accelerate==1.15.0"
 MAX_JOBS=${MAX_JOBS:-2} "$VENV/bin/python" -m pip install -q --no-build-isolation -e .
