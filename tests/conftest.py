@@ -44,3 +44,17 @@ def pool3():
     pool = DistributedPool(3)
     yield pool
     pool.close()
+
+
+def copy_tracked_tree(destination: Path) -> Path:
+    """Copies the tracked (and untracked, not ignored) files to `destination`: a clean source
+    tree with no build/, no compiled library and no venv, as a fresh clone would have."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO_ROOT, capture_output=True, text=True, check=True)  # fmt: skip
+    for name in files.stdout.splitlines():
+        if (REPO_ROOT / name).is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            (destination / name).write_bytes((REPO_ROOT / name).read_bytes())
+    return destination

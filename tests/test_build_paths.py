@@ -13,7 +13,7 @@ import sys
 import zipfile
 
 import pytest
-from conftest import REPO_ROOT
+from conftest import copy_tracked_tree
 
 # Files every install must carry: the schemas, a shared CPU-optimizer source, a family header.
 REQUIRED_SOURCES = [
@@ -49,15 +49,7 @@ def _run(args, cwd, timeout=300, **env):
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    """A copy of the tracked (and untracked, not ignored) files: no build/, no .so, no venv."""
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                           cwd=REPO_ROOT, capture_output=True, text=True, check=True)  # fmt: skip
-    root = tmp_path_factory.mktemp("clean") / "source"
-    for name in files.stdout.splitlines():
-        if (REPO_ROOT / name).is_file():
-            (root / name).parent.mkdir(parents=True, exist_ok=True)
-            (root / name).write_bytes((REPO_ROOT / name).read_bytes())
-    return root
+    return copy_tracked_tree(tmp_path_factory.mktemp("clean") / "source")
 
 
 def _check_wheel(wheel):

@@ -9,7 +9,7 @@ import time
 import zipfile
 
 import pytest
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, copy_tracked_tree
 
 from deepspeed_cpp.ops.op_builder import ALL_OPS, CPUAdamBuilder, builder
 
@@ -29,21 +29,10 @@ def _run(code, env_overrides, cwd=None, timeout=600):
                           text=True, timeout=timeout)  # fmt: skip
 
 
-def test_jit_from_empty_cache_then_cached(tmp_path):
-    env = {"DS_CPP_EXTENSIONS_DIR": str(tmp_path)}
-    first = _run(STEP_SCRIPT, env)
-    assert first.returncode == 0, first.stderr
-    assert "STEP OK" in first.stdout
-    assert "compiling op 'cpu_adam' just in time" in first.stderr
-    assert list(tmp_path.rglob("cpu_adam_*.so")), "no library in the JIT cache"
-    second = _run(STEP_SCRIPT, env)
-    assert second.returncode == 0, second.stderr
-    assert "just in time" not in second.stderr
-
-
-def test_two_processes_building_the_same_op_at_once(tmp_path):
+def test_jit_from_an_empty_cache_by_two_processes_at_once_then_cached(tmp_path):
     """Both start on an empty cache together: one compiles, the other waits on the build's
-    flock, then loads the finished library (no second compile, no half-built library)."""
+    flock, then loads the finished library (no second compile, no half-built library). A third
+    process finds the library in the cache and compiles nothing."""
     env = dict(os.environ, DS_CPP_EXTENSIONS_DIR=str(tmp_path))
     runs = [
         subprocess.Popen(
@@ -62,6 +51,10 @@ def test_two_processes_building_the_same_op_at_once(tmp_path):
     compiled = [err.count("compiling op 'cpu_adam' just in time") for _, err in outputs]
     assert sorted(compiled) == [0, 1], compiled
     assert len(list(tmp_path.rglob("cpu_adam_*.so"))) == 1
+    cached = _run(STEP_SCRIPT, {"DS_CPP_EXTENSIONS_DIR": str(tmp_path)})
+    assert cached.returncode == 0, cached.stderr
+    assert "STEP OK" in cached.stdout
+    assert "just in time" not in cached.stderr
 
 
 def test_cache_key_follows_sources_flags_and_nothing_else(tmp_path, monkeypatch):
@@ -160,46 +153,6 @@ def test_unknown_build_flag_stops_the_build(flag, hint):
     assert f"unknown flag {flag}; {hint}known op flags: DS_BUILD_AIO," in result.stderr
 
 
-def test_parallel_build_ext_links_each_op_from_its_own_objects(tmp_path):
-    # `setup.py build_ext -jN` used to build extensions concurrently into one build folder,
-    # where torch's build.ninja files overwrite each other (ld: cannot find .../cpu_isa.o).
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                           cwd=REPO_ROOT, capture_output=True, text=True, check=True)  # fmt: skip
-    source = tmp_path / "source"
-    for name in files.stdout.splitlines():
-        if (REPO_ROOT / name).is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            (source / name).write_bytes((REPO_ROOT / name).read_bytes())
-    env = {"DS_BUILD_ZERO": "1"}  # with the registry: two extensions, built with -j2 at once
-    built = _setup_py("build_ext", "-j2", "bdist_wheel", "-d", str(tmp_path / "dist"),
-                      env_overrides=env, cwd=source, timeout=900)  # fmt: skip
-    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    (wheel,) = (tmp_path / "dist").glob("deepspeed_cpp-*.whl")
-    libraries = sorted(n.split("/")[-1].split(".")[0] for n in zipfile.ZipFile(wheel).namelist()
-                       if n.startswith("deepspeed_cpp/_ops/") and n.endswith(".so"))  # fmt: skip
-    assert libraries == ["registry", "zero"]
-    site = tmp_path / "site"
-    installed = _pip("install", "--no-deps", "--target", str(site), str(wheel), env_overrides={})
-    assert installed.returncode == 0, installed.stderr
-    code = (
-        "import torch\n"
-        "from deepspeed_cpp.ops.zero import flatten_into\n"
-        "parts = [torch.randn(3, 5), torch.randn(7)]\n"
-        "flat = torch.zeros(22)\n"
-        "flatten_into(parts, flat, [0, 15])\n"
-        "assert torch.equal(flat, torch.cat([parts[0].flatten(), parts[1]])), flat\n"
-        "print('LOADED OK')\n"
-    )
-    no_compiler = {
-        "PYTHONPATH": str(site),
-        "CXX": str(tmp_path / "no-such-compiler"),
-        "DS_CPP_EXTENSIONS_DIR": str(tmp_path / "empty-cache"),
-    }
-    ran = _run(code, no_compiler, cwd=tmp_path)
-    assert ran.returncode == 0, ran.stderr
-    assert "LOADED OK" in ran.stdout and "just in time" not in ran.stderr
-
-
 def test_zero_overrides_build_all(tmp_path):
     every_op_off = {f"DS_BUILD_{name.upper()}": "0" for name in ALL_OPS}
     result = _pip("wheel", "--no-build-isolation", "--no-deps", "-w", str(tmp_path), ".",
@@ -212,30 +165,57 @@ def test_zero_overrides_build_all(tmp_path):
     assert "deepspeed_cpp/csrc/cpu_adam/cpu_adam_kernel.cpp" in names
 
 
-def test_prebuilt_wheel_needs_no_compiler(tmp_path):
-    wheels = tmp_path / "wheels"
-    result = _pip("wheel", "--no-build-isolation", "--no-deps", "-w", str(wheels), ".",
-                  env_overrides={"DS_BUILD_OPS": "1", "DS_BUILD_FUSED_ADAM": "0",
-                                 "DS_BUILD_MOE_CUDA": "0", "MAX_JOBS": "2"})  # fmt: skip
-    # (the CUDA ops' nvcc builds take minutes; their own tests build them)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (wheel,) = wheels.glob("deepspeed_cpp-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "deepspeed_cpp/_ops/build_info.json" in names
-    assert any(n.startswith("deepspeed_cpp/_ops/cpu_adam.") and n.endswith(".so") for n in names)
-    assert "deepspeed_cpp/csrc/registration.cpp" in names
+# Two extensions (the schema registry and cpu_adam): enough for -j2 to build them at once, and
+# among the quickest ops to compile (every op's pre-built load goes through the same loader).
+PREBUILT = {"DS_BUILD_CPU_ADAM": "1"}
+PREBUILT_LIBRARIES = ["cpu_adam", "registry"]
 
-    site = tmp_path / "site"
+
+@pytest.fixture(scope="module")
+def prebuilt_site(tmp_path_factory):
+    """One wheel with cpu_adam pre-built, installed into a folder of its own. Built with
+    `setup.py build_ext -j2 bdist_wheel` from a clean copy: setuptools' -jN used to build
+    extensions concurrently into one build folder, where torch's build.ninja files overwrite each
+    other (ld: cannot find .../cpu_isa.o)."""
+    root = tmp_path_factory.mktemp("prebuilt")
+    source = copy_tracked_tree(root / "source")
+    built = _setup_py("build_ext", "-j2", "bdist_wheel", "-d", str(root / "dist"),
+                      env_overrides=PREBUILT, cwd=source, timeout=900)  # fmt: skip
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = (root / "dist").glob("deepspeed_cpp-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    libraries = sorted(n.split("/")[-1].split(".")[0] for n in names
+                       if n.startswith("deepspeed_cpp/_ops/") and n.endswith(".so"))  # fmt: skip
+    assert libraries == PREBUILT_LIBRARIES
+    assert "deepspeed_cpp/_ops/build_info.json" in names
+    assert "deepspeed_cpp/csrc/registration.cpp" in names
+    site = root / "site"
     installed = _pip("install", "--no-deps", "--target", str(site), str(wheel), env_overrides={})
     assert installed.returncode == 0, installed.stderr
-    no_compiler = {
+    return site
+
+
+def _no_compiler(site, tmp_path):
+    return {
         "PYTHONPATH": str(site),
         "CXX": str(tmp_path / "no-such-compiler"),
         "DS_CPP_EXTENSIONS_DIR": str(tmp_path / "empty-cache"),
     }
+
+
+def test_parallel_build_ext_links_each_op_from_its_own_objects(prebuilt_site, tmp_path):
+    # Both libraries load and run with no compiler at hand: each was linked from its own objects.
+    ran = _run(STEP_SCRIPT, _no_compiler(prebuilt_site, tmp_path), cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert "STEP OK" in ran.stdout and "just in time" not in ran.stderr
+
+
+def test_prebuilt_wheel_needs_no_compiler(prebuilt_site, tmp_path):
+    no_compiler = _no_compiler(prebuilt_site, tmp_path)
+    site = str(prebuilt_site)
     code = STEP_SCRIPT + (
         "import deepspeed_cpp\n"
-        f"assert deepspeed_cpp.__file__.startswith({str(site)!r}), deepspeed_cpp.__file__\n"
+        f"assert deepspeed_cpp.__file__.startswith({site!r}), deepspeed_cpp.__file__\n"
     )
     ran = _run(code, no_compiler, cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
