@@ -10,7 +10,7 @@ from soak import soak  # noqa: E402
 
 
 def test_soak_short_form_loses_nothing():
-    result = soak(steps=20, save_every=5, kill_every=10, seed=0)
+    result = soak(steps=20, save_every=5, kill_every=10, seed=0, task="mlp")
     assert result["kills survived"] >= 1, result
     assert result["resumes"] == result["kills survived"], result
     assert result["max |diff|"] == 0, result
