@@ -51,6 +51,20 @@ GatingShape checked_gating_shape(const at::Tensor& logits, int64_t k, int64_t ca
   return GatingShape{logits.size(0), logits.size(1), static_cast<int>(k), capacity};
 }
 
+GatingOutputs allocate_gating_outputs(const at::Tensor& logits, const GatingShape& shape,
+                                      int64_t k) {
+  const int64_t tokens = shape.num_tokens;
+  const at::TensorOptions indices = logits.options().dtype(at::kLong);
+  return GatingOutputs{
+      at::empty({tokens, k}, indices),
+      at::empty({tokens, k}, indices),
+      at::empty({tokens, k}, logits.options().dtype(at::kBool)),
+      at::empty({tokens, k}, logits.options()),
+      at::empty({k, shape.num_experts}, indices),
+      at::empty({tokens, k}, logits.options()),
+  };
+}
+
 GatingShape checked_backward_shape(const at::Tensor& grad_weight, const at::Tensor& logits,
                                    const at::Tensor& expert, const at::Tensor& kept) {
   check_logits("moe_gating_backward", logits);

@@ -26,12 +26,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_gatin
   const at::Tensor priority =
       priority_in.has_value() ? priority_in->to(at::kDouble).contiguous() : at::Tensor();
   const int64_t tokens = shape.num_tokens;
-  at::Tensor expert = at::empty({tokens, k}, logits.options().dtype(at::kLong));
-  at::Tensor position = at::empty({tokens, k}, logits.options().dtype(at::kLong));
-  at::Tensor kept = at::empty({tokens, k}, logits.options().dtype(at::kBool));
-  at::Tensor weight = at::empty({tokens, k}, logits.options());
-  at::Tensor slot_counts = at::empty({k, shape.num_experts}, logits.options().dtype(at::kLong));
-  at::Tensor prob = at::empty({tokens, k}, logits.options());
+  const GatingOutputs out = allocate_gating_outputs(logits, shape, k);
+  const at::Tensor &expert = out.expert, &position = out.position, &kept = out.kept;
+  const at::Tensor &weight = out.weight, &slot_counts = out.slot_counts, &prob = out.prob;
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "moe_gating_cpu", [&] {
     const scalar_t* noise_data = noise.defined() ? noise.const_data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, tokens, kTokenGrain, [&](int64_t begin, int64_t end) {
