@@ -69,8 +69,6 @@ def test_engine_expert_parallel_training_equals_one_process(
         assert diffs["dense"] <= 1e-6 and diffs["expert"] <= 1e-6, (rank, diffs)
         for norm, ref_norm in zip(diffs["norms"], diffs["ref_norms"]):
             assert abs(norm - ref_norm) <= 1e-5 * max(1.0, ref_norm), (rank, diffs)
-        if ep_size == 2:
-            assert "expert-parallel (ep_size > 1)" in diffs["checkpoint_error"]
 
 
 @pytest.mark.parametrize("stage", [0, 2])

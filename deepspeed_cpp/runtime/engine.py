@@ -19,7 +19,6 @@ from .dataloader import make_distributed_loader
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
 from .zero.moe_stage import (
-    CHECKPOINT_NOT_SUPPORTED,
     DENSE,
     ExpertParallelZeroStage,
     expert_set_of,
@@ -389,9 +388,6 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         from .checkpoint import save_checkpoint
 
-        if self._expert_parallel:
-            raise NotImplementedError(f"save_checkpoint: {CHECKPOINT_NOT_SUPPORTED}")
-
         return save_checkpoint(
             self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, allow_pickle
         )
@@ -436,9 +432,6 @@ class DeepSpeedEngine(torch.nn.Module):
                 "load_checkpoint(custom_load_fn=...) is not supported by deepspeed_cpp"
             )
         from .checkpoint import load_checkpoint
-
-        if self._expert_parallel:
-            raise NotImplementedError(f"load_checkpoint: {CHECKPOINT_NOT_SUPPORTED}")
 
         return load_checkpoint(
             self,

@@ -10,11 +10,12 @@ python -m deepspeed_cpp.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_FILE \\
 ``latest`` file unless ``--tag`` is given) or a tag directory itself. The output is a torch file
 (``torch.save``, e.g. ``pytorch_model.bin``) or, with ``--safe_serialization``, safetensors.
 
-What it holds, in the order of the model's own ``state_dict``: every trainable parameter as its
-fp32 master value (not the fp16/bf16 copy the model trains with), frozen parameters (converted to
-fp32) and buffers (as saved) from the module-states file. A tied parameter appears under every
-name that shares it (one shared tensor in a torch file; a copy per name in safetensors, which
-cannot store aliases).
+What it holds, in the order of the model's own ``state_dict`` (the experts of MoE layers last,
+every expert of every rank under its global name, see ``deepspeed_cpp.moe.expert_names``):
+every trainable parameter as its fp32 master value (not the fp16/bf16 copy the model trains
+with), frozen parameters (converted to fp32) and buffers (as saved) from the module-states
+file. A tied parameter appears under every name that shares it (one shared tensor in a torch
+file; a copy per name in safetensors, which cannot store aliases).
 
 Integrity: the metadata's digest and each file's SHA-256 are checked as the files are read (a
 damaged file raises ``IncompleteCheckpointError`` naming it and both digests; the command exits
@@ -36,6 +37,7 @@ import torch
 from ..runtime.checkpoint.atomic_files import write_atomically_by_name
 from ..runtime.checkpoint.digests import file_digests
 from ..runtime.checkpoint.errors import CheckpointMismatchError, IncompleteCheckpointError
+from ..runtime.checkpoint.expert_files import read_expert_states
 from ..runtime.checkpoint.layout import MODULE_FILE, read_metadata, resolve_checkpoint_dir
 from ..runtime.checkpoint.metadata import ZeroLayout
 from ..runtime.checkpoint.shard_reader import load_mapped
@@ -88,7 +90,8 @@ def get_fp32_state_dict_from_zero_checkpoint(
     metadata = read_metadata(directory)
     digests = file_digests(metadata)
     module_state = load_mapped(directory / MODULE_FILE, digests.get(MODULE_FILE), "module states")
-    module_state = module_state["module"]
+    # Experts of MoE layers have files of their own, under global names (expert_files.py).
+    module_state = {**module_state["module"], **read_expert_states(directory, metadata, digests)}
     layout = ZeroLayout.from_json(metadata["zero_layout"]) if metadata["zero_layout"] else None
     trainable = _trainable_fp32(directory, layout, digests) if layout is not None else {}
     primary = {name: p.name for p in (layout.params if layout else ()) for name in p.names}

@@ -16,13 +16,16 @@ from pathlib import Path
 
 import torch
 
+from ...moe.expert_names import expert_layers, local_name, to_local
 from ...utils.logging import logger
 from .client_state import NEEDS_PICKLE_KEY, load_client_state
 from .digests import file_digests
 from .errors import CheckpointMismatchError, IncompleteCheckpointError
+from .expert_files import check_experts_match, read_expert_states, wanted_by
+from .expert_layout import global_names_by_parameter, local_layout
 from .layout import CLIENT_STATE_FILE, MODULE_FILE, optimizer_shard_file, read_latest_tag
 from .layout import read_metadata as read_checked_metadata
-from .metadata import ZeroLayout, names_by_parameter
+from .metadata import ZeroLayout
 from .rank_agreement import agree_on
 from .reshard import Resharder
 from .rng_state import restore_rng_states
@@ -60,9 +63,10 @@ def check_module_matches(module: torch.nn.Module, saved: dict, strict: bool, all
                 )
 
 
-def check_layouts_match(saved: ZeroLayout, current: ZeroLayout) -> None:
+def check_layouts_match(saved: ZeroLayout, current: ZeroLayout, held_elsewhere=None) -> None:
     """Refuses a checkpoint whose trainable parameters (names, shapes, param groups) differ
-    from the engine's, naming the first difference."""
+    from the engine's, naming the first difference. ``held_elsewhere(name)``: whether a saved
+    parameter this engine lacks is one another rank trains (an expert of another rank)."""
     saved_by_name = saved.by_name()
     for record in current.params:
         match = next((saved_by_name[n] for n in record.names if n in saved_by_name), None)
@@ -83,6 +87,8 @@ def check_layouts_match(saved: ZeroLayout, current: ZeroLayout) -> None:
             )
     current_names = current.by_name()
     for record in saved.params:
+        if held_elsewhere is not None and held_elsewhere(record.name):
+            continue
         if not any(name in current_names for name in record.names):
             raise CheckpointMismatchError(
                 f"the checkpoint trains parameter '{record.name}' (shape {list(record.shape)}) "
@@ -114,6 +120,7 @@ class _Plan:
     """What one rank read and checked, ready to be applied."""
 
     module_payload: dict
+    module_state: dict  # global expert names (moe/expert_names.py): this rank's experts only
     client_state: dict | None = None
     masters: list | None = None
     states: list | None = None
@@ -139,14 +146,21 @@ def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
     metadata = read_checked_metadata(directory)
     digests = file_digests(metadata)
     plan = _Plan()
+    layers = expert_layers(engine.module)
+    check_experts_match(metadata, layers)
     plan.module_payload = load_mapped(
         directory / MODULE_FILE, digests.get(MODULE_FILE), "module states"
     )
+    # The dense state, and the files of this rank's experts (all names global).
+    plan.module_state = dict(plan.module_payload["module"])
+    plan.module_state.update(read_expert_states(directory, metadata, digests, wanted_by(layers)))
     allow_missing = ()
     if plan.module_payload.get("frozen_parameters_excluded"):
-        allow_missing = {n for p in metadata["frozen_parameters"] for n in p["names"]}
+        allow_missing = {
+            local_name(n, layers) for p in metadata["frozen_parameters"] for n in p["names"]
+        }
     check_module_matches(
-        engine.module, plan.module_payload["module"], options["strict"], allow_missing
+        engine.module, to_local(plan.module_state, layers), options["strict"], allow_missing
     )
     zero = engine.optimizer
     if options["module_only"]:
@@ -158,10 +172,8 @@ def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
                 "pass load_module_only=True"
             )
         saved = ZeroLayout.from_json(metadata["zero_layout"])
-        current = ZeroLayout.from_optimizer(
-            zero, names_by_parameter(engine.module), optimizer_shard_file
-        )
-        check_layouts_match(saved, current)
+        current = local_layout(zero, global_names_by_parameter(engine.module))
+        check_layouts_match(saved, current, lambda name: local_name(name, layers) is None)
         if options["optimizer_states"]:
             _check_optimizer_matches(metadata, zero)
         # One reader for the slices and this rank's RNG states: each file is hashed once.
@@ -198,7 +210,7 @@ def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
 
 def _apply(engine, plan: _Plan, options: dict) -> None:
     payload = plan.module_payload
-    engine.load_full_module_state(payload["module"])
+    engine.load_full_module_state(plan.module_state)
     zero = engine.optimizer
     if options["module_only"]:
         if zero is not None:
@@ -208,7 +220,8 @@ def _apply(engine, plan: _Plan, options: dict) -> None:
         zero.load_shard_state(plan.masters, plan.states if options["optimizer_states"] else None)
         if options["optimizer_states"]:
             for group, saved in zip(zero.param_groups, payload["param_groups"]):
-                group.update({k: v for k, v in saved.items() if k != "params"})
+                # "name" of an expert group says its ep_size, which may have changed.
+                group.update({k: v for k, v in saved.items() if k not in ("params", "name")})
         zero.skipped_steps = payload["optimizer_skipped_steps"]
     engine.global_steps = payload["global_steps"]
     engine.global_samples = payload["global_samples"]

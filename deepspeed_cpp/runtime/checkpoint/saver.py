@@ -25,6 +25,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
+from ...moe.expert_names import expert_layers, to_global
 from ...utils.logging import logger
 from .atomic_files import (
     fsync_directory,
@@ -36,6 +37,8 @@ from .atomic_files import (
 from .client_state import NEEDS_PICKLE_KEY, check_client_state
 from .digests import DIGEST_KEY, seal_metadata
 from .errors import CheckpointSaveError
+from .expert_files import expert_payloads, moe_metadata, without_experts
+from .expert_layout import bucket_writers, checkpoint_layout, global_names_by_parameter
 from .layout import (
     CLIENT_STATE_FILE,
     DISPLACED_SUFFIX,
@@ -49,8 +52,8 @@ from .layout import (
     optimizer_shard_file,
     read_latest_tag,
 )
-from .metadata import ZeroLayout, dtype_name, names_by_parameter, plain, to_json_text
-from .model_save import share_tied
+from .metadata import dtype_name, plain, to_json_text
+from .model_save import compact, share_tied
 from .rank_agreement import agree_on
 from .reshard import classify_state
 from .rng_state import capture_rng_states
@@ -67,17 +70,24 @@ def _model_dtype(engine) -> str:
 
 
 def _trainable_ids(engine) -> set[int]:
-    return set() if engine.optimizer is None else {id(p) for p in engine.optimizer.layout().params}
-
-
-def _bucket_entries(engine) -> dict[int, dict]:
-    """This rank's master slices and their optimizer state, by bucket index."""
     zero = engine.optimizer
-    if zero is None or (zero.stage == 0 and engine.global_rank != 0):
-        return {}  # ZeRO-0 ranks hold identical copies; rank 0 saves them
+    if zero is None:
+        return set()
+    members = getattr(zero, "sets", None) or [zero]  # the expert-parallel composite's sets
+    return {id(p) for member in members for p in member.layout().params}
+
+
+def _bucket_entries(engine, indices: list[int]) -> dict[int, dict]:
+    """This rank's master slices and their optimizer state, by bucket index in the checkpoint's
+    layout (``indices``: that index of each of this rank's buckets)."""
+    zero = engine.optimizer
+    if zero is None:
+        return {}
     entries = {}
-    for bucket, (slice_, (start, size)) in enumerate(zip(zero.shard_state(), zero.owned_ranges())):
-        entries[bucket] = {"start": start, "size": size, **slice_}
+    slices = zip(bucket_writers(zero), zero.shard_state(), zero.owned_ranges(), indices)
+    for writes, slice_, (start, size), bucket in slices:
+        if writes:  # ZeRO-0 ranks hold identical copies; the first rank of the group saves them
+            entries[bucket] = {"start": start, "size": size, **slice_}
     return entries
 
 
@@ -119,7 +129,7 @@ def _file_entry(name: str, role: str, rank: int, payload: dict, staging: Path) -
 
 
 def _write_rank_files(
-    engine, staging: Path, client_state, exclude_frozen: bool, state_dict: dict
+    engine, staging: Path, client_state, exclude_frozen: bool, state_dict: dict, indices
 ) -> list[dict]:
     rank = engine.global_rank
     if before_rank_files is not None:
@@ -129,11 +139,16 @@ def _write_rank_files(
         "rank": rank,
         "world_size": engine.world_size,
         "rng": capture_rng_states(engine.device),
-        "buckets": _bucket_entries(engine),
+        "buckets": _bucket_entries(engine, indices),
     }
     written = [_file_entry(shard_name, f"shard of rank {rank}", rank, shard, staging)]
+    layers = expert_layers(engine.module)
+    state_dict = to_global(share_tied(engine.module, state_dict), layers)
+    for name, role, experts in expert_payloads(state_dict, layers, rank):
+        written.append(_file_entry(name, role, rank, compact(experts), staging))
     if rank == 0:
-        module = _module_payload(engine, share_tied(engine.module, state_dict), exclude_frozen)
+        dense = without_experts(state_dict, layers)
+        module = _module_payload(engine, dense, exclude_frozen)
         written.append(_file_entry(MODULE_FILE, "module states", 0, module, staging))
         written.append(
             _file_entry(CLIENT_STATE_FILE, "client state", 0, {"client_state": client_state},
@@ -150,11 +165,13 @@ def _state_kinds(engine) -> dict[str, str]:
     return {key: classify_state(value, master) for key, value in entry["state"].items()}
 
 
-def _metadata(engine, tag: str, files: list[dict], exclude_frozen: bool, pickled: bool) -> dict:
+def _metadata(
+    engine, tag: str, files: list[dict], exclude_frozen: bool, pickled: bool, layout
+) -> dict:
     from ... import __version__
 
     zero = engine.optimizer
-    names = names_by_parameter(engine.module)
+    names = global_names_by_parameter(engine.module)
     trainable = _trainable_ids(engine)
     frozen = [
         {
@@ -180,11 +197,8 @@ def _metadata(engine, tag: str, files: list[dict], exclude_frozen: bool, pickled
             "micro_steps": engine.micro_steps,
             "skipped_steps": engine.skipped_steps,
         },
-        "zero_layout": (
-            ZeroLayout.from_optimizer(zero, names, optimizer_shard_file).to_json()
-            if zero is not None
-            else None
-        ),
+        "zero_layout": layout.to_json() if layout is not None else None,
+        "moe": moe_metadata(expert_layers(engine.module)),
         "frozen_parameters": frozen,
         "frozen_parameters_excluded": bool(exclude_frozen),
         "optimizer": (
@@ -205,6 +219,22 @@ def _metadata(engine, tag: str, files: list[dict], exclude_frozen: bool, pickled
     }
 
 
+def _gather_state(engine, module_state: dict, layouts: list) -> None:
+    """The collective part of a save: the module state (ZeRO-3 gathers it to rank 0; with
+    expert-parallel layers each rank keeps its own, its experts go to files of their own) and
+    the checkpoint's layout with this rank's bucket indices in it (``expert_layout.py``)."""
+    zero = engine.optimizer
+    if getattr(engine, "_expert_parallel", False):
+        module_state.update(engine.module.state_dict())  # stages 0-2: parameters whole
+    else:
+        module_state.update(engine.full_module_state_dict(rank0_only=True))
+    if zero is None:
+        layouts.extend([None, []])
+        return
+    names = global_names_by_parameter(engine.module)
+    layouts.extend(checkpoint_layout(zero, names, engine.group))
+
+
 def _prepare(save_dir: Path, staging: Path, client_state, allow_pickle: bool, lock) -> bool:
     """Rank 0: checks the client state (before anything is written; only rank 0's is saved),
     takes the folder's save lock and creates the staging directory. Returns whether the client
@@ -218,9 +248,11 @@ def _prepare(save_dir: Path, staging: Path, client_state, allow_pickle: bool, lo
     return pickled
 
 
-def _publish(engine, tag, save_dir, staging, files, save_latest, exclude_frozen, pickled, previous):
+def _publish(
+    engine, tag, save_dir, staging, files, save_latest, exclude_frozen, pickled, previous, layout
+):
     latest = f"{save_dir / LATEST_FILE} still names {previous!r}"
-    metadata = seal_metadata(_metadata(engine, tag, files, exclude_frozen, pickled))
+    metadata = seal_metadata(_metadata(engine, tag, files, exclude_frozen, pickled, layout))
     try:
         write_text_atomically(staging / METADATA_FILE, to_json_text(metadata))
         publish_directory(staging, save_dir / tag, save_dir / f"{tag}{DISPLACED_SUFFIX}")
@@ -279,15 +311,21 @@ def save_checkpoint(
         # of their own, before any rank-local failure (a full disk) could leave the other ranks
         # waiting in a gather. The other ranks keep nothing; rank 0 keeps the consolidated state.
         module_state: dict = {}
+        layouts: list = []
         agree_on(
-            lambda: module_state.update(engine.full_module_state_dict(rank0_only=True)),
+            lambda: _gather_state(engine, module_state, layouts),
             group=group,
             what=f"checkpoint '{tag}': gathering the module state to rank 0 ({unchanged})",
             error_type=CheckpointSaveError,
         )
         written = agree_on(
             lambda: _write_rank_files(
-                engine, staging, client_state or {}, exclude_frozen_parameters, module_state
+                engine,
+                staging,
+                client_state or {},
+                exclude_frozen_parameters,
+                module_state,
+                layouts[1],
             ),
             group=group,
             what=f"checkpoint '{tag}': writing the rank files into {staging} ({unchanged})",
@@ -306,6 +344,7 @@ def save_checkpoint(
                     exclude_frozen_parameters,
                     pickled,
                     previous,
+                    layouts[0],
                 )
                 if rank == 0
                 else None

@@ -19,8 +19,10 @@ composite drives them as one ``ZeroStage``:
 - one torch optimizer (the user's, re-pointed at the master shards, or the config's) stepping
   every set's masters in one ``step()``; then each set gathers its parameters over its group.
 
-Offloading and ZeRO-3 with such experts are refused by the engine; so are checkpoints, which
-cannot yet describe parameters sharded over different groups.
+Offloading and ZeRO-3 with such experts are refused by the engine. Checkpoints see the sets'
+buckets one after another (``owned_ranges``, ``shard_state``... concatenate them in set order);
+``runtime/checkpoint/expert_layout.py`` describes them with global expert names. Whole-model
+state dicts (``full_state_dict``, ``load_module_state``) name experts globally too.
 """
 
 from __future__ import annotations
@@ -31,16 +33,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ...moe.expert_names import expert_layers, gather_experts_to_rank0, to_local
 from ...utils import groups
 from .partitioned_optimizer import ZeroPartitionedOptimizer
+from .stage_setup import init_stage_fields, optimizer_over_masters
 
 DENSE = ""  # the set key of dense parameters (expert sets are keyed by their group name)
-
-CHECKPOINT_NOT_SUPPORTED = (
-    "checkpoints of models with expert-parallel (ep_size > 1) MoE layers are not supported yet: "
-    "their expert parameters are sharded over expert-data-parallel groups, which the checkpoint "
-    "format does not describe"
-)
 
 
 def expert_set_of(param: torch.nn.Parameter) -> str:
@@ -86,18 +84,10 @@ class ExpertParallelZeroStage:
         loss_scaler=None,
         reduce_scatter: bool = True,
     ):
-        if isinstance(optimizer, torch.optim.Optimizer):
-            param_groups = optimizer.param_groups
-        elif param_groups is None:
-            raise ValueError("param_groups is required when optimizer is a factory")
-        self.stage = stage
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.gradient_clipping = float(gradient_clipping)
-        self.loss_scaler = loss_scaler
-        self.global_grad_norm: float | None = None
-        self.skipped_steps = 0
+        param_groups = init_stage_fields(
+            self, optimizer, param_groups, stage=stage, group=group,
+            gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
+        )  # fmt: skip
 
         # Per set: the part of each user group in it, and which user group each part came from.
         split: dict[str, tuple[list[dict], list[int]]] = {}
@@ -113,6 +103,8 @@ class ExpertParallelZeroStage:
                 origins.append(index)
         # Sets are built (their reducers are collective) in the same order on every rank.
         self.keys = sorted(split)
+        # Per set, the user's param group of each of its groups (checkpoints record those).
+        self.origins = [split[key][1] for key in self.keys]
         self.sets: list[ZeroPartitionedOptimizer] = []
         for key in self.keys:
             self.sets.append(
@@ -131,18 +123,13 @@ class ExpertParallelZeroStage:
         for key, member in zip(self.keys, self.sets):
             for origin, master_group in zip(split[key][1], member.optimizer.param_groups):
                 masters_of[origin].extend(master_group["params"])
-        if isinstance(optimizer, torch.optim.Optimizer):
-            for param_group, masters in zip(optimizer.param_groups, masters_of):
-                param_group["params"] = masters
-            optimizer.state.clear()
-            self.optimizer = optimizer
-        else:
-            self.optimizer = optimizer(
-                [
-                    {**{k: v for k, v in g.items() if k != "params"}, "params": masters}
-                    for g, masters in zip(param_groups, masters_of)
-                ]
-            )
+        self.optimizer = optimizer_over_masters(
+            optimizer,
+            [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": masters}
+                for g, masters in zip(param_groups, masters_of)
+            ],
+        )
         for member in self.sets:
             member.optimizer = self.optimizer
 
@@ -231,18 +218,54 @@ class ExpertParallelZeroStage:
         return total
 
     def full_state_dict(self, module: torch.nn.Module, *, rank0_only: bool) -> dict:
-        return {} if rank0_only and self.rank != 0 else module.state_dict()
+        """The whole model's state dict, every expert of every rank under its global name
+        (``moe/expert_names.py``); collective. Without ``rank0_only`` it is broadcast from
+        rank 0 to every rank."""
+        gathered = gather_experts_to_rank0(module, module.state_dict())
+        if rank0_only:
+            return gathered
+        holder = [gathered]
+        dist.broadcast_object_list(holder, src=0, group=self.group)
+        return holder[0]
 
     def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
-        module.load_state_dict(state_dict, strict=False)
+        """Loads a whole-model state dict with global expert names: this rank's experts are
+        taken from it, the others' are ignored."""
+        module.load_state_dict(to_local(state_dict, expert_layers(module)), strict=False)
 
     def destroy(self) -> None:
         for member in self.sets:
             member.destroy()
 
-    # --- checkpoints: not yet (see CHECKPOINT_NOT_SUPPORTED) ------------------------------------
-    def _no_checkpoint(self, *args, **kwargs):
-        raise NotImplementedError(CHECKPOINT_NOT_SUPPORTED)
+    # --- checkpoints: the sets' buckets one after another, in set order ---------------------------
+    def owned_ranges(self) -> list[tuple[int, int]]:
+        return [entry for member in self.sets for entry in member.owned_ranges()]
 
-    layout = owned_ranges = first_state = shard_state = _no_checkpoint
-    load_shard_state = refresh_masters_from_params = _no_checkpoint
+    def shard_state(self) -> list[dict]:
+        return [entry for member in self.sets for entry in member.shard_state()]
+
+    def first_state(self) -> dict | None:
+        for member in self.sets:
+            entry = member.first_state()
+            if entry is not None:
+                return entry
+        return None
+
+    def load_shard_state(self, masters: list[torch.Tensor], states: list[dict] | None) -> None:
+        counts = [len(member.buckets) for member in self.sets]
+        if len(masters) != sum(counts):
+            raise ValueError(
+                f"load_shard_state needs one master slice per bucket: the sets have {counts} "
+                f"buckets, got {len(masters)} slices"
+            )
+        start = 0
+        for member, count in zip(self.sets, counts):
+            member.load_shard_state(
+                masters[start : start + count],
+                None if states is None else states[start : start + count],
+            )
+            start += count
+
+    def refresh_masters_from_params(self) -> None:
+        for member in self.sets:
+            member.refresh_masters_from_params()

@@ -46,6 +46,7 @@ from .offload.stepping import OffloadedStepping
 from .shard_checkpoint_state import ShardCheckpointState
 from .shard_gather import backend_for, launch_all_gather
 from .stage import PartitionLayout
+from .stage_setup import init_stage_fields, optimizer_over_masters
 
 
 @dataclass
@@ -95,18 +96,10 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
         the whole data-parallel world (``moe_stage.py``)."""
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} handles stages {self.STAGES}, got {stage}")
-        if isinstance(optimizer, torch.optim.Optimizer):
-            param_groups = optimizer.param_groups
-        elif param_groups is None:
-            raise ValueError("param_groups is required when optimizer is a factory")
-        self.stage = stage
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.gradient_clipping = float(gradient_clipping)
-        self.loss_scaler = loss_scaler
-        self.global_grad_norm: float | None = None
-        self.skipped_steps = 0
+        param_groups = init_stage_fields(
+            self, optimizer, param_groups, stage=stage, group=group,
+            gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
+        )  # fmt: skip
 
         owned_whole = stage == 0
         if offload is not None and owned_whole:
@@ -131,15 +124,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
         self._device_optimizer = self._make_device_optimizer(
             device_optimizer, param_groups, on_device, optimizer
         )
-        if isinstance(optimizer, torch.optim.Optimizer):
-            # The optimizer object stays the user's (schedulers and code holding it keep
-            # working); only the tensors it steps change, and its state starts empty.
-            for param_group, master_group in zip(optimizer.param_groups, master_groups):
-                param_group["params"] = master_group["params"]
-            optimizer.state.clear()
-            self.optimizer = optimizer
-        else:
-            self.optimizer = optimizer(master_groups)
+        self.optimizer = optimizer_over_masters(optimizer, master_groups)
         # Optimizers that step every tensor on its own (ours) can step bucket by bucket.
         self._step_per_bucket = bool(getattr(self.optimizer, "steps_tensors_independently", False))
         self._delayed = self._check_offload(offload)
