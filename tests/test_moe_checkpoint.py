@@ -50,7 +50,21 @@ def _every_element(directory, key: str) -> dict:
     return values
 
 
+def _assert_equal(state: dict, reference: dict) -> None:
+    assert sorted(state) == sorted(reference)
+    for name in reference:
+        assert torch.equal(state[name], reference[name]), name
+
+
 def _assert_same_training_state(original, resaved) -> None:
+    """The masters and Adam state of every parameter, and the consolidated weights, are the
+    same in both checkpoints."""
+    from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    _assert_equal(
+        get_fp32_state_dict_from_zero_checkpoint(resaved),
+        get_fp32_state_dict_from_zero_checkpoint(original),
+    )
     for key in ("master", "exp_avg", "exp_avg_sq"):
         ours, theirs = _every_element(original, key), _every_element(resaved, key)
         assert sorted(ours) == sorted(theirs), key
@@ -58,12 +72,6 @@ def _assert_same_training_state(original, resaved) -> None:
         for name in ours:
             assert torch.equal(ours[name], theirs[name]), (key, name)
         assert max(v.abs().max().item() for v in ours.values()) > 0, key  # not all zeros
-
-
-def _assert_equal(state: dict, reference: dict) -> None:
-    assert sorted(state) == sorted(reference)
-    for name in reference:
-        assert torch.equal(state[name], reference[name]), name
 
 
 def test_same_layout_resume_is_bitwise(saved):

@@ -325,8 +325,9 @@ class DeepSpeedEngine(torch.nn.Module):
             del self.module._deepspeed_cpp_engine
 
     def full_module_state_dict(self, *, rank0_only: bool = False) -> dict:
-        """The module's state dict with every parameter whole (gathered under ZeRO-3);
-        collective. With ``rank0_only`` the other ranks get ``{}``."""
+        """The module's state dict with every parameter whole (gathered under ZeRO-3) and
+        every expert of every rank under its global name (``moe/expert_names.py``); collective.
+        With ``rank0_only`` the other ranks get ``{}``."""
         if self._zero_stage is None:
             return {} if rank0_only and self.global_rank != 0 else self.module.state_dict()
         return self._zero_stage.full_state_dict(self.module, rank0_only=rank0_only)

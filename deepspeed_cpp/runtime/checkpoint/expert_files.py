@@ -67,8 +67,8 @@ def check_experts_match(metadata: dict, layers: list[ExpertLayer]) -> None:
     """Refuses a checkpoint whose MoE layers differ in number or ``num_experts`` from the
     model's; another ``ep_size`` is fine (experts are found by global name)."""
     saved = (metadata.get("moe") or {}).get("layers", [])
-    if not saved and not layers:
-        return
+    if not saved:
+        return  # no MoE layers, or saved before expert files: experts are in the module file
     if len(saved) != len(layers):
         raise CheckpointMismatchError(
             f"the checkpoint has {len(saved)} MoE layer(s) "

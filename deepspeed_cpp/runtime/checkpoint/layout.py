@@ -5,6 +5,8 @@ save_dir/
   latest                                   the tag of the newest complete checkpoint
   <tag>/
     mp_rank_00_model_states.pt             rank 0: module state_dict, counters, scheduler, scaler
+                                           (MoE experts excepted: see expert_files.py)
+    layer_<L>_expert_<E>_mp_rank_00_model_states.pt   expert E of MoE layer L (expert_files.py)
     zero_pp_rank_<r>_mp_rank_00_optim_states.pt   rank r: its fp32 master slices, optimizer
                                            state for them, its RNG states
     client_state.pt                        rank 0: the client_state dict given to save
