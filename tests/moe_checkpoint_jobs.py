@@ -1,6 +1,6 @@
-"""Jobs run on every rank of a gloo pool by tests/test_moe_checkpoint.py: checkpoints of a dense +
-MoE model whose 4 experts are split over expert-parallel ranks, saved and loaded at several world
-sizes and ep_sizes."""
+"""Jobs run on every rank of a gloo pool by tests/test_moe_expert_parallel.py: checkpoints of a
+dense + MoE model whose 4 experts are split over expert-parallel ranks, saved and loaded at
+several world sizes and ep_sizes."""
 
 from __future__ import annotations
 

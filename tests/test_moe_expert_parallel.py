@@ -1,7 +1,15 @@
 """Expert parallelism on 2 real gloo processes: DeepSpeed's group layout, and an MoE layer with
 ep_size=2 equal to the same layer with all experts on one rank (same tokens, same gate weights)
-in output, l_aux, exp_counts and every gradient."""
+in output, l_aux, exp_counts and every gradient; training through the engine equal to one
+process holding every expert; and checkpoints of such models (the same pools, reused): DeepSpeed's
+per-expert files, a bitwise resume at the same layout, resharding by global expert name to another
+ep_size and world size (masters and optimizer state element for element), zero_to_fp32 and
+save_16bit_model holding every expert, and a changed num_experts refused by name."""
 
+import json
+import shutil
+
+import moe_checkpoint_jobs as checkpoint_jobs
 import moe_parallel_jobs as jobs
 import pytest
 import torch
@@ -112,3 +120,155 @@ def test_engine_expert_data_parallel_training_on_four_ranks(
         assert diffs["set_sizes"] == {"": 4, f"ep_size_{ep_size}": 4 // ep_size}, diffs
         for norm, ref_norm in zip(diffs["norms"], diffs["ref_norms"]):
             assert abs(norm - ref_norm) <= 1e-5 * max(1.0, ref_norm), (rank, diffs)
+
+
+# --- checkpoints of expert-parallel models ------------------------------------------------------
+EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
+
+
+@pytest.fixture(scope="module")
+def saved(pool2, tmp_path_factory):
+    """A checkpoint of ep_size 2 on 2 ranks at ZeRO-2 after 2 steps, and what the run saw."""
+    directory = tmp_path_factory.mktemp("moe_checkpoint") / "ckpt"
+    seed = int(torch.randint(2**20, ()))
+    results = pool2.run(checkpoint_jobs.save_then_resume, str(directory), 2, seed, timeout=300.0)
+    return directory, seed, results
+
+
+def _every_element(directory, key: str) -> dict:
+    """Every trainable parameter's ``key`` (the fp32 master, or an element-wise optimizer state)
+    read from a checkpoint's shard files through its saved layout, by (global) name."""
+    from deepspeed_cpp.runtime.checkpoint.digests import file_digests
+    from deepspeed_cpp.runtime.checkpoint.layout import read_metadata
+    from deepspeed_cpp.runtime.checkpoint.metadata import ZeroLayout
+    from deepspeed_cpp.runtime.checkpoint.shard_reader import ShardReader
+
+    metadata = read_metadata(directory)
+    layout = ZeroLayout.from_json(metadata["zero_layout"])
+    reader = ShardReader(directory, layout, file_digests(metadata))
+    values = {}
+    for record in layout.params:
+        out = torch.empty(record.numel, dtype=torch.float32)
+        reader.read(key, record.bucket, record.offset, record.offset + record.numel, out)
+        values[record.name] = out
+    return values
+
+
+def _assert_equal(state: dict, reference: dict) -> None:
+    assert sorted(state) == sorted(reference)
+    for name in reference:
+        assert torch.equal(state[name], reference[name]), name
+
+
+def _assert_same_training_state(original, resaved) -> None:
+    """The masters and Adam state of every parameter, and the consolidated weights, are the
+    same in both checkpoints."""
+    from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    _assert_equal(
+        get_fp32_state_dict_from_zero_checkpoint(resaved),
+        get_fp32_state_dict_from_zero_checkpoint(original),
+    )
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        ours, theirs = _every_element(original, key), _every_element(resaved, key)
+        assert sorted(ours) == sorted(theirs), key
+        assert sum(EXPERTS in name for name in ours) == 4 * 4  # 4 experts of 4 tensors
+        for name in ours:
+            assert torch.equal(ours[name], theirs[name]), (key, name)
+        assert max(v.abs().max().item() for v in ours.values()) > 0, key  # not all zeros
+
+
+def test_same_layout_resume_is_bitwise(saved):
+    _, _, results = saved
+    for rank, result in enumerate(results):
+        assert result["differed_before_load"] > 1e-2, rank  # loading had something to do
+        assert result["trained_after_save"] > 1e-3, rank  # the continuation moved the weights
+        assert result["loaded_equal"] and result["resumed_equal"], (rank, result)
+        assert result["steps"] == 4
+
+
+def test_files_per_expert_listed_with_digests(saved):
+    directory, _, results = saved
+    reference = results[0]["saved"]
+    metadata = json.loads((directory / "t" / "checkpoint_meta.json").read_text())
+    assert metadata["moe"] == {
+        "ep_size": 2,
+        "layers": [
+            {"layer": 0, "module": "moe", "num_experts": 4, "ep_size": 2, "group_name": "ep_size_2"}
+        ],
+    }
+    files = {entry["name"]: entry for entry in metadata["files"]}
+    for expert in range(4):
+        entry = files[f"layer_0_expert_{expert}_mp_rank_00_model_states.pt"]
+        assert entry["rank"] == expert // 2 and len(entry["sha256"]) == 64, entry
+        saved_expert = torch.load(directory / "t" / entry["name"], weights_only=True)
+        expected = {k: v for k, v in reference.items() if k.startswith(f"{EXPERTS}{expert}.")}
+        _assert_equal(saved_expert, expected)
+    module = torch.load(directory / "t" / "mp_rank_00_model_states.pt", weights_only=True)
+    assert not any(EXPERTS in name for name in module["module"])
+    assert "moe.deepspeed_moe.gate.wg.weight" in module["module"]
+
+
+def test_zero_to_fp32_and_16bit_model_hold_every_expert(saved):
+    from deepspeed_cpp.utils.zero_to_fp32 import (
+        get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint,
+    )
+
+    directory, _, results = saved
+    reference = results[0]["saved"]
+    assert sum(EXPERTS in name for name in reference) == 16
+    _assert_equal(get_fp32_state_dict_from_zero_checkpoint(directory, tag="t"), reference)
+    _assert_equal(torch.load(directory / "model16.bin", weights_only=True), reference)
+    # One process, ep_size 1: every expert by its global name.
+    model = load_state_dict_from_zero_checkpoint(checkpoint_jobs._Net(1, 4), directory, tag="t")
+    _assert_equal(dict(model.state_dict()), reference)
+
+
+def test_damaged_expert_file_is_named(saved, tmp_path):
+    from deepspeed_cpp.runtime.checkpoint.errors import IncompleteCheckpointError
+    from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    directory, _, _ = saved
+    copy = tmp_path / "t"
+    shutil.copytree(directory / "t", copy)
+    damaged = copy / "layer_0_expert_3_mp_rank_00_model_states.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(IncompleteCheckpointError, match="layer_0_expert_3_mp_rank_00"):
+        get_fp32_state_dict_from_zero_checkpoint(copy)
+
+
+def test_reshard_to_ep_size_1_on_two_ranks(saved, pool2, tmp_path):
+    """ep_size 2 -> 1 at ZeRO-1: the experts become dense parameters of every rank; the weights
+    and optimizer state are the saved ones element for element, and training on the same
+    batches continues as the uninterrupted ep_size-2 run did (other summation orders only)."""
+    directory, seed, results = saved
+    resave = tmp_path / "ep1"
+    out = pool2.run(
+        checkpoint_jobs.load_elsewhere, str(directory), 1, 1, seed, str(resave), timeout=300.0
+    )
+    _assert_equal(out[0]["loaded"], results[0]["saved"])
+    _assert_same_training_state(directory / "t", resave / "r")
+    uninterrupted = results[0]["uninterrupted"]
+    for name, value in out[0]["continued"].items():
+        assert (value - uninterrupted[name]).abs().max().item() <= 1e-5, name
+
+
+def test_reshard_to_four_ranks(saved, pool4, tmp_path):
+    """ep_size 2 on 2 ranks -> ep_size 2 on 4 ranks at ZeRO-0: each expert now on two ranks."""
+    directory, seed, results = saved
+    resave = tmp_path / "w4"
+    out = pool4.run(
+        checkpoint_jobs.load_elsewhere, str(directory), 2, 0, seed, str(resave), timeout=300.0
+    )
+    _assert_equal(out[0]["loaded"], results[0]["saved"])
+    _assert_same_training_state(directory / "t", resave / "r")
+
+
+def test_other_num_experts_is_refused(saved, pool2):
+    directory, _, _ = saved
+    for message in pool2.run(checkpoint_jobs.load_other_num_experts, str(directory), timeout=300.0):
+        assert "CheckpointMismatchError" in message, message
+        assert "num_experts=4" in message and "num_experts=2" in message, message
