@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from .host_heap import return_large_frees_to_the_kernel
 from .host_transfer import HostTransfer
 
 _EMPTY = torch.empty(0)
@@ -139,6 +140,7 @@ class NvmeHome(DeviceHome):
         pipeline_write: bool,
         state_slots: int,
     ) -> None:
+        return_large_frees_to_the_kernel()  # else glibc keeps what swapping frees (host_heap.py)
         self.transfer = transfer
         self.owned_sizes = list(owned_sizes)
         self.sub_groups = plan_sub_groups(owned_sizes, sub_group_size)

@@ -21,6 +21,7 @@ import collections
 
 import torch
 
+from .host_heap import return_large_frees_to_the_kernel
 from .host_transfer import HostTransfer
 
 
@@ -89,6 +90,7 @@ class NvmeParamHome:
     ) -> None:
         from .swap_files import AioSettings, SwapFolder
 
+        return_large_frees_to_the_kernel()  # else glibc keeps what swapping frees (host_heap.py)
         self.transfer = transfer
         self.device = transfer.device
         self.buffer_size = int(buffer_size)
