@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from zero3_helpers import (
     config,
+    full_params,
     make_model,
     max_relative_difference,
     named_state,
@@ -431,3 +432,117 @@ def test_an_offloaded_checkpoint_reshards_from_two_ranks_to_three(pool2, pool3, 
             assert torch.equal(loaded[name], value), name
             # Optimizer state resharded too: the next step equals the in-memory engine's.
             assert torch.equal(stepped[name], in_memory_step[name]), name
+
+
+# --- step_during_backward (deepspeed_cpp's extension) ------------------------------------------
+
+
+def _mlp(dtype: str) -> torch.nn.Module:
+    """Odd sizes; every parameter gets a gradient in every step (a parameter without one holds
+    back every later bucket until backward ends, and nothing would be stepped early)."""
+    torch.manual_seed(SEED)
+    sizes = (29, 41, 37, 23)
+    layers = []
+    for width_in, width_out in zip(sizes, sizes[1:]):
+        layers += [torch.nn.Linear(width_in, width_out), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers[:-1])
+    return model.to(torch.bfloat16) if dtype == "bf16" else model
+
+
+def _train_counting_early_steps(engine, steps, gas):
+    """Trains on this rank's rows of fresh random batches; returns the full parameters and,
+    per step, the sub-groups stepped inside its boundary backward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(SEED + 1)
+    dtype = next(engine.module.parameters()).dtype
+    early = []
+    for _ in range(steps * gas):
+        x = torch.randn(3 * world, 29, generator=generator)[3 * rank : 3 * rank + 3]
+        y = torch.randn(3 * world, 23, generator=generator)[3 * rank : 3 * rank + 3]
+        loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
+        engine.backward(loss)
+        steps_during_backward = engine.optimizer._backward_steps
+        if steps_during_backward is not None and engine.is_gradient_accumulation_boundary():
+            early.append(steps_during_backward.stepped_count)
+        engine.step()
+    return full_params(engine), early
+
+
+def _step_during_backward_job(parent, stage, dtype, device, gas):
+    import deepspeed_cpp
+
+    folder = _shared_folder(parent)
+    base = {"device": "cpu"} if device == "cpu" else _nvme(folder)
+    results = []
+    for early in (False, True):
+        offload = {**base, "step_during_backward": early}
+        cfg = _config(stage, dtype, offload, gas=gas, clip=0.0, sub_group_size=300)
+        cfg["zero_optimization"]["reduce_bucket_size"] = 200
+        engine, *_ = deepspeed_cpp.initialize(model=_mlp(dtype), config=cfg)
+        results.append(_train_counting_early_steps(engine, STEPS, gas))
+        results.append(len(engine.optimizer.home.sub_groups))
+        engine.destroy()
+    return results
+
+
+@pytest.mark.parametrize(
+    "stage, device, dtype, gas",
+    [(1, "cpu", "fp32", 2), (1, "nvme", "bf16", 3), (2, "cpu", "bf16", 2),
+     (2, "nvme", "fp32", 2), (3, "cpu", "fp32", 1), (3, "nvme", "bf16", 2)],
+)  # fmt: skip
+def test_step_during_backward_is_bitwise_the_step_at_engine_step(
+    pool2, tmp_path, stage, device, dtype, gas
+):
+    for (at_step, _), _, (early, stepped), sub_groups in pool2.run(
+        _step_during_backward_job, tmp_path, stage, dtype, device, gas
+    ):
+        # Some sub-groups were stepped inside backward, and not all (the reducer keeps the
+        # last buckets in flight until backward ends): both paths ran in every step.
+        assert len(stepped) == STEPS and all(0 < n < sub_groups for n in stepped), stepped
+        for name, value in at_step.items():
+            assert torch.equal(early[name], value), (name, stage, device, dtype)
+
+
+def _refusals_job(folder):
+    import deepspeed_cpp
+
+    early = {"device": "cpu", "step_during_backward": True}
+    fp16 = _config(2, "fp32", early, clip=0.0)
+    fp16["fp16"] = {"enabled": True}
+    param = _config(3, "fp32", {**early}, clip=0.0)
+    param["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    found = [
+        _error_of(_config(2, "fp32", early, clip=1.0)),
+        _error_of(fp16),
+        _error_of(_config(2, "fp32", {**early, "delayed_param_update": True}, clip=0.0)),
+        _error_of(_config(2, "fp32", {**early, "ratio": 0.5}, clip=0.0)),
+        _error_of(param),
+    ]
+    engine, *_ = deepspeed_cpp.initialize(
+        model=make_model(SEED), config=_config(2, "fp32", early, gas=1, clip=0.0)
+    )
+    from zero3_helpers import global_batches, loss_of, rank_slice
+
+    rank = dist.get_rank()
+    (x, y), *_ = global_batches(SEED, 1, 1, 2)[0]
+    engine.backward(loss_of(engine(rank_slice(x, rank)), rank_slice(y, rank)))
+    try:
+        engine.backward(loss_of(engine(rank_slice(x, rank)), rank_slice(y, rank)))
+        found.append("no error")
+    except RuntimeError as error:
+        found.append(f"RuntimeError: {error}")
+    engine.destroy()
+    return found
+
+
+def test_step_during_backward_refuses_what_needs_every_gradient_first(pool2, tmp_path):
+    key = "zero_optimization.offload_optimizer.step_during_backward = true cannot be combined"
+    for clip, fp16, delayed, ratio, param, twice in pool2.run(_refusals_job, str(tmp_path)):
+        for message in (clip, fp16, delayed, ratio, param):
+            assert message.startswith("DeepSpeedConfigError") and key in message, message
+        assert "gradient_clipping = 1.0" in clip
+        assert "fp16.enabled = true" in fp16
+        assert "offload_optimizer.delayed_param_update = true" in delayed
+        assert "offload_optimizer.ratio = 0.5" in ratio
+        assert 'offload_param.device = "cpu"' in param
+        assert "backward() was called again before engine.step()" in twice, twice

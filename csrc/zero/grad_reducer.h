@@ -56,6 +56,13 @@ class GradientReducer : public torch::CustomClassHolder {
   // Whether any gradient arrived since the last finish().
   bool pending() const { return received_ > 0; }
 
+  // How many leading buckets (0 .. harvested()-1) have their reduction complete and, with
+  // destinations, added into them during this backward. Buckets are harvested strictly in index
+  // order, so these buckets' destinations are final for the step once the micro-step is the
+  // accumulation boundary: the caller may use them before finish() (ZeRO-Offload steps their
+  // optimizer sub-groups while backward goes on). finish() harvests the rest and resets it to 0.
+  int64_t harvested() const { return static_cast<int64_t>(next_to_harvest_); }
+
   // How buckets are reduced on this group: "reduce_scatter", "all_reduce+slice" (see the
   // constructor) or "all_reduce" (whole buckets, no scatter).
   std::string collective() const;

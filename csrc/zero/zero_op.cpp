@@ -119,6 +119,7 @@ TORCH_LIBRARY_FRAGMENT(deepspeed_cpp, m) {
       .def("accumulate_into", &deepspeed_cpp::GradientReducer::accumulate_into)
       .def("set_overwrite", &deepspeed_cpp::GradientReducer::set_overwrite)
       .def("pending", &deepspeed_cpp::GradientReducer::pending)
+      .def("harvested", &deepspeed_cpp::GradientReducer::harvested)
       .def("collective", &deepspeed_cpp::GradientReducer::collective)
       .def("held_bytes", &deepspeed_cpp::GradientReducer::held_bytes)
       .def("peak_held_bytes", &deepspeed_cpp::GradientReducer::peak_held_bytes)

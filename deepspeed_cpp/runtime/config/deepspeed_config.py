@@ -194,6 +194,8 @@ class DeepSpeedConfig(ConfigSection):
                     f'offload_optimizer.device "cpu" (the step runs on the host beside the next '
                     f'forward); got device "{offload_optimizer.device}"'
                 )
+            if offload_optimizer.step_during_backward:
+                problems += _step_during_backward_problems(self)
         return problems, warnings
 
     def _warn_once(self, warnings: list[str]) -> None:
@@ -309,6 +311,39 @@ def _unknown_key(loc: tuple[str, ...], value: Any) -> str:
         join_path(parent)
     )
     return unknown_key_problem(loc, value, candidates, _known_key_paths())
+
+
+def _step_during_backward_problems(config) -> list[str]:
+    """What excludes stepping sub-groups during backward: anything that needs every gradient
+    of the step (or the whole step on the host) before the first sub-group may be stepped."""
+    zero = config.zero_optimization
+    part = zero.offload_optimizer
+    key = "zero_optimization.offload_optimizer.step_during_backward = true"
+    conflicts = []
+    if not is_auto(config.gradient_clipping) and config.gradient_clipping > 0:
+        conflicts.append(
+            f"gradient_clipping = {config.gradient_clipping} (clipping needs the global norm of "
+            f"every gradient first)"
+        )
+    if config.fp16.enabled is True:
+        conflicts.append("fp16.enabled = true (the overflow check needs every gradient first)")
+    if part.delayed_param_update:
+        conflicts.append(
+            "zero_optimization.offload_optimizer.delayed_param_update = true (the step already "
+            "runs beside the next forward)"
+        )
+    if not is_auto(part.ratio) and part.ratio < 1.0:
+        conflicts.append(
+            f"zero_optimization.offload_optimizer.ratio = {part.ratio} (the part left on the "
+            f"device is stepped at once)"
+        )
+    param = zero.offload_param
+    if zero.stage == 3 and param is not None and param.device != "none":
+        conflicts.append(
+            f'zero_optimization.offload_param.device = "{param.device}" (the updated shards '
+            f"are stored through the parameter home at the step)"
+        )
+    return [f"{key} cannot be combined with {what}; turn one of them off" for what in conflicts]
 
 
 def _offload_keys_without_effect(part) -> list[str]:

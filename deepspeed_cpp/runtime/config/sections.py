@@ -78,6 +78,12 @@ class OffloadOptimizerConfig(_OffloadConfig):
     backward run on parameters one step stale."""
     delayed_param_update_warmup_steps: integer(0) = 10
     """Ordinary steps taken before the delayed parameter update starts."""
+    step_during_backward: boolean() = False
+    """deepspeed_cpp extension: at the accumulation boundary, step each optimizer sub-group
+    during backward as soon as all its gradient buckets are reduced (so its NVMe reads and
+    writes overlap the rest of backward); the updated parameters are still all-gathered in
+    ``engine.step()``. Not with gradient clipping, fp16 loss scaling, the delayed parameter
+    update, ``ratio`` < 1 or ``offload_param``: those need every gradient before any step."""
     super_offload: boolean() = False
     convert_grad_on_cpu: boolean() = True
     cpuadam_cores_perc: number(0.0, 1.0) = 0.8

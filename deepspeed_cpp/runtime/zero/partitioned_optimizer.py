@@ -128,6 +128,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
         # Optimizers that step every tensor on its own (ours) can step bucket by bucket.
         self._step_per_bucket = bool(getattr(self.optimizer, "steps_tensors_independently", False))
         self._delayed = self._check_offload(offload)
+        self._backward_steps = self._make_backward_steps(offload)
         self.home.attach(self.masters, self.optimizer)
 
         self.reducer = make_gradient_reducer(
@@ -295,6 +296,8 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
         if grad is not None:
             with named_collective("gradient reduction (a bucket launched during backward)"):
                 self.reducer.add_grad(index, grad)
+            if self._backward_steps is not None and self._backward_steps.active:
+                self._step_reduced_sub_groups()
         self._handed.add(index)
         if self.stage >= 2 or self._fp32_accumulators is not None:
             param.grad = None  # the reducer holds a copy; the full gradient is not kept
@@ -303,11 +306,15 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
     def begin_backward(self, boundary: bool) -> None:
         """Stages 2/3 reduce every micro-step; 0/1 accumulate locally until the boundary."""
         self._reduce_during_backward = self.stage >= 2 or boundary
+        if self._backward_steps is not None:
+            self._backward_steps.begin_backward(boundary and self._reduce_during_backward)
         if self._reduce_during_backward:
             self.reducer.set_overwrite(self._shard_grads_zero_pending)
 
     def end_backward(self) -> None:
         """Reduces what the hooks have not, and accumulates this rank's shard of the gradients."""
+        if self._backward_steps is not None:
+            self._backward_steps.end_backward()  # the rest is stepped at the step
         if not self._reduce_during_backward:
             return
         for index, param in enumerate(self.params):

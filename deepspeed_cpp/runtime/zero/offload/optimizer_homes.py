@@ -238,8 +238,12 @@ class NvmeHome(DeviceHome):
     def resident(self, sub_group: Sequence[int], write_back: bool = True) -> Iterator[None]:
         group = self._group_of[sub_group[0]]
         slot = self._bring_in(group)
+        # With S slots, one holds this sub-group and one the previous sub-group's write, still
+        # in flight: reads go S - 2 ahead now, so that neither waits for that write (which would
+        # stall this step); the read into the writing slot starts when this step is done.
+        last_ahead = group + len(self._slots) - 1
         if self.pipeline_read:
-            for ahead in range(group + 1, min(group + len(self._slots), len(self.sub_groups))):
+            for ahead in range(group + 1, min(last_ahead, len(self.sub_groups))):
                 self._start_read(ahead)
         state = self._optimizer.state
         for bucket in self.sub_groups[group]:
@@ -257,6 +261,8 @@ class NvmeHome(DeviceHome):
             self.transfer.synchronize()  # copies out of the slot have landed before it is reused
             for bucket in self.sub_groups[group]:
                 self._harvest(group, slot, bucket)
+            if self.pipeline_read and group < last_ahead < len(self.sub_groups):
+                self._start_read(last_ahead)  # the previous write had this whole step to finish
             if write_back:
                 self._write(group, slot)
             else:

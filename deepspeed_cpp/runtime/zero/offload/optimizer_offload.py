@@ -28,6 +28,8 @@ class OptimizerOffload:
     aio_config: Any = None  # the config's ``aio`` section (None: its defaults)
     # deepspeed_cpp's delayed parameter update: None (off) or the number of ordinary steps first
     delayed_update_after: int | None = None
+    # deepspeed_cpp's extension: step each sub-group during backward once its buckets are reduced
+    step_during_backward: bool = False
 
     @classmethod
     def from_config(cls, zero, aio_config=None) -> OptimizerOffload | None:
@@ -48,6 +50,7 @@ class OptimizerOffload:
             delayed_update_after=(
                 part.delayed_param_update_warmup_steps if part.delayed_param_update else None
             ),
+            step_during_backward=part.step_during_backward,
         )
 
     def make_home(

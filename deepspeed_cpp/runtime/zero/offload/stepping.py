@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .backward_steps import KEY as STEP_DURING_BACKWARD
+from .backward_steps import BackwardSteps
 from .delayed_update import DelayedUpdate
 from .optimizer_offload import OptimizerOffload
 
@@ -46,6 +48,41 @@ class OffloadedStepping:
                 f"{offload.device!r} and {name}"
             )
         return DelayedUpdate(offload.delayed_update_after)
+
+    def _make_backward_steps(self, offload: OptimizerOffload | None) -> BackwardSteps | None:
+        """The bookkeeping of ``step_during_backward``, after checking that nothing this
+        optimizer does at the step needs every gradient first (the config refuses the same
+        combinations by key; this covers optimizers built without one)."""
+        if offload is None or not offload.step_during_backward:
+            return None
+        conflicts = []
+        if not self._step_per_bucket:
+            conflicts.append(
+                f"{type(self.optimizer).__name__}, which cannot step one sub-group at a time "
+                f"(use the config's Adam/AdamW, DeepSpeedCPUAdam, DeepSpeedCPUAdagrad or "
+                f"DeepSpeedCPULion)"
+            )
+        if self.gradient_clipping > 0.0:
+            conflicts.append(f"gradient_clipping = {self.gradient_clipping}")
+        if self.loss_scaler is not None:
+            conflicts.append("fp16 loss scaling")
+        if self._delayed is not None:
+            conflicts.append("offload_optimizer.delayed_param_update")
+        if self._device_optimizer is not None:
+            conflicts.append(f"offload_optimizer.ratio = {offload.ratio}")
+        if conflicts:
+            raise ValueError(
+                f"{STEP_DURING_BACKWARD} = true cannot be combined with {'; '.join(conflicts)}"
+            )
+        return BackwardSteps(self.home.sub_groups)
+
+    def _step_reduced_sub_groups(self) -> None:
+        """During a boundary backward: steps every sub-group whose buckets are all reduced."""
+        early = self._backward_steps
+        with torch.no_grad():
+            for group in early.ready(self.reducer.harvested()):
+                members = self.home.sub_groups[group]
+                early.record(group, self._step_sub_group(members, into_staging=True))
 
     def _make_device_optimizer(self, factory, param_groups, on_device, optimizer):
         """The optimizer of the buckets a partial offload (``ratio`` < 1) leaves on the device:
@@ -94,39 +131,57 @@ class OffloadedStepping:
             self._step_all_masters(self.optimizer.param_groups)
             self._finish_gathers([self._gather_from_master(b) for b in range(len(self.buckets))])
             return
+        early = self._backward_steps
         pending = []
-        for members in self.home.sub_groups:
-            with self.home.resident(members):
-                for index in members:
-                    buffer = self.home.grad_buffer(index)
-                    if buffer is None:  # left on the device by a partial offload
-                        self.masters[index].grad = self.shard_grads[index]
-                        continue
-                    self.home.transfer.to_host(self.shard_grads[index], buffer)
-                    self.masters[index].grad = buffer
-                self.home.transfer.synchronize()
-                written = {}
-                if self._optimizer_for(members[0]) is self.optimizer:
-                    written = self._copy_out_targets(members)
-                    if written:
-                        self.optimizer.step(fp16_param_groups=self._copy_out_groups(written))
-                    else:
-                        self.optimizer.step()
-                else:
-                    self._step_device_part()
-                for index in members:
-                    self.masters[index].grad = None
-                    pending.append(self._gather_from_master(index, written.get(index)))
+        for group, members in enumerate(self.home.sub_groups):
+            sources = early.take(group) if early is not None else None
+            if sources is None:
+                sources = self._step_sub_group(members, into_staging=False)
+            pending.extend(self._launch_gather(self.buckets[i], source) for i, source in sources)
+        if early is not None:
+            early.end_step()
         self._finish_gathers(pending)
         self.home.read_ahead_next_step()
 
-    def _copy_out_targets(self, members) -> dict:
+    def _step_sub_group(self, members, *, into_staging: bool) -> list[tuple[int, torch.Tensor]]:
+        """Brings in (NVMe) and steps one sub-group; returns, per bucket, the tensor holding this
+        rank's updated part of its parameters, from which the all-gather starts. Normally that
+        is the parameters' own storage where it can be; ``into_staging``: a new tensor, the
+        parameters untouched (a step during backward, whose gathers wait for engine.step())."""
+        sources = []
+        with self.home.resident(members):
+            for index in members:
+                buffer = self.home.grad_buffer(index)
+                if buffer is None:  # left on the device by a partial offload
+                    self.masters[index].grad = self.shard_grads[index]
+                    continue
+                self.home.transfer.to_host(self.shard_grads[index], buffer)
+                self.masters[index].grad = buffer
+            self.home.transfer.synchronize()
+            written = {}
+            if self._optimizer_for(members[0]) is self.optimizer:
+                written = self._copy_out_targets(members, into_staging)
+                if written:
+                    self.optimizer.step(fp16_param_groups=self._copy_out_groups(written))
+                else:
+                    self.optimizer.step()
+            else:
+                self._step_device_part()
+            for index in members:
+                self.masters[index].grad = None
+                sources.append(
+                    (index, self._gather_source(index, written.get(index), into_staging))
+                )
+        return sources  # the resident context synchronized the copies into them
+
+    def _copy_out_targets(self, members, into_staging: bool = False) -> dict:
         """Where our CPU optimizers write the updated 16-bit parameters in the same pass as the
         step (DeepSpeed's ``fp16_param_groups``): this rank's part of each bf16/fp16 bucket."""
         if not hasattr(self.optimizer, "step_groups"):
             return {}
+        target = self._staging_target if into_staging else self._owned_device_target
         return {
-            index: self._owned_device_target(self.buckets[index])
+            index: target(self.buckets[index])
             for index in members
             if self.buckets[index].gather_dtype in (torch.bfloat16, torch.float16)
         }
@@ -189,17 +244,29 @@ class OffloadedStepping:
             raise RuntimeError("the delayed optimizer step failed on another rank")
         return True
 
+    def _gather_source(self, index: int, written, into_staging: bool) -> torch.Tensor:
+        """Inside the sub-group's ``resident``: the tensor the all-gather of bucket ``index``
+        starts from (``written``: its updated values already copied out there)."""
+        if written is not None:
+            return written
+        master = self.masters[index]
+        if not self.home.offloaded(index):
+            return master
+        bucket = self.buckets[index]
+        target = self._staging_target(bucket) if into_staging else self._owned_device_target(bucket)
+        self.home.transfer.to_device(master.detach(), target)
+        return target
+
+    def _staging_target(self, bucket) -> torch.Tensor:
+        """A tensor of this rank's part of ``bucket`` in the parameters' dtype, apart from them."""
+        device = self.params[0].device
+        return torch.empty(bucket.owned_size, dtype=bucket.gather_dtype, device=device)
+
     def _gather_from_master(self, index: int, written: torch.Tensor | None = None):
         """Starts writing master ``index`` into every rank's parameters (``written``: its
         values already copied out, in the parameters' dtype, to that tensor)."""
-        bucket, master = self.buckets[index], self.masters[index]
-        if written is not None:
-            return self._launch_gather(bucket, written)
-        if not self.home.offloaded(index):
-            return self._launch_gather(bucket, master)
-        target = self._owned_device_target(bucket)
-        self.home.transfer.to_device(master.detach(), target)
-        return self._launch_gather(bucket, target)
+        source = self._gather_source(index, written, into_staging=False)
+        return self._launch_gather(self.buckets[index], source)
 
     def _owned_device_target(self, bucket) -> torch.Tensor:
         """The device tensor that holds this rank's part of ``bucket``'s parameters."""

@@ -1,0 +1,76 @@
+"""Which optimizer sub-groups were stepped during this step's backward
+(``offload_optimizer.step_during_backward``, a deepspeed_cpp extension).
+
+The gradient reducer harvests buckets strictly in index order and, at the accumulation boundary,
+a harvested bucket's shard gradient is final. Sub-groups are runs of consecutive buckets, so a
+sub-group may be stepped as soon as the reducer has harvested its last bucket: with NVMe
+offload its reads and writes then overlap the rest of backward instead of following it. Only the
+step runs early: the all-gathers of the updated parameters wait for ``engine.step()``, so every
+rank issues its collectives in one order whatever its backward timing, and no parameter changes
+while autograd may still read it. Stepping early is the same arithmetic on the same gradients
+with the same hyper-parameters (set before backward), so parameters are bitwise those of a step
+taken at ``engine.step()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+KEY = "zero_optimization.offload_optimizer.step_during_backward"
+
+
+class BackwardSteps:
+    """The sub-groups stepped in the current boundary backward and, per bucket, the tensor
+    holding this rank's updated part of its parameters until ``engine.step()`` gathers it."""
+
+    def __init__(self, sub_groups: Sequence[Sequence[int]]) -> None:
+        for group, members in enumerate(sub_groups):
+            expected = list(range(members[0], members[0] + len(members)))
+            if list(members) != expected or (group and members[0] != sub_groups[group - 1][-1] + 1):
+                raise ValueError(
+                    f"{KEY}: sub-group {group} holds buckets {list(members)}; expected runs of "
+                    f"consecutive buckets in order"
+                )
+        self._last_bucket = [members[-1] for members in sub_groups]
+        self._stepped: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self._next = 0  # the first sub-group not yet stepped in this backward
+        self.active = False  # inside a boundary backward
+        self._awaiting_step = False  # a boundary backward ran: engine.step() must come next
+
+    def begin_backward(self, boundary: bool) -> None:
+        if self._awaiting_step:
+            raise RuntimeError(
+                f"{KEY}: backward() was called again before engine.step() at an accumulation "
+                f"boundary, whose backward steps the optimizer ({len(self._stepped)} "
+                f"sub-group(s) stepped already); call engine.step() after each boundary's "
+                f"backward"
+            )
+        self.active = self._awaiting_step = boundary
+        self._next = 0
+
+    def end_backward(self) -> None:
+        self.active = False
+
+    def ready(self, harvested: int) -> Iterator[int]:
+        """The sub-groups, in order, whose every bucket is among the first ``harvested``
+        (each yielded once per backward)."""
+        while self._next < len(self._last_bucket) and self._last_bucket[self._next] < harvested:
+            self._next += 1
+            yield self._next - 1
+
+    def record(self, group: int, sources: list[tuple[int, torch.Tensor]]) -> None:
+        self._stepped[group] = sources
+
+    def take(self, group: int) -> list[tuple[int, torch.Tensor]] | None:
+        """``group``'s (bucket, updated part) pairs if it was stepped during backward."""
+        return self._stepped.pop(group, None)
+
+    @property
+    def stepped_count(self) -> int:
+        return len(self._stepped)
+
+    def end_step(self) -> None:
+        self._stepped.clear()
+        self._awaiting_step = False
