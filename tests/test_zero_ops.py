@@ -252,30 +252,45 @@ def accumulate_job(scatter: bool):
     sizes = [plan.shard_size(b) for b in range(len(plan.bucket_sizes))]
     destinations = [torch.full((size,), 7.0) for size in sizes]  # stale values to overwrite
     reducer.accumulate_into(destinations, 0.25)
-    snapshots, all_grads = [], []
+    snapshots, all_grads, harvests = [], [], []
     for overwrite in (True, False):
         grads = [[torch.randn(n, generator=generator) for n in numels] for _ in range(world)]
         all_grads.append(grads)
         reducer.set_overwrite(overwrite)
+        seen = [(0, [])]  # (harvested(), the destinations it says are final) as it grows
         for p in torch.randperm(30, generator=torch.Generator().manual_seed(rank)).tolist():
             reducer.add_grad(p, grads[rank][p])
+            if reducer.harvested() != seen[-1][0]:
+                seen.append(
+                    (reducer.harvested(), [d.clone() for d in destinations[: reducer.harvested()]])
+                )
         returned = reducer.finish()
         assert all(r.data_ptr() == d.data_ptr() for r, d in zip(returned, destinations))
         snapshots.append([d.clone() for d in destinations])
+        harvests.append((seen, reducer.harvested()))
     try:
         reducer.accumulate_into([torch.zeros(3)] * len(sizes), 1.0)
         message = "no error"
     except RuntimeError as error:
         message = str(error)
-    return plan, all_grads, snapshots, reducer.held_bytes(), message
+    return plan, all_grads, snapshots, reducer.held_bytes(), message, harvests
 
 
 @pytest.mark.parametrize("scatter", [True, False])
 def test_reducer_accumulates_into_destinations(pool3, scatter):
     world = 3
-    for rank, (plan, all_grads, snapshots, held, message) in enumerate(
+    for rank, (plan, all_grads, snapshots, held, message, harvests) in enumerate(
         pool3.run(accumulate_job, scatter)
     ):
+        # harvested(): a growing prefix of buckets whose destinations already hold their final
+        # value for the step, before finish() (which harvests the rest and resets it to 0).
+        for (seen, after_finish), snapshot in zip(harvests, snapshots):
+            counts = [count for count, _ in seen]
+            assert counts == sorted(counts) and 0 < counts[-1] < len(plan.bucket_sizes), counts
+            for count, prefix in seen:
+                for bucket in range(count):
+                    assert torch.equal(prefix[bucket], snapshot[bucket]), (count, bucket)
+            assert after_finish == 0
         total = None
         for grads, snapshot in zip(all_grads, snapshots):
             for bucket, size in enumerate(plan.bucket_sizes):
