@@ -48,6 +48,7 @@ def engine_for(row: str, spec: dict):
 
     where = "mem" if row == "mem" else "nvme"
     folder = os.path.join(spec["folder"], row)
+    os.makedirs(folder, exist_ok=True)
     config = ds_config({**spec, "impl": OURS, "stage": spec["stage"], "where": where,
                         "folder": folder})  # fmt: skip
     if row == "nvme+sdb":

@@ -531,13 +531,20 @@ def _refusals_job(folder):
         found.append("no error")
     except RuntimeError as error:
         found.append(f"RuntimeError: {error}")
+    try:
+        engine.save_checkpoint(folder, tag="between")
+        found.append("no error")
+    except RuntimeError as error:
+        found.append(f"RuntimeError: {error}")
+    engine.step()
+    engine.save_checkpoint(folder, tag="after")  # fine once the step is done
     engine.destroy()
     return found
 
 
 def test_step_during_backward_refuses_what_needs_every_gradient_first(pool2, tmp_path):
     key = "zero_optimization.offload_optimizer.step_during_backward = true cannot be combined"
-    for clip, fp16, delayed, ratio, param, twice in pool2.run(_refusals_job, str(tmp_path)):
+    for clip, fp16, delayed, ratio, param, twice, save in pool2.run(_refusals_job, str(tmp_path)):
         for message in (clip, fp16, delayed, ratio, param):
             assert message.startswith("DeepSpeedConfigError") and key in message, message
         assert "gradient_clipping = 1.0" in clip
@@ -546,3 +553,4 @@ def test_step_during_backward_refuses_what_needs_every_gradient_first(pool2, tmp
         assert "offload_optimizer.ratio = 0.5" in ratio
         assert 'offload_param.device = "cpu"' in param
         assert "backward() was called again before engine.step()" in twice, twice
+        assert "saving a checkpoint between an accumulation boundary's backward" in save, save

@@ -20,6 +20,8 @@ class ShardCheckpointState:
         "state": the optimizer's state for that slice}`` (the live tensors, except that a master
         slice viewing the flat parameters is copied: torch.save writes a view's whole storage;
         with NVMe offload everything is copied out of the swap buffers)."""
+        if self._backward_steps is not None:
+            self._backward_steps.check_between_steps("saving a checkpoint")
         self.apply_pending_update()
         copy_all = self.home.kind == "nvme"
         entries = []
@@ -63,6 +65,8 @@ class ShardCheckpointState:
         """Replaces every bucket's fp32 master slice with ``masters[b]`` and, when ``states`` is
         given, the optimizer state of that slice with ``states[b]``; pending gradients are
         dropped. The model's parameters are not written (the caller loads them)."""
+        if self._backward_steps is not None:
+            self._backward_steps.check_between_steps("loading a checkpoint")
         given_states = "no" if states is None else len(states)
         if len(masters) != len(self.masters) or given_states not in ("no", len(masters)):
             raise ValueError(

@@ -67,6 +67,16 @@ class BackwardSteps:
         """``group``'s (bucket, updated part) pairs if it was stepped during backward."""
         return self._stepped.pop(group, None)
 
+    def check_between_steps(self, what: str) -> None:
+        """Raises if a boundary backward ran (and may have stepped sub-groups) but
+        ``engine.step()`` has not: the optimizer state would be ahead of the parameters."""
+        if self._awaiting_step:
+            raise RuntimeError(
+                f"{KEY}: {what} between an accumulation boundary's backward and engine.step() "
+                f"would see {len(self._stepped)} optimizer sub-group(s) already stepped and the "
+                f"parameters not yet updated; call engine.step() first"
+            )
+
     @property
     def stepped_count(self) -> int:
         return len(self._stepped)
