@@ -527,4 +527,6 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
         try:
             self.apply_pending_update()
         finally:
+            if self._backward_steps is not None:
+                self._backward_steps.close()
             self.home.close()

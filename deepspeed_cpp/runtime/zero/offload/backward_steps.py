@@ -10,11 +10,18 @@ rank issues its collectives in one order whatever its backward timing, and no pa
 while autograd may still read it. Stepping early is the same arithmetic on the same gradients
 with the same hyper-parameters (set before backward), so parameters are bitwise those of a step
 taken at ``engine.step()``.
+
+The sub-groups are stepped by one worker thread, in order (the NVMe home claims its buffers in
+sub-group order), so that backward never waits for a swap read or a CPU Adam pass: autograd
+goes on producing gradients while the worker brings in and steps what is final. The worker only
+touches the masters, state and host buffers of the sub-group it steps and shard gradients the
+reducer has finished with; ``engine.step()`` waits for it before touching anything else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -34,7 +41,8 @@ class BackwardSteps:
                     f"consecutive buckets in order"
                 )
         self._last_bucket = [members[-1] for members in sub_groups]
-        self._stepped: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self._stepped: dict[int, Future] = {}  # sub-group -> its step on the worker
+        self._worker: ThreadPoolExecutor | None = None
         self._next = 0  # the first sub-group not yet stepped in this backward
         self.active = False  # inside a boundary backward
         self._awaiting_step = False  # a boundary backward ran: engine.step() must come next
@@ -60,12 +68,37 @@ class BackwardSteps:
             self._next += 1
             yield self._next - 1
 
-    def record(self, group: int, sources: list[tuple[int, torch.Tensor]]) -> None:
-        self._stepped[group] = sources
+    def submit(self, group: int, step: Callable[[], list[tuple[int, torch.Tensor]]]) -> None:
+        """Queues ``step`` (which steps ``group`` and returns its (bucket, updated part) pairs)
+        on the worker; sub-groups run in the order they are submitted."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="deepspeed_cpp-sdb")
+
+        def run() -> list[tuple[int, torch.Tensor]]:
+            with torch.no_grad():  # grad mode is per thread
+                return step()
+
+        self._stepped[group] = self._worker.submit(run)
 
     def take(self, group: int) -> list[tuple[int, torch.Tensor]] | None:
-        """``group``'s (bucket, updated part) pairs if it was stepped during backward."""
-        return self._stepped.pop(group, None)
+        """``group``'s (bucket, updated part) pairs if it was stepped during backward, once the
+        worker is done with it; re-raises what stepping it raised."""
+        future = self._stepped.pop(group, None)
+        if future is None:
+            return None
+        try:
+            return future.result()
+        except Exception as error:
+            raise RuntimeError(
+                f"{KEY}: stepping optimizer sub-group {group} during backward failed: {error}"
+            ) from error
+
+    def close(self) -> None:
+        """Waits for the worker (its errors were for engine.step() to report) and stops it."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        self._stepped.clear()
 
     def check_between_steps(self, what: str) -> None:
         """Raises if a boundary backward ran (and may have stepped sub-groups) but

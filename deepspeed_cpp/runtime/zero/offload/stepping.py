@@ -77,12 +77,12 @@ class OffloadedStepping:
         return BackwardSteps(self.home.sub_groups)
 
     def _step_reduced_sub_groups(self) -> None:
-        """During a boundary backward: steps every sub-group whose buckets are all reduced."""
+        """During a boundary backward: hands every sub-group whose buckets are all reduced to
+        the worker that steps them (``backward_steps.py``)."""
         early = self._backward_steps
-        with torch.no_grad():
-            for group in early.ready(self.reducer.harvested()):
-                members = self.home.sub_groups[group]
-                early.record(group, self._step_sub_group(members, into_staging=True))
+        for group in early.ready(self.reducer.harvested()):
+            members = self.home.sub_groups[group]
+            early.submit(group, lambda m=members: self._step_sub_group(m, into_staging=True))
 
     def _make_device_optimizer(self, factory, param_groups, on_device, optimizer):
         """The optimizer of the buckets a partial offload (``ratio`` < 1) leaves on the device:
