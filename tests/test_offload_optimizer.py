@@ -8,6 +8,7 @@ with a one-process reference that applies each update one step late (zero3_helpe
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 
 import pytest
@@ -554,3 +555,37 @@ def test_step_during_backward_refuses_what_needs_every_gradient_first(pool2, tmp
         assert 'offload_param.device = "cpu"' in param
         assert "backward() was called again before engine.step()" in twice, twice
         assert "saving a checkpoint between an accumulation boundary's backward" in save, save
+
+
+def _vanished_folder_job(parent):
+    import shutil
+
+    import deepspeed_cpp
+
+    folder = _shared_folder(parent)
+    offload = {**_nvme(folder), "step_during_backward": True}
+    cfg = _config(2, "fp32", offload, gas=1, clip=0.0, sub_group_size=300)
+    cfg["zero_optimization"]["reduce_bucket_size"] = 200
+    engine, *_ = deepspeed_cpp.initialize(model=_mlp("fp32"), config=cfg)
+    x, y = torch.randn(3, 29), torch.randn(3, 23)
+    for step in range(2):
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        if step == 0:
+            engine.step()
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(folder)  # the swap folder vanishes between two steps
+            dist.barrier()
+    try:
+        engine.step()
+        message = "no error"
+    except RuntimeError as error:
+        message = f"{error} <- {error.__cause__!r}"
+    engine.destroy()
+    return message
+
+
+def test_a_failed_step_during_backward_is_raised_by_engine_step(pool2, tmp_path):
+    for message in pool2.run(_vanished_folder_job, tmp_path):
+        assert re.search(r"step_during_backward: stepping optimizer sub-group \d+ during", message)
+        assert "ENOENT (2)" in message, message
