@@ -557,7 +557,7 @@ def test_step_during_backward_refuses_what_needs_every_gradient_first(pool2, tmp
         assert "saving a checkpoint between an accumulation boundary's backward" in save, save
 
 
-def _vanished_folder_job(parent):
+def _step_during_backward_vanished_folder_job(parent):
     import shutil
 
     import deepspeed_cpp
@@ -586,6 +586,6 @@ def _vanished_folder_job(parent):
 
 
 def test_a_failed_step_during_backward_is_raised_by_engine_step(pool2, tmp_path):
-    for message in pool2.run(_vanished_folder_job, tmp_path):
+    for message in pool2.run(_step_during_backward_vanished_folder_job, tmp_path):
         assert re.search(r"step_during_backward: stepping optimizer sub-group \d+ during", message)
         assert "ENOENT (2)" in message, message
