@@ -1,35 +1,22 @@
-"""Training jobs for the Hugging Face Trainer tests: a tiny GPT-2 from a config, a seeded token
-data set, and one function that trains it with deepspeed_cpp's Trainer (in the pool's ranks) or
-with transformers' own Trainer (the one-process reference)."""
+"""Training jobs for the Hugging Face Trainer tests: tiny models built from configs (the GPT-2
+and its token data set are the example script's own, examples/hf_trainer/train_tiny_gpt2.py), and
+one function that trains with deepspeed_cpp's Trainer (in the pool's ranks) or with
+transformers' own Trainer (the one-process reference)."""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
-VOCAB, SEQUENCE, SAMPLES = 64, 12, 64
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "hf_trainer"))
 
+from train_tiny_gpt2 import tiny_gpt2, token_dataset  # noqa: E402
 
-def tiny_gpt2():
-    """A 2-layer GPT-2 with tied input/output embeddings, the same weights for a given seed."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=16,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(1234)
-    return GPT2LMHeadModel(config)
+VOCAB = 64
 
 
 def tiny_t5():
@@ -52,10 +39,57 @@ def tiny_t5():
     return T5ForConditionalGeneration(config)
 
 
-def token_dataset(seed: int = 7) -> list[dict]:
+def tiny_llama():
+    """A 2-layer Llama (RMSNorm, rotary positions, gated MLP, grouped-query attention with one
+    key/value head for two query heads, untied output layer), the same weights every time."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(1234)
+    return LlamaForCausalLM(config)
+
+
+class ScalarRegression(torch.nn.Module):
+    """y = a * x + b with two 0-dimensional parameters: the smallest model a Trainer takes, and
+    an edge case for partitioning (one element per parameter, fewer than the ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor(0.5))
+        self.b = torch.nn.Parameter(torch.tensor(-0.25))
+
+    def forward(self, input_x, labels=None):
+        prediction = self.a * input_x + self.b
+        if labels is None:
+            return {"logits": prediction}
+        return {"loss": torch.nn.functional.mse_loss(prediction, labels), "logits": prediction}
+
+
+def regression_dataset(samples: int = 64, seed: int = 11) -> list[dict]:
+    """y = 2x + 3 plus noise: the regression model moves towards a = 2, b = 3."""
     generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQUENCE), generator=generator)
-    return [{"input_ids": row, "labels": row} for row in tokens]
+    x = torch.randn(samples, generator=generator)
+    y = 2.0 * x + 3.0 + 0.1 * torch.randn(samples, generator=generator)
+    return [{"input_x": xi, "labels": yi} for xi, yi in zip(x, y)]
+
+
+MODELS = {
+    "gpt2": (tiny_gpt2, token_dataset),
+    "t5": (tiny_t5, token_dataset),
+    "llama": (tiny_llama, token_dataset),
+    "regression": (ScalarRegression, regression_dataset),
+}
 
 
 def run_trainer(spec: dict) -> dict:
@@ -63,7 +97,8 @@ def run_trainer(spec: dict) -> dict:
     world size the arguments saw, what the engine held, and (rank 0) the final weights.
 
     spec: output_dir, deepspeed (a ds_config dict, or None for transformers' own Trainer),
-    micro (per-device batch), accumulation, max_steps, save_steps (0: no checkpoints),
+    model (a key of MODELS; "gpt2" by default), micro (per-device batch), accumulation,
+    max_steps, save_steps (0: no checkpoints), save_at (steps to save at besides save_steps),
     resume (None, True or a path), optim_args (extra TrainingArguments).
     """
     import transformers
@@ -71,7 +106,9 @@ def run_trainer(spec: dict) -> dict:
     from deepspeed_cpp import hf
 
     use_engine = spec.get("deepspeed") is not None
-    seq2seq = spec.get("model") == "t5"
+    model_name = spec.get("model", "gpt2")
+    build_model, build_dataset = MODELS[model_name]
+    seq2seq = model_name == "t5"
     if seq2seq:
         arguments_class = (
             hf.Seq2SeqTrainingArguments if use_engine else transformers.Seq2SeqTrainingArguments
@@ -81,6 +118,7 @@ def run_trainer(spec: dict) -> dict:
         arguments_class = hf.TrainingArguments if use_engine else transformers.TrainingArguments
         trainer_class = hf.Trainer if use_engine else transformers.Trainer
     save_steps = spec.get("save_steps", 0)
+    save_at = set(spec.get("save_at", ()))
     extra = dict(spec.get("optim_args", {}))
     if use_engine:
         extra["deepspeed"] = spec["deepspeed"]
@@ -102,7 +140,7 @@ def run_trainer(spec: dict) -> dict:
         max_steps=spec.get("max_steps", 6),
         learning_rate=spec.get("learning_rate", 1e-3),
         logging_steps=1,
-        save_strategy="steps" if save_steps else "no",
+        save_strategy="steps" if save_steps or save_at else "no",
         save_steps=save_steps or 500,
         report_to=[],
         disable_tqdm=True,
@@ -112,8 +150,13 @@ def run_trainer(spec: dict) -> dict:
     )
     if spec.get("zero_init"):
         model = _partitioned_tiny_gpt2(spec["deepspeed"])
+    elif spec.get("pretrained"):
+        # Straight from a saved folder into ZeRO-3 partitions. As the guide says, the arguments
+        # are built first: they keep the stage-3 config alive that the loader asks for.
+        model = hf.from_pretrained_zero3(transformers.AutoModelForCausalLM, spec["pretrained"])
+        model.train()
     else:
-        model = tiny_t5() if seq2seq else tiny_gpt2()
+        model = build_model()
     optimizers = (None, None)
     if spec.get("own_optimizer"):
         # The caller's optimizer and schedule (Trainer(optimizers=...)): SGD with momentum and a
@@ -125,8 +168,9 @@ def run_trainer(spec: dict) -> dict:
         model=model,
         args=args,
         optimizers=optimizers,
-        train_dataset=token_dataset(),
-        eval_dataset=token_dataset(seed=3)[:16] if evaluate else None,
+        train_dataset=build_dataset(),
+        eval_dataset=build_dataset(seed=3)[:16] if evaluate else None,
+        callbacks=[_SaveAt(save_at)] if save_at else None,
     )
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -143,6 +187,9 @@ def run_trainer(spec: dict) -> dict:
         "learning_rates": [entry["learning_rate"] for entry in history],
         "grad_norms": [entry.get("grad_norm") for entry in history],
         "global_step": trainer.state.global_step,
+        "epoch": trainer.state.epoch,
+        # Every per-step log entry whole (loss, grad_norm, learning_rate, epoch, step).
+        "log_history": history,
     }
     if evaluate:
         result.update(result_evaluation)
@@ -159,6 +206,18 @@ def run_trainer(spec: dict) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     result["weights"] = {k: v.detach().clone() for k, v in state.items()} if rank == 0 else {}
     return result
+
+
+class _SaveAt(TrainerCallback):
+    """Saves a checkpoint after each of the given optimizer steps (besides save_steps')."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in self.steps:
+            control.should_save = True
+        return control
 
 
 def _partitioned_tiny_gpt2(ds_config: dict):
@@ -218,4 +277,43 @@ def partitioned_from_config_statistics() -> dict:
         "state": state,
         "initializer_range": config.initializer_range,
         "layers": config.n_layer,
+    }
+
+
+def load_pretrained_partitioned(folder: str) -> dict:
+    """from_pretrained_zero3 at ZeRO-3 (embeddings partitioned): whether the parameters are
+    partitioned and tied, and the gathered state, as this rank sees it; then the errors for a
+    missing tensor, a wrong shape and no live stage-3 config, as messages."""
+    from transformers import AutoModelForCausalLM
+
+    from deepspeed_cpp import hf, zero
+
+    keeper = hf.HfDeepSpeedConfig(
+        {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
+    )
+    model = hf.from_pretrained_zero3(AutoModelForCausalLM, folder)
+    partitioned = {
+        name: hasattr(p, "ds_id") and not p.ds_persist for name, p in model.named_parameters()
+    }
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with zero.GatheredParameters(list(model.parameters())):
+        state = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    errors = {}
+    for case in ("missing", "shape"):
+        broken = Path(folder + f"-{case}")
+        try:
+            hf.from_pretrained_zero3(AutoModelForCausalLM, broken)
+        except ValueError as error:
+            errors[case] = str(error)
+    del keeper
+    try:
+        hf.from_pretrained_zero3(AutoModelForCausalLM, folder)
+    except ValueError as error:
+        errors["no_config"] = str(error)
+    return {
+        "partitioned": partitioned,
+        "tied": tied,
+        "training": model.training,
+        "state": state,
+        "errors": errors,
     }

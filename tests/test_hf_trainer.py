@@ -2,6 +2,7 @@
 process on the same data: ZeRO stages 0-3, optimizer/schedule origins, gradient accumulation,
 checkpoints and exact resume, and accelerate's world size on a machine without a GPU."""
 
+import json
 import os
 import shutil
 
@@ -13,11 +14,13 @@ pytest.importorskip("accelerate")
 
 from hf_trainer_jobs import (  # noqa: E402
     accelerate_world_without_our_fix,
+    load_pretrained_partitioned,
     partitioned_from_config_statistics,
     run_trainer,
     tiny_gpt2,
+    tiny_llama,
 )
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 WORLD = 2
 MICRO = 4
@@ -69,6 +72,44 @@ def test_zero_stage_losses_equal_one_process_reference(pool2, tmp_path, referenc
     _assert_same_training(ours, reference, tolerance=1e-5)
 
 
+def test_tiny_llama_at_zero3_matches_the_one_process_reference(pool2, tmp_path):
+    # Rotary positions, RMSNorm, a gated MLP, grouped-query attention and an untied output layer:
+    # module shapes GPT-2 does not have, partitioned and gathered by the ZeRO-3 hooks.
+    spec = {"model": "llama", "max_steps": 4, "micro": MICRO}
+    ours = pool2.run(
+        run_trainer, dict(spec, output_dir=str(tmp_path / "ours"), deepspeed=_auto_config(3))
+    )[0]
+    theirs = run_trainer(
+        dict(spec, output_dir=str(tmp_path / "theirs"), deepspeed=None, micro=MICRO * WORLD)
+    )
+    assert ours["zero_stage"] == 3
+    assert "lm_head.weight" in ours["weights"] and "model.embed_tokens.weight" in ours["weights"]
+    _assert_same_training(ours, theirs, tolerance=1e-5)
+
+
+def test_two_scalar_regression_model_at_zero2_and_zero3(pool2, tmp_path):
+    # Two 0-dimensional parameters, partitioned at ZeRO-3 (threshold 0: one element over two
+    # ranks, one of them holding only padding). A plain torch module: no model config to fill
+    # the bucket sizes from, so they are given.
+    spec = {"model": "regression", "max_steps": 5, "micro": MICRO, "learning_rate": 0.1}
+    theirs = run_trainer(
+        dict(spec, output_dir=str(tmp_path / "theirs"), deepspeed=None, micro=MICRO * WORLD)
+    )
+    assert theirs["losses"][-1] < theirs["losses"][0], "the reference learns"
+    for stage in (2, 3):
+        config = _auto_config(stage)
+        config["zero_optimization"].update(
+            reduce_bucket_size=1000,
+            stage3_prefetch_bucket_size=1000,
+            stage3_param_persistence_threshold=0,
+        )
+        output_dir = str(tmp_path / f"zero{stage}")
+        ours = pool2.run(run_trainer, dict(spec, output_dir=output_dir, deepspeed=config))[0]
+        assert ours["zero_stage"] == stage
+        assert set(ours["weights"]) == {"a", "b"} and ours["weights"]["a"].dim() == 0
+        _assert_same_training(ours, theirs, tolerance=1e-6)
+
+
 def test_model_built_partitioned_under_hf_deepspeed_config_trains_like_the_reference(
     pool2, tmp_path, reference
 ):
@@ -77,6 +118,54 @@ def test_model_built_partitioned_under_hf_deepspeed_config_trains_like_the_refer
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 100
     spec = {"output_dir": str(tmp_path), "micro": MICRO, "deepspeed": config}
     ours = pool2.run(run_trainer, dict(spec, zero_init=True))[0]
+    _assert_same_training(ours, reference, tolerance=1e-5)
+
+
+def test_from_pretrained_zero3_loads_saved_weights_into_partitions(pool2, tmp_path):
+    # Saved weights that no initialisation would draw: every tensor comes from the file.
+    llama = tiny_llama()
+    with torch.no_grad():
+        for param in llama.parameters():
+            param.normal_()
+    folder = tmp_path / "llama"
+    llama.save_pretrained(folder)
+    # Broken copies: one tensor left out, one tensor of the wrong shape.
+    saved = load_file(str(folder / "model.safetensors"))
+    for case, change in {
+        "missing": lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+        "shape": lambda t: t.update({"model.norm.weight": torch.ones(31)}),
+    }.items():
+        shutil.copytree(folder, f"{folder}-{case}")
+        broken = dict(saved)
+        change(broken)
+        save_file(broken, f"{folder}-{case}/model.safetensors", metadata={"format": "pt"})
+    first, second = pool2.run(load_pretrained_partitioned, str(folder))
+    assert first["partitioned"]["model.embed_tokens.weight"], "64 x 32 > the threshold of 100"
+    assert not first["partitioned"]["model.norm.weight"], "32 elements stay whole"
+    assert not first["tied"] and not first["training"]
+    expected = llama.state_dict()
+    assert set(first["state"]) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(first["state"][name], value), name
+        assert torch.equal(second["state"][name], value), f"rank 1: {name}"
+    for errors in (first["errors"], second["errors"]):
+        assert "has no weights for ['model.layers.1.mlp.up_proj.weight']" in errors["missing"]
+        assert "'model.norm.weight' has shape [31] in the file" in errors["shape"]
+        assert "expects [32]" in errors["shape"]
+        assert (
+            "needs a live HfDeepSpeedConfig with zero_optimization.stage = 3"
+            in (errors["no_config"])
+        )
+
+
+def test_tied_gpt2_from_pretrained_zero3_trains_like_the_reference(pool2, tmp_path, reference):
+    # The reference's initial weights, saved the way transformers saves them (the tied output
+    # layer stored once), loaded into partitions and trained by our Trainer at ZeRO-3.
+    tiny_gpt2().save_pretrained(tmp_path / "saved")
+    config = _auto_config(3)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 100
+    spec = {"output_dir": str(tmp_path / "out"), "micro": MICRO, "deepspeed": config}
+    ours = pool2.run(run_trainer, dict(spec, pretrained=str(tmp_path / "saved")))[0]
     _assert_same_training(ours, reference, tolerance=1e-5)
 
 
@@ -261,29 +350,41 @@ def test_zero3_evaluation_and_best_model_at_end_match_the_reference(pool2, tmp_p
     assert ours["final_eval_loss"] == pytest.approx(theirs["final_eval_loss"], abs=1e-5)
 
 
-def test_resume_from_step_5_gives_bitwise_equal_weights(pool2, tmp_path):
-    # 64 samples / 8 a step: an epoch is 8 steps, so the resumed run crosses an epoch boundary.
-    common = {"deepspeed": _auto_config(2), "max_steps": 10}
-    straight = pool2.run(run_trainer, dict(common, output_dir=str(tmp_path / "a"), save_steps=5))
+def _trainer_state_file(checkpoint) -> dict:
+    """global_step, epoch and the per-step log of a checkpoint's trainer_state.json."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    steps = [entry for entry in state["log_history"] if "loss" in entry]
+    return {"global_step": state["global_step"], "epoch": state["epoch"], "log": steps}
+
+
+def test_resume_from_step_5_and_past_an_epoch_boundary_is_bitwise_exact(pool2, tmp_path):
+    # 64 samples / 8 a step: an epoch is 8 steps. Resuming at step 5 crosses the epoch boundary
+    # while training again; step 9 is in the second epoch (the data order is the resumed sampler's).
+    common = {"deepspeed": _auto_config(2), "max_steps": 10, "save_at": [10]}
+    straight = pool2.run(
+        run_trainer, dict(common, output_dir=str(tmp_path / "a"), save_at=[5, 9, 10])
+    )
     # resume_from_checkpoint=True finds the last checkpoint in output_dir: give it step 5 only.
     (tmp_path / "b").mkdir()
     shutil.copytree(tmp_path / "a" / "checkpoint-5", tmp_path / "b" / "checkpoint-5")
-    resumed = pool2.run(run_trainer, dict(common, output_dir=str(tmp_path / "b"), resume=True))
-    assert resumed[0]["global_step"] == 10
-    # The log of steps 1-5 comes back from trainer_state.json; steps 6-10 are trained again.
-    assert resumed[0]["losses"] == straight[0]["losses"]
-    for name, value in straight[0]["weights"].items():
-        assert torch.equal(resumed[0]["weights"][name], value), name
-    by_path = pool2.run(
+    from_5 = pool2.run(run_trainer, dict(common, output_dir=str(tmp_path / "b"), resume=True))
+    from_9 = pool2.run(
         run_trainer,
-        dict(
-            common,
-            output_dir=str(tmp_path / "c"),
-            resume=str(tmp_path / "a" / "checkpoint-5"),
-        ),
+        dict(common, output_dir=str(tmp_path / "c"), resume=str(tmp_path / "a" / "checkpoint-9")),
     )
-    for name, value in straight[0]["weights"].items():
-        assert torch.equal(by_path[0]["weights"][name], value), name
+    expected = _trainer_state_file(tmp_path / "a" / "checkpoint-10")
+    assert expected["global_step"] == 10 and expected["epoch"] == pytest.approx(1.25)
+    assert [entry["step"] for entry in expected["log"]] == list(range(1, 11))
+    for name, resumed in (("step 5", from_5), ("step 9", from_9)):
+        # The Trainer's state as trained (steps 1..k come back from trainer_state.json, the rest
+        # are trained again), then as written in the final checkpoint: whole log entries.
+        assert resumed[0]["global_step"] == straight[0]["global_step"] == 10, name
+        assert resumed[0]["epoch"] == straight[0]["epoch"], name
+        assert resumed[0]["log_history"] == straight[0]["log_history"], name
+        folder = "b" if resumed is from_5 else "c"
+        assert _trainer_state_file(tmp_path / folder / "checkpoint-10") == expected, name
+        for key, value in straight[0]["weights"].items():
+            assert torch.equal(resumed[0]["weights"][key], value), f"{name}: {key}"
 
 
 def test_resume_from_a_folder_without_engine_checkpoint_fails_clearly(pool2, tmp_path):

@@ -6,7 +6,8 @@
     torchrun --nproc_per_node 2 train_tiny_gpt2.py --deepspeed ds_config.json --output_dir out
 
 A tiny GPT-2 built from a config and a seeded token data set (no downloads). The main process
-writes ``summary.json`` (losses, world size) into the output folder.
+writes ``summary.json`` (losses, world size) into the output folder. The tests import
+``tiny_gpt2`` and ``token_dataset`` from here, so the script and the tests train the same thing.
 """
 
 import json
@@ -27,13 +28,12 @@ class DataArguments:
     vocab_size: int = 64
 
 
-def main():
-    data_args, training_args = HfArgumentParser(
-        (DataArguments, TrainingArguments)
-    ).parse_args_into_dataclasses()
+def tiny_gpt2(vocab_size: int = 64, sequence_length: int = 12) -> GPT2LMHeadModel:
+    """A 2-layer GPT-2 with tied input/output embeddings and no dropout (so that runs compare
+    exactly); the same weights every call."""
     config = GPT2Config(
-        vocab_size=data_args.vocab_size,
-        n_positions=max(16, data_args.sequence_length),
+        vocab_size=vocab_size,
+        n_positions=max(16, sequence_length),
         n_embd=32,
         n_layer=2,
         n_head=2,
@@ -42,16 +42,27 @@ def main():
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(1234)
-    model = GPT2LMHeadModel(config)
-    tokens = torch.randint(
-        0,
-        data_args.vocab_size,
-        (data_args.samples, data_args.sequence_length),
-        generator=torch.Generator().manual_seed(7),
-    )
-    dataset = [{"input_ids": row, "labels": row} for row in tokens]
+    return GPT2LMHeadModel(config)
+
+
+def token_dataset(
+    samples: int = 64, sequence_length: int = 12, vocab_size: int = 64, seed: int = 7
+) -> list[dict]:
+    """Random token rows (a language-model batch: labels are the inputs), fixed by ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (samples, sequence_length), generator=generator)
+    return [{"input_ids": row, "labels": row} for row in tokens]
+
+
+def main():
+    data_args, training_args = HfArgumentParser(
+        (DataArguments, TrainingArguments)
+    ).parse_args_into_dataclasses()
+    model = tiny_gpt2(data_args.vocab_size, data_args.sequence_length)
+    dataset = token_dataset(data_args.samples, data_args.sequence_length, data_args.vocab_size)
 
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

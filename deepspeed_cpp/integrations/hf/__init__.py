@@ -48,6 +48,7 @@ _check_installed()
 
 from .accelerator import EngineAccelerator, EngineOptimizer, EnginePlan, EngineScheduler  # noqa: E402
 from .config_filling import ConfigMismatchError  # noqa: E402
+from .pretrained_zero3 import from_pretrained_zero3  # noqa: E402
 from .trainer import Seq2SeqTrainer, Trainer  # noqa: E402
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments  # noqa: E402
 from .zero3_config import (  # noqa: E402
@@ -69,6 +70,7 @@ __all__ = [
     "Trainer",
     "TrainingArguments",
     "deepspeed_config",
+    "from_pretrained_zero3",
     "initialize_weights_zero3",
     "is_deepspeed_zero3_enabled",
 ]

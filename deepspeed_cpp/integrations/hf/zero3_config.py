@@ -13,6 +13,9 @@ Model construction under our ``zero.Init`` is explicit::
     with ds.zero_init():                       # stage 3: parameters partitioned as built
         model = AutoModelForCausalLM.from_config(config)
     initialize_weights_zero3(model)            # the model's own init, on gathered parameters
+
+A saved model goes straight into partitions with ``from_pretrained_zero3(AutoModel..., path)``
+(pretrained_zero3.py).
 """
 
 from __future__ import annotations
