@@ -5,6 +5,7 @@ transformers' own Trainer (the one-process reference)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,14 @@ from transformers import TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "hf_trainer"))
 
 from train_tiny_gpt2 import tiny_gpt2, token_dataset  # noqa: E402
+
+# Every train() starts with a full gc.collect() (accelerate's free_memory), which walks every
+# object torch and transformers created on import: about a second and a half a run on a loaded
+# 2-core machine, in the pool's ranks and in the test process alike. Those objects live as long
+# as the process, so they are moved out of the collector's sight once (gc.freeze); the objects
+# of each run are still collected as usual.
+gc.collect()
+gc.freeze()
 
 VOCAB = 64
 
@@ -106,6 +115,11 @@ def run_trainer(spec: dict) -> dict:
     from deepspeed_cpp import hf
 
     use_engine = spec.get("deepspeed") is not None
+    if use_engine:
+        # accelerate sets torch's thread count to its own guess (cores / local processes) when
+        # OMP_NUM_THREADS is unset; keep the pool's one thread per rank: 2 ranks x 2 threads
+        # oversubscribe a 2-core machine, and spinning threads slow every step.
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     model_name = spec.get("model", "gpt2")
     build_model, build_dataset = MODELS[model_name]
     seq2seq = model_name == "t5"

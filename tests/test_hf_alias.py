@@ -53,9 +53,9 @@ def test_no_deepspeed_without_the_alias():
     assert out.split() == ["None", "no", "metadata"]
 
 
-def test_finder_resolves_submodules_and_unresolves():
-    out = _ok(
-        _python("""
+# Two round trips through the alias, run one after the other in one fresh interpreter (a start
+# costs seconds): the second also shows that activating again after deactivate() works.
+FINDER_ROUND_TRIP = """
         import json, sys
         import deepspeed_cpp, deepspeed_cpp.compat as compat
         compat.activate()
@@ -91,23 +91,9 @@ def test_finder_resolves_submodules_and_unresolves():
         except ModuleNotFoundError as error:
             report["after"] = str(error)
         print(json.dumps(report))
-        """)
-    )
-    report = json.loads(out.strip().splitlines()[-1])
-    assert report["same_package"] and report["same_moe"] and report["same_adam"]
-    assert report["same_zero"] and report["initialize"]
-    # The module keeps its own name: tracebacks and pickles still say deepspeed_cpp.
-    assert report["module_name"] == "deepspeed_cpp.moe.layer"
-    assert "'deepspeed.inference'" in report["missing"]
-    assert "deepspeed_cpp.inference" in report["missing"]
-    assert report["active_after"] is False
-    assert report["left_in_sys_modules"] == []
-    assert report["after"] == "No module named 'deepspeed'"
+"""
 
-
-def test_metadata_is_answered_only_in_the_activated_process():
-    out = _ok(
-        _python("""
+METADATA_ROUND_TRIP = """
         import importlib.metadata as md, json, subprocess, sys
         import deepspeed_cpp.compat as compat
         compat.activate()
@@ -133,9 +119,29 @@ def test_metadata_is_answered_only_in_the_activated_process():
             print("still answered")
         except md.PackageNotFoundError:
             print("gone")
-        """)
-    )
-    *_, line, after = out.strip().splitlines()
+"""
+
+
+@pytest.fixture(scope="module")
+def round_trip_lines() -> list[str]:
+    return _ok(_python(FINDER_ROUND_TRIP + METADATA_ROUND_TRIP)).strip().splitlines()
+
+
+def test_finder_resolves_submodules_and_unresolves(round_trip_lines):
+    report = json.loads(round_trip_lines[0])
+    assert report["same_package"] and report["same_moe"] and report["same_adam"]
+    assert report["same_zero"] and report["initialize"]
+    # The module keeps its own name: tracebacks and pickles still say deepspeed_cpp.
+    assert report["module_name"] == "deepspeed_cpp.moe.layer"
+    assert "'deepspeed.inference'" in report["missing"]
+    assert "deepspeed_cpp.inference" in report["missing"]
+    assert report["active_after"] is False
+    assert report["left_in_sys_modules"] == []
+    assert report["after"] == "No module named 'deepspeed'"
+
+
+def test_metadata_is_answered_only_in_the_activated_process(round_trip_lines):
+    line, after = round_trip_lines[1:]
     report = json.loads(line)
     assert report["version"] == report["expected"]
     assert report["version"].startswith("0.19.8+deepspeed.cpp.")
@@ -281,9 +287,10 @@ def test_unmodified_hf_trainer_script_gets_the_clear_message(tmp_path):
     assert OUR_IMPORT in ours
     script = tmp_path / "train_hf.py"
     script.write_text(ours.replace(OUR_IMPORT, HF_IMPORT))  # the script as HF users have it
+    # Started as the launcher's --alias-deepspeed starts each worker (that the launcher does so
+    # is tested above), in one process: the refusal comes before any collective, in any world.
     run = subprocess.run(
-        [sys.executable, "-m", "deepspeed_cpp.launcher", "--num_procs", "2",
-         "--master_port", str(free_port()), "--alias-deepspeed",
+        [sys.executable, "-m", "deepspeed_cpp.compat",
          *_script_arguments(script, tmp_path / "out")],
         env=launch_env(PYTHONPATH=str(REPO_ROOT)),
         capture_output=True, text=True, timeout=400, cwd=tmp_path,
