@@ -10,7 +10,8 @@ answers for deepspeed_cpp instead (see zero3_config.py). This is the same patter
 The model is built under ``zero.Init`` (no rank ever holds it whole) and the weights are copied
 in one module at a time: each module's own parameters are gathered, rank 0 reads exactly those
 tensors from the safetensors file(s) and its values are written back to every rank's shard. Only
-rank 0 reads the files. Only safetensors are read (``pytorch_model.bin`` would mean unpickling).
+rank 0 reads tensors (every rank reads the file names, to fail together when they are missing).
+Only safetensors are read (``pytorch_model.bin`` would mean unpickling).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def from_pretrained_zero3(model_class, pretrained_path, **config_overrides):
 
     live = _live_config()
     if live is None or not live.is_zero3():
-        found = "none is alive" if live is None else f"the live one has stage {live._stage!r}"
+        stage = None if live is None else live.config.get("zero_optimization", {}).get("stage")
+        found = "none is alive" if live is None else f"the live one has stage {stage!r}"
         raise ValueError(
             "from_pretrained_zero3 builds a ZeRO-3 partitioned model: it needs a live "
             f"HfDeepSpeedConfig with zero_optimization.stage = 3 ({found}); below stage 3 use "
