@@ -122,6 +122,57 @@ def test_engine_expert_data_parallel_training_on_four_ranks(
             assert abs(norm - ref_norm) <= 1e-5 * max(1.0, ref_norm), (rank, diffs)
 
 
+# --- offload_optimizer with expert-parallel sets ------------------------------------------------
+def _assert_offload_changed_nothing(result, device: str, clip: float) -> None:
+    """Offload moves where each set's masters and Adam state live, not what is computed: the
+    same kernels on the same fp32 values, so the parameters and grad norms are bitwise equal."""
+    in_memory, offloaded = result["in_memory"], result["offloaded"]
+    assert in_memory["trained"] > 1e-3, in_memory  # the comparison is not of untrained weights
+    assert max(in_memory["norms"]) > clip  # the clipping engaged
+    assert offloaded["norms"] == in_memory["norms"], result
+    assert sorted(offloaded["params"]) == sorted(in_memory["params"])
+    for name, value in in_memory["params"].items():
+        assert torch.equal(offloaded["params"][name], value), name
+    # The dense set and the experts' each in a home of their own, in several sub-groups.
+    assert [kind for kind, _ in offloaded["homes"]] == [device, device], offloaded["homes"]
+    assert max(count for _, count in offloaded["homes"]) > 1, offloaded["homes"]
+    assert f"optimizer state offloaded to {device}" in offloaded["describe"]
+    assert result["left"] == []  # destroy() removed the swap files
+
+
+@pytest.mark.parametrize(
+    "stage, clip, dtype, device, optimizer_kind",
+    [
+        (1, 0.05, "fp32", "cpu", "config"),
+        (2, 0.05, "fp32", "cpu", "adamw"),
+        (2, 0.05, "bf16", "cpu", "config"),
+        (2, 0.05, "fp32", "nvme", "config"),
+    ],
+)
+def test_offloaded_expert_sets_equal_in_memory_on_two_ranks(
+    pool2, tmp_path, stage, clip, dtype, device, optimizer_kind
+):
+    for result in pool2.run(jobs.engine_offload_matches_in_memory, stage, clip, dtype, device,
+                            str(tmp_path), optimizer_kind, timeout=300.0):  # fmt: skip
+        _assert_offload_changed_nothing(result, device, clip)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offloaded_expert_sets_equal_in_memory_on_four_ranks(pool4, tmp_path, stage):
+    """ep_size 2 on 4 ranks: the experts' state sharded over their 2-rank groups on the host."""
+    for result in pool4.run(jobs.engine_offload_matches_in_memory, stage, 0.05, "fp32", "cpu",
+                            str(tmp_path), "config", timeout=300.0):  # fmt: skip
+        _assert_offload_changed_nothing(result, "cpu", 0.05)
+
+
+def test_offload_settings_expert_parallel_refuses_are_named(pool2, tmp_path):
+    for delayed, partial, stage0, stage3 in pool2.run(jobs.offload_refusals, str(tmp_path)):
+        assert "delayed_param_update = true with expert-parallel MoE" in delayed, delayed
+        assert "ratio = 0.5 with expert-parallel MoE" in partial, partial
+        assert "offload_optimizer.device = 'cpu' needs ZeRO stage 1, 2 or 3" in stage0, stage0
+        assert "stage 3 with expert-parallel MoE layers" in stage3, stage3
+
+
 # --- checkpoints of expert-parallel models ------------------------------------------------------
 EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
 
@@ -265,6 +316,22 @@ def test_reshard_to_four_ranks(saved, pool4, tmp_path):
     )
     _assert_equal(out[0]["loaded"], results[0]["saved"])
     _assert_same_training_state(directory / "t", resave / "r")
+
+
+def test_offloaded_checkpoint_round_trip(saved, pool2, tmp_path):
+    """The saved run again with offload_optimizer cpu (the fixture's seed): it resumes bitwise,
+    and its checkpoint holds the in-memory run's weights, masters and Adam state exactly."""
+    directory, seed, results = saved
+    offloaded = tmp_path / "offloaded"
+    out = pool2.run(checkpoint_jobs.save_then_resume, str(offloaded), 2, seed, "cpu",
+                    timeout=300.0)  # fmt: skip
+    for rank, result in enumerate(out):
+        assert result["differed_before_load"] > 1e-2, rank
+        assert result["loaded_equal"] and result["resumed_equal"], (rank, result)
+        assert result["steps"] == 4
+    _assert_equal(out[0]["saved"], results[0]["saved"])
+    _assert_equal(out[0]["uninterrupted"], results[0]["uninterrupted"])
+    _assert_same_training_state(directory / "t", offloaded / "t")
 
 
 def test_other_num_experts_is_refused(saved, pool2):

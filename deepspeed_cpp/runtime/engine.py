@@ -165,10 +165,10 @@ class DeepSpeedEngine(torch.nn.Module):
         stage_class = ZeroPartitionedOptimizer
         if self._expert_parallel:
             # Expert parameters of ep_size > 1 get sets of their own, each reduced and sharded
-            # over its expert-data-parallel group (offloading was refused at construction).
+            # over its expert-data-parallel group, offloaded to a home of its own (a partial
+            # offload, which needs a device optimizer, is refused there).
             stage_class = ExpertParallelZeroStage
-            for key in ("offload", "device_optimizer"):
-                del common[key]
+            del common["device_optimizer"]
         if client_optimizer is not None:
             if not isinstance(client_optimizer, torch.optim.Optimizer) and callable(
                 client_optimizer
@@ -510,18 +510,14 @@ def _release_previous_engine(model: torch.nn.Module) -> None:
 
 
 def _refuse_expert_parallel_with(config: DeepSpeedConfig) -> None:
-    """Expert-parallel (ep_size > 1) MoE trains at ZeRO stages 0-2 without offloading: ZeRO-3
-    and the offloaded stepping partition everything over one group."""
+    """Expert-parallel (ep_size > 1) MoE trains at ZeRO stages 0-2 (1-2 with offload_optimizer):
+    ZeRO-3 partitions every parameter over one group."""
     zero = config.zero_optimization
     if zero.stage == 3:
         raise NotImplementedError(
             "deepspeed_cpp.initialize: zero_optimization.stage 3 with expert-parallel MoE layers "
-            "(ep_size > 1) is not supported; use stage 0, 1 or 2, or ep_size=1"
-        )
-    if OptimizerOffload.from_config(zero, config.aio) is not None:
-        raise NotImplementedError(
-            "deepspeed_cpp.initialize: zero_optimization.offload_optimizer with expert-parallel "
-            "MoE layers (ep_size > 1) is not supported; remove offload_optimizer, or use ep_size=1"
+            "(ep_size > 1) is not supported; use stage 0, 1 or 2 (offload_optimizer works at 1 "
+            "and 2), or ep_size=1"
         )
 
 

@@ -19,7 +19,11 @@ composite drives them as one ``ZeroStage``:
 - one torch optimizer (the user's, re-pointed at the master shards, or the config's) stepping
   every set's masters in one ``step()``; then each set gathers its parameters over its group.
 
-Offloading and ZeRO-3 with such experts are refused by the engine. Checkpoints see the sets'
+With ``offload_optimizer`` (cpu or nvme, stages 1/2) every set keeps its master shards and
+optimizer state in a home of its own (``offload/optimizer_homes.py``), and the one optimizer steps
+them on the host after the global clipping (``_step_offloaded_sets``). The delayed parameter update
+and a partial offload (``ratio`` < 1) are refused: both run a second optimizer or a background
+thread per set. ZeRO-3 with such experts is refused by the engine. Checkpoints see the sets'
 buckets one after another (``owned_ranges``, ``shard_state``... concatenate them in set order);
 ``runtime/checkpoint/expert_layout.py`` describes them with global expert names. Whole-model
 state dicts (``full_state_dict``, ``load_module_state``) name experts globally too.
@@ -35,6 +39,7 @@ import torch.distributed as dist
 
 from ...moe.expert_names import expert_layers, gather_experts_to_rank0, to_local
 from ...utils import groups
+from .offload.optimizer_offload import OptimizerOffload
 from .partitioned_optimizer import ZeroPartitionedOptimizer
 from .stage_setup import init_stage_fields, optimizer_over_masters
 
@@ -62,6 +67,9 @@ class _Collect:
     """Stands in for the optimizer while a set is built: it only records the master groups, so
     that one real optimizer can be made over every set's masters afterwards."""
 
+    # The sets' offload checks run against the real optimizer once it exists (``__init__``).
+    steps_tensors_independently = True
+
     def __init__(self, param_groups: list[dict]):
         self.param_groups = param_groups
         self.state: dict = {}
@@ -83,7 +91,9 @@ class ExpertParallelZeroStage:
         gradient_clipping: float = 0.0,
         loss_scaler=None,
         reduce_scatter: bool = True,
+        offload: OptimizerOffload | None = None,
     ):
+        _refuse_offload_options(offload)
         param_groups = init_stage_fields(
             self, optimizer, param_groups, stage=stage, group=group,
             gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
@@ -116,6 +126,7 @@ class ExpertParallelZeroStage:
                     reduce_bucket_size=reduce_bucket_size,
                     reduce_scatter=reduce_scatter,
                     grad_divisor=self.world_size,
+                    offload=offload,
                 )
             )
         # One optimizer over every set's masters, its groups in the user's order.
@@ -130,8 +141,15 @@ class ExpertParallelZeroStage:
                 for g, masters in zip(param_groups, masters_of)
             ],
         )
+        self.offloaded = offload is not None
         for member in self.sets:
             member.optimizer = self.optimizer
+            # What the set decided with the stand-in is decided again with the real optimizer.
+            member._step_per_bucket = bool(
+                getattr(self.optimizer, "steps_tensors_independently", False)
+            )
+            member._check_offload(offload)
+            member.home.attach(member.masters, self.optimizer)
 
     # --- training -------------------------------------------------------------------------------
     @property
@@ -184,22 +202,55 @@ class ExpertParallelZeroStage:
                 factor *= coefficient
         if factor != 1.0:
             torch._foreach_mul_(grads, factor)
-        self.optimizer.step()
-        for member in self.sets:
-            member._finish_gathers(
-                [member._launch_gather(b, m) for b, m in zip(member.buckets, member.masters)]
-            )
+        if self.offloaded:
+            self._step_offloaded_sets()
+        else:
+            self.optimizer.step()
+            for member in self.sets:
+                member._finish_gathers(
+                    [member._launch_gather(b, m) for b, m in zip(member.buckets, member.masters)]
+                )
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         self.zero_grad()
         return True
+
+    def _step_offloaded_sets(self) -> None:
+        """The host step of every set's (already unscaled and clipped) shard gradients, then
+        each set's gathers over its group, the sets in the same order on every rank."""
+        if all(member._step_per_bucket for member in self.sets):
+            # Our CPU optimizers step every master on its own and skip those without a
+            # gradient, so each set can step its sub-groups in turn with the one optimizer
+            # (NVMe brings each in); only the set's own masters hold gradients meanwhile.
+            for member in self.sets:
+                member._step_offloaded()
+            return
+        # Other optimizers (a user's may count steps per group) step once over every set's
+        # masters, all resident in host memory (NVMe is refused for them).
+        for member in self.sets:
+            member._copy_grads_to_host()
+            for index, master in enumerate(member.masters):
+                master.grad = member.home.grad_buffer(index)
+        try:
+            self.optimizer.step()
+        finally:
+            for member in self.sets:
+                for master in member.masters:
+                    master.grad = None
+        for member in self.sets:
+            member._finish_gathers(
+                [member._gather_from_master(b) for b in range(len(member.buckets))]
+            )
 
     def zero_grad(self) -> None:
         for member in self.sets:
             member.zero_grad()
 
     def apply_pending_update(self) -> None:
-        pass  # no delayed updates: offloading is refused with expert-parallel MoE
+        pass  # no delayed updates: they are refused with expert-parallel MoE
+
+    def discard_pending_update(self) -> None:
+        pass
 
     def describe(self) -> str:
         parts = [
@@ -210,6 +261,8 @@ class ExpertParallelZeroStage:
         return "; ".join(parts)
 
     def state_bytes(self) -> int:
+        if self.offloaded:  # each set's home counts its own masters, state and buffers
+            return sum(member.state_bytes() for member in self.sets)
         total = sum(m.numel() * m.element_size() for s in self.sets for m in s.masters)
         for state in list(self.optimizer.state.values()):
             for value in list(state.values()):
@@ -269,3 +322,20 @@ class ExpertParallelZeroStage:
     def refresh_masters_from_params(self) -> None:
         for member in self.sets:
             member.refresh_masters_from_params()
+
+
+def _refuse_offload_options(offload: OptimizerOffload | None) -> None:
+    if offload is None:
+        return
+    if offload.delayed_update_after is not None:
+        raise ValueError(
+            "zero_optimization.offload_optimizer.delayed_param_update = true with expert-parallel "
+            "MoE layers (ep_size > 1) is not supported (it would run one background step per "
+            "expert set on one optimizer); set delayed_param_update to false, or use ep_size=1"
+        )
+    if offload.ratio < 1.0:
+        raise ValueError(
+            f"zero_optimization.offload_optimizer.ratio = {offload.ratio} with expert-parallel "
+            f"MoE layers (ep_size > 1) is not supported; use ratio 1.0 (the whole optimizer "
+            f"state offloaded), or ep_size=1"
+        )

@@ -189,8 +189,10 @@ class OffloadedStepping:
     def _copy_out_groups(self, written: dict) -> list[list]:
         if getattr(self, "_master_index", None) is None:
             self._master_index = {id(master): i for i, master in enumerate(self.masters)}
+        # .get: the optimizer may also step other ZeRO instances' masters (the expert sets of
+        # ``moe_stage.py`` share one); those get no copy-out here.
         return [
-            [written.get(self._master_index[id(p)]) for p in group["params"]]
+            [written.get(self._master_index.get(id(p))) for p in group["params"]]
             for group in self.optimizer.param_groups
         ]
 
