@@ -27,7 +27,7 @@ class _Net(nn.Module):
         return self.out(hidden), l_aux
 
 
-def _engine(ep_size: int, stage: int, seed: int, num_experts: int = 4, offload: str | None = None):
+def _engine(ep_size: int, stage: int, seed: int, num_experts: int = 4, offload: dict | None = None):
     """An engine over ``_Net`` whose every parameter, expert ones by their global name, starts
     from values that depend on ``seed`` and that name only (the same on any layout)."""
     import deepspeed_cpp
@@ -56,7 +56,7 @@ def _engine(ep_size: int, stage: int, seed: int, num_experts: int = 4, offload: 
         },
     }
     if offload is not None:
-        config["zero_optimization"]["offload_optimizer"] = {"device": offload}
+        config["zero_optimization"]["offload_optimizer"] = offload
     engine, *_ = deepspeed_cpp.initialize(model=model, model_parameters=groups, config=config)
     return engine
 
@@ -87,10 +87,10 @@ def _all_equal(a: dict, b: dict) -> bool:
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def save_then_resume(directory: str, stage: int, seed: int, offload: str | None = None) -> dict:
+def save_then_resume(directory: str, stage: int, seed: int, offload: dict | None = None) -> dict:
     """ep_size 2 on this world: trains 2 steps, saves (also save_16bit_model), trains 2 more;
     a second engine from other weights loads the checkpoint and trains the same 2 steps (both
-    engines with ``offload_optimizer.device`` = ``offload`` when given)."""
+    engines with ``offload`` as their ``offload_optimizer`` section when given)."""
     engine = _engine(2, stage, seed, offload=offload)
     _train(engine, range(2), seed)
     engine.save_checkpoint(directory, tag="t")

@@ -351,16 +351,19 @@ def offload_refusals(folder: str) -> list[str]:
     """The errors of the offload settings that expert-parallel MoE refuses."""
     import deepspeed_cpp
 
-    zero_settings = [
-        {"stage": 2, "offload_optimizer": {"device": "cpu", "delayed_param_update": True}},
-        {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
-        {"stage": 0, "offload_optimizer": {"device": "cpu"}},
-        {"stage": 3, "offload_optimizer": {"device": "cpu"}},
-    ]
+    adam = {"lr": 1e-2}
+    cases = [
+        ({"stage": 2, "offload_optimizer": {"device": "cpu", "delayed_param_update": True}}, adam),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, adam),
+        ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, adam),
+        ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, adam),
+        ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": folder}},
+         {**adam, "torch_adam": True}),
+    ]  # fmt: skip
     messages = []
-    for zero in zero_settings:
+    for zero, params in cases:
         config = {"train_batch_size": 2 * dist.get_world_size(),
-                  "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+                  "optimizer": {"type": "Adam", "params": params},
                   "zero_optimization": zero}  # fmt: skip
         try:
             deepspeed_cpp.initialize(model=_ExpertNet(ep_size=2, k=1), config=config)
