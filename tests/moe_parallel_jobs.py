@@ -308,6 +308,8 @@ def engine_offload_matches_in_memory(
         }
         if dtype == "bf16":
             config["bf16"] = {"enabled": True}
+        elif dtype == "fp16":  # the loss scaler's overflow check and unscaling over every set
+            config["fp16"] = {"enabled": True, "initial_scale_power": 8}
         if offload == "cpu":
             config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         elif offload == "nvme":

@@ -146,6 +146,7 @@ def _assert_offload_changed_nothing(result, device: str, clip: float) -> None:
         (1, 0.05, "fp32", "cpu", "config"),
         (2, 0.05, "fp32", "cpu", "adamw"),
         (2, 0.05, "bf16", "cpu", "config"),
+        (1, 0.05, "fp16", "cpu", "config"),
         (2, 0.05, "fp32", "nvme", "config"),
     ],
 )
