@@ -361,6 +361,7 @@ def offload_refusals(folder: str) -> list[str]:
         ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, adam),
         ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": folder}},
          {**adam, "torch_adam": True}),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu", "step_during_backward": True}}, adam),
     ]  # fmt: skip
     messages = []
     for zero, params in cases:

@@ -167,7 +167,8 @@ def test_offloaded_expert_sets_equal_in_memory_on_four_ranks(pool4, tmp_path, st
 
 
 def test_offload_settings_refused_with_expert_parallel_are_named(pool2, tmp_path):
-    for delayed, partial, stage0, stage3, nvme in pool2.run(jobs.offload_refusals, str(tmp_path)):
+    refusals = pool2.run(jobs.offload_refusals, str(tmp_path))
+    for delayed, partial, stage0, stage3, nvme, during_backward in refusals:
         assert "delayed_param_update = true with expert-parallel MoE" in delayed, delayed
         assert "ratio = 0.5 with expert-parallel MoE" in partial, partial
         assert "offload_optimizer.device = 'cpu' needs ZeRO stage 1, 2 or 3" in stage0, stage0
@@ -175,6 +176,7 @@ def test_offload_settings_refused_with_expert_parallel_are_named(pool2, tmp_path
         # Judged against the sets' real optimizer (torch's AdamW), not the stand-in they are
         # built with.
         assert "nvme steps one sub-group at a time, which AdamW cannot" in nvme, nvme
+        assert "step_during_backward = true with expert-parallel MoE" in during_backward
 
 
 # --- checkpoints of expert-parallel models ------------------------------------------------------

@@ -333,6 +333,12 @@ def _refuse_offload_options(offload: OptimizerOffload | None) -> None:
             "MoE layers (ep_size > 1) is not supported (it would run one background step per "
             "expert set on one optimizer); set delayed_param_update to false, or use ep_size=1"
         )
+    if offload.step_during_backward:
+        raise ValueError(
+            "zero_optimization.offload_optimizer.step_during_backward = true with expert-parallel "
+            "MoE layers (ep_size > 1) is not supported (the sub-groups of every expert set would "
+            "have to be tracked through one reducer); set it to false, or use ep_size=1"
+        )
     if offload.ratio < 1.0:
         raise ValueError(
             f"zero_optimization.offload_optimizer.ratio = {offload.ratio} with expert-parallel "
