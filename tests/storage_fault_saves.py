@@ -46,11 +46,14 @@ def _attempt(engine, root: Path, tag: str) -> dict:
         "error": error,
         "latest": (root / "latest").read_text(),
         "published": (root / tag).exists(),
-        "partial": _leftovers(root / f"{tag}.partial")
-        if (root / f"{tag}.partial").exists()
-        else [],
+        "staging_left": (root / f"{tag}.partial").exists(),
         "temporaries": [name for name in _leftovers(root) if ".tmp-" in name],
     }
+
+
+def _client_state_of(root: Path, tag: str, seed: int):
+    """The client state that ``root/tag`` loads with (a fresh engine, all files checked)."""
+    return build_engine(seed + 1, 1, 2).load_checkpoint(root, tag=tag)[1]
 
 
 def _previous_loads(root: Path, good: dict, seed: int) -> bool:
@@ -126,7 +129,47 @@ def directory_removed(engine, root: Path, good: dict, seed: int) -> dict:
     return outcome
 
 
+def leftovers_of_killed_saves(engine, root: Path, good: dict, seed: int) -> dict:
+    """What killed saves leave, cleared by the next save: a staging directory, a re-saved tag
+    stopped between its two renames (only ``<tag>.replaced`` left) and a stale ``.replaced`` copy
+    beside its complete tag."""
+    engine.save_checkpoint(root, tag="again", client_state={"epoch": 3}, save_latest=False)
+    os.replace(root / "again", root / "again.replaced")
+    shutil.copytree(root / "good", root / "good.replaced")
+    (root / "killed.partial").mkdir()
+    (root / "killed.partial" / ORDER[0]).write_bytes(b"half a shard")
+    engine.save_checkpoint(root, tag="next", client_state={"epoch": 4}, save_latest=False)
+    return {
+        "entries": sorted(p.name for p in root.iterdir() if not p.name.startswith(".")),
+        "again": _client_state_of(root, "again", seed),
+        "loads": _previous_loads(root, good, seed),
+    }
+
+
+def replace_fails(engine, root: Path, good: dict, seed: int) -> dict:
+    """Re-saving a tag whose final rename fails: the old checkpoint is renamed back."""
+    engine.save_checkpoint(root, tag="rep", client_state={"epoch": 5}, save_latest=False)
+    real_replace = os.replace
+
+    def failing_replace(source, target):
+        if str(source).endswith(".partial"):
+            raise OSError(5, "Input/output error (injected)")
+        real_replace(source, target)
+
+    os.replace = failing_replace
+    try:
+        outcome = _attempt(engine, root, "rep")
+    finally:
+        os.replace = real_replace
+    outcome["replaced_left"] = (root / "rep.replaced").exists()
+    outcome["rep"] = _client_state_of(root, "rep", seed)
+    outcome["loads"] = _previous_loads(root, good, seed)
+    return outcome
+
+
 PHASES = {
+    "leftovers": leftovers_of_killed_saves,
+    "replace_fails": replace_fails,
     "enospc": enospc,
     "read_only": read_only,
     "fsize": file_size_limit,

@@ -140,11 +140,27 @@ def publish_directory(staging: Path, final: Path, displaced: Path) -> None:
     An existing ``final`` (a checkpoint saved again under the same tag) is first renamed to
     ``displaced`` and removed afterwards, so that ``final`` is at every moment either the whole
     old directory, the whole new one, or (for the instant between two renames) absent, with the
-    old one still on disk under ``displaced``.
+    old one still on disk under ``displaced``. If the second rename fails, the old directory is
+    renamed back to ``final`` before the error is raised.
     """
     remove_tree(displaced)
     if final.exists():
         os.replace(final, displaced)
-    os.replace(staging, final)
+    try:
+        os.replace(staging, final)
+    except OSError as error:
+        if not displaced.exists():
+            raise
+        try:
+            os.replace(displaced, final)  # put the old checkpoint back under its name
+        except OSError as restore_error:
+            raise OSError(
+                error.errno,
+                f"{error.strerror}; and the previous {final.name} could not be renamed back "
+                f"from {displaced} ({restore_error.strerror}): rename it by hand",
+            ) from error
+        raise OSError(
+            error.errno, f"{error.strerror}; the previous {final} was restored"
+        ) from error
     fsync_directory(final.parent)
     remove_tree(displaced)

@@ -50,6 +50,11 @@ class SaveLock:
         os.pwrite(fd, holder, 0)
         self._fd = fd
 
+    @property
+    def held(self) -> bool:
+        """Whether this process holds the lock (rank 0 after ``acquire``)."""
+        return self._fd is not None
+
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None

@@ -3,7 +3,8 @@
 The protocol (each step ends with every rank agreeing that every rank succeeded, see
 ``rank_agreement.py``; if one did not, every rank raises and nothing further is written):
 
-1. rank 0 creates ``save_dir/<tag>.partial/`` (removing what a crashed save left there);
+1. rank 0 creates ``save_dir/<tag>.partial/`` (first clearing what killed saves left in the
+   folder, see ``interrupted_saves.py``);
 2. every rank writes its shard file into it, rank 0 also the module-states and client-state
    files, each through a temporary name, fsync and rename;
 3. rank 0 writes ``checkpoint_meta.json`` (listing every file with its size and SHA-256,
@@ -11,7 +12,8 @@ The protocol (each step ends with every rank agreeing that every rank succeeded,
    the directory to ``save_dir/<tag>`` and only then rewrites ``save_dir/latest``.
 
 A crash at any point therefore leaves ``latest`` naming the previous complete checkpoint, and no
-directory named after a tag that lacks its metadata. Rank 0 holds ``save_dir``'s save lock from
+directory named after a tag that lacks its metadata. A save that fails (rather than being killed)
+removes its ``<tag>.partial`` before it raises. Rank 0 holds ``save_dir``'s save lock from
 step 1 to the end (``save_lock.py``): a second training saving into the same folder meanwhile is
 refused, naming the holder.
 """
@@ -30,7 +32,6 @@ from ...utils.logging import logger
 from .atomic_files import (
     fsync_directory,
     publish_directory,
-    remove_tree,
     save_torch_atomically,
     write_text_atomically,
 )
@@ -39,6 +40,7 @@ from .digests import DIGEST_KEY, seal_metadata
 from .errors import CheckpointSaveError
 from .expert_files import expert_payloads, moe_metadata, without_experts
 from .expert_layout import bucket_writers, checkpoint_layout, global_names_by_parameter
+from .interrupted_saves import clear_interrupted_saves, discard_staging
 from .layout import (
     CLIENT_STATE_FILE,
     DISPLACED_SUFFIX,
@@ -242,7 +244,7 @@ def _prepare(save_dir: Path, staging: Path, client_state, allow_pickle: bool, lo
     pickled = check_client_state({} if client_state is None else client_state, allow_pickle)
     save_dir.mkdir(parents=True, exist_ok=True)
     lock.acquire()  # before touching any <tag>.partial: it may be another training's save
-    remove_tree(staging)
+    clear_interrupted_saves(save_dir)
     staging.mkdir()
     fsync_directory(save_dir)
     return pickled
@@ -298,6 +300,7 @@ def save_checkpoint(
         previous = None
     unchanged = f"nothing was published; {save_dir / LATEST_FILE} still names {previous!r}"
     lock = SaveLock(save_dir)  # rank 0 takes it in _prepare; released however the save ends
+    published = False
     try:
         (pickled, *_) = agree_on(
             lambda: (
@@ -362,6 +365,9 @@ def save_checkpoint(
                 total / 1e6,
                 f"; {LATEST_FILE} -> {tag}" if save_latest else "",
             )
+        published = True
         return True
     finally:
+        if lock.held and not published:
+            discard_staging(staging)  # still under the lock: no other save can own it
         lock.release()
