@@ -1,8 +1,8 @@
 """A 2-rank training in which rank 1 stops itself (SIGSTOP) in the forward of one step.
 
-Run by test_collective_timeout.py directly (RANK/WORLD_SIZE/MASTER_* set by the test) and
-through the deepspeed-cpp launcher. Rank 1 writes the wall-clock time at which it stops into
-``<out>/stopped_at`` first, so the test can time rank 0's error from that moment.
+Run by test_collective_timeout.py through the deepspeed-cpp launcher. Rank 1 writes the
+wall-clock time at which it stops into ``<out>/stopped_at`` first and rank 0 the time at which it
+raised into ``<out>/raised_at``, so the test can time rank 0's error from that moment.
 """
 
 import os
@@ -30,11 +30,20 @@ def main(out: Path, timeout_s: float, stage: int) -> None:
 
         def stop(*_):
             if engine.global_steps == STOP_STEP:
+                (out / "stopped_pid").write_text(str(os.getpid()))
                 (out / "stopped_at").write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)
 
         engine.module.register_forward_pre_hook(stop)
-    train(engine, global_batches(3, STEPS))
+    try:
+        train(engine, global_batches(3, STEPS))
+    except Exception:
+        (out / "raised_at").write_text(repr(time.time()))
+        # Resume the stopped rank, as its operator would once the error is out: torchrun's
+        # SIGTERM then ends it at once instead of after torchrun's 30 s grace period.
+        if (out / "stopped_pid").exists():
+            os.kill(int((out / "stopped_pid").read_text()), signal.SIGCONT)
+        raise
     dist.destroy_process_group()
 
 

@@ -2,15 +2,17 @@
 the silent rank; through the launcher the run exits non-zero with that message.
 
 Real processes and real gloo: rank 1 sends itself SIGSTOP in the forward of step 3 of a ZeRO-2
-training (tests/stalled_rank_job.py); rank 0 then waits in that step's gradient reduction.
+training (tests/stalled_rank_job.py); rank 0 then waits in that step's gradient reduction. The
+other collectives (initialize's broadcasts, ZeRO-3 fetches, MoE all_to_all) are covered in one
+pair of processes, a process group per stall (tests/named_timeout_scenarios.py).
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,48 +23,25 @@ from deepspeed_cpp.comm.distributed import _resolve_timeout
 
 PYTHON = sys.executable
 JOB = str(Path(__file__).parent / "stalled_rank_job.py")
+SCENARIOS = str(Path(__file__).parent / "named_timeout_scenarios.py")
 TIMEOUT_S = 6
-# After the timeout: the grace period in which peers report (timeout / 4, at most 3 s), the
-# traceback and the interpreter's exit, on 2 cores shared with other work.
+# From the stop to rank 0's raise, beyond the timeout: the grace period in which peers report
+# (timeout / 4, at most 3 s) and the rest of the step, on 2 cores shared with other work.
 MARGIN_S = 12
 
 if not hasattr(signal, "SIGSTOP"):
     pytest.skip("SIGSTOP is POSIX only", allow_module_level=True)
 
 
-def _assert_named(output: str) -> None:
+def _assert_named(output: str, timeout_s: float = TIMEOUT_S) -> None:
     assert "CollectiveTimeoutError" in output, output[-4000:]
     assert "failed on rank 0 of 2: rank(s) 1 did not answer" in output, output[-4000:]
-    assert f"within the timeout of {TIMEOUT_S} s" in output, output[-4000:]
-    assert "GradientReducer: the " in output and "of gradient bucket " in output, output[-4000:]
-
-
-def test_stopped_rank_makes_the_other_raise_a_named_timeout(tmp_path):
-    port, processes = free_port(), []
-    for rank in range(2):
-        env = launch_env()  # drops launcher variables: set this world's after it
-        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        processes.append(subprocess.Popen(
-            [PYTHON, JOB, str(tmp_path), str(TIMEOUT_S), "2"], env=env, stdout=log, stderr=log,
-        ))  # fmt: skip
-    try:
-        code = processes[0].wait(timeout=300)
-        ended = time.time()
-    finally:
-        for process in processes:
-            process.kill()  # SIGKILL also ends a stopped process
-            process.wait()
-    output = (tmp_path / "rank0.log").read_text()
-    assert code != 0, output[-4000:]
-    stopped = float((tmp_path / "stopped_at").read_text())
-    assert ended - stopped < TIMEOUT_S + MARGIN_S, (ended - stopped, output[-4000:])
-    _assert_named(output)
+    assert f"within the timeout of {timeout_s:g} s" in output, output[-4000:]
 
 
 def test_launcher_exits_nonzero_with_the_named_timeout(tmp_path):
-    started = time.monotonic()
+    """SIGSTOP of rank 1 in a ZeRO-2 forward: rank 0 raises within the timeout, in the gradient
+    reduction, and the launcher exits non-zero with that message."""
     run = subprocess.run(
         [PYTHON, "-m", "deepspeed_cpp.launcher", "--num_procs", "2", "--master_port",
          str(free_port()), "--no_local_rank", JOB, str(tmp_path), str(TIMEOUT_S), "2"],
@@ -71,7 +50,42 @@ def test_launcher_exits_nonzero_with_the_named_timeout(tmp_path):
     output = run.stdout + run.stderr
     assert run.returncode != 0, output[-4000:]
     _assert_named(output)
-    print(f"launcher exited {run.returncode} after {time.monotonic() - started:.1f} s")
+    assert "GradientReducer: the " in output and "of gradient bucket " in output, output[-4000:]
+    stopped = float((tmp_path / "stopped_at").read_text())
+    raised = float((tmp_path / "raised_at").read_text())
+    assert raised - stopped < TIMEOUT_S + MARGIN_S, (raised - stopped, output[-4000:])
+
+
+def test_each_engine_collective_is_named(tmp_path):
+    """Rank 1 stops answering in initialize(), before a ZeRO-3 parameter gather
+    (GatheredParameters) and in an expert-parallel MoE forward (all_to_all); rank 0's error names
+    each of those collectives."""
+    port, processes, timeout_s = free_port(), [], 4
+    for rank in range(2):
+        env = launch_env()  # drops launcher variables: set this world's after it
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        processes.append(subprocess.Popen(
+            [PYTHON, SCENARIOS, str(tmp_path), str(timeout_s)], env=env, stdout=log, stderr=log,
+        ))  # fmt: skip
+    try:
+        codes = [process.wait(timeout=400) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(2))
+    assert codes == [0, 0], logs
+    errors = json.loads((tmp_path / "errors.json").read_text())
+    expected = {
+        "initialize": "broadcast of the initial weights in initialize() (tensor 0 of ",
+        "zero3_gather": "all_gather (fetch) of ZeRO-3 parameter ",
+        "moe_all_to_all": "all_to_all of MoE tokens (shape [",
+    }
+    for name, label in expected.items():
+        _assert_named(errors[name], timeout_s)
+        assert errors[name].startswith(f"CollectiveTimeoutError: {label}"), (name, errors[name])
 
 
 def test_timeout_from_argument_or_deepspeed_timeout(monkeypatch):

@@ -47,6 +47,16 @@ def configured_timeout() -> timedelta | None:
     return _configured_timeout
 
 
+def new_group(ranks, **kwargs) -> dist.ProcessGroup:
+    """``dist.new_group`` bounded by the configured timeout. torch gives a new group its
+    backend's default timeout (30 minutes for gloo), not the default group's, so without this a
+    silent rank would hold a subgroup's collectives for half an hour whatever
+    ``init_distributed(timeout=...)`` said."""
+    if _configured_timeout is not None:
+        kwargs.setdefault("timeout", _configured_timeout)
+    return dist.new_group(ranks, **kwargs)
+
+
 def _is_peer_failure(error: BaseException) -> bool:
     text = str(error).lower()
     return any(marker in text for marker in _PEER_FAILURE_MARKERS)

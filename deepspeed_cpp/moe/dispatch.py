@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..comm.collective_errors import named_collective
 from ..ops.moe import Gating
 
 
@@ -48,7 +49,13 @@ class _AllToAll(torch.autograd.Function):
         ctx.group = group
         input = input.contiguous()
         output = torch.empty_like(input)
-        dist.all_to_all_single(output, input, group=group)
+        with named_collective(
+            lambda: (
+                f"all_to_all of MoE tokens (shape {list(input.shape)}) over "
+                f"{dist.get_world_size(group)} expert-parallel ranks"
+            )
+        ):
+            dist.all_to_all_single(output, input, group=group)
         return output
 
     @staticmethod

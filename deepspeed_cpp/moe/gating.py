@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.collective_errors import named_collective
 from ..ops.moe import Gating, moe_gating
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
@@ -127,7 +128,8 @@ class TopKGate(nn.Module):
             # rank of the expert-parallel group so that the all-to-all splits agree.
             busiest = exp_counts.max() if exp_counts.numel() else exp_counts.new_zeros(())
             if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
-                dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=self.ep_group)
+                with named_collective("all_reduce of the busiest expert's token count (MoE)"):
+                    dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=self.ep_group)
             capacity = int(busiest)
         # Load-balancing loss: E * sum_e(mean gate prob_e * fraction of first choices_e); for
         # top-2 DeepSpeed writes it as mean(me * ce) * E^2, the same number.

@@ -6,11 +6,13 @@ import os
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..accelerator import get_accelerator
+from ..comm.collective_errors import named_collective
 from ..utils import groups as moe_groups
 from ..utils.logging import logger
 from .config import DeepSpeedConfig
@@ -26,6 +28,17 @@ from .zero.moe_stage import (
 )
 from .zero.offload.optimizer_offload import OptimizerOffload, ParamOffload
 from .zero.partitioned_optimizer import ZeroPartitionedOptimizer
+
+
+def _initial_broadcast_label(
+    index: int, count: int, tensor: torch.Tensor, key
+) -> Callable[[], str]:
+    """Names one broadcast of initialize(); formatted only if that broadcast fails."""
+    where = "" if key == DENSE else f", expert set {key}"
+    return lambda: (
+        f"broadcast of the initial weights in initialize() (tensor {index} of {count}, "
+        f"shape {list(tensor.shape)}{where})"
+    )
 
 
 class DeepSpeedEngine(torch.nn.Module):
@@ -122,20 +135,23 @@ class DeepSpeedEngine(torch.nn.Module):
         """Every rank starts from rank 0's weights and buffers, as data parallelism requires."""
         if self.world_size == 1:
             return
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
         with torch.no_grad():
-            for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+            for index, tensor in enumerate(tensors):
                 key = expert_set_of(tensor) if isinstance(tensor, torch.nn.Parameter) else DENSE
-                if key == DENSE:
-                    dist.broadcast(tensor.data, src=0, group=self.group)
-                else:
-                    # ep_size > 1 experts differ between expert-parallel ranks: each is a
-                    # replica only within its expert-data-parallel group, whose first rank's
-                    # copy every member starts from.
-                    dist.broadcast(
-                        tensor.data,
-                        src=moe_groups._get_expert_broadcast_src_rank(key),
-                        group=moe_groups._get_expert_data_parallel_group(key),
-                    )
+                what = _initial_broadcast_label(index, len(tensors), tensor, key)
+                with named_collective(what):
+                    if key == DENSE:
+                        dist.broadcast(tensor.data, src=0, group=self.group)
+                    else:
+                        # ep_size > 1 experts differ between expert-parallel ranks: each is a
+                        # replica only within its expert-data-parallel group, whose first
+                        # rank's copy every member starts from.
+                        dist.broadcast(
+                            tensor.data,
+                            src=moe_groups._get_expert_broadcast_src_rank(key),
+                            group=moe_groups._get_expert_data_parallel_group(key),
+                        )
 
     def _configure_zero_optimizer(self, client_optimizer, model_parameters):
         config_optimizer = self.config.optimizer

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..comm.collective_errors import new_group
 from .logging import logger
 
 # Group objects this rank belongs to, by name ("ep_size_<n>").
@@ -72,7 +73,7 @@ def _create_expert_and_data_parallel(
                 ranks = list(range(i * dp, (i + 1) * dp))
             else:
                 ranks = list(range(i, world_size, ep))
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 _EXPERT_DATA_PARALLEL_GROUP[name] = group
                 logger.info("deepspeed_cpp: expert-data-parallel group %s: ranks %s", name, ranks)
@@ -82,7 +83,7 @@ def _create_expert_and_data_parallel(
                 ranks = list(range(i, world_size, dp))
             else:
                 ranks = list(range(i * ep, (i + 1) * ep))
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 _EXPERT_PARALLEL_GROUP[name] = group
                 logger.info("deepspeed_cpp: expert-parallel group %s: ranks %s", name, ranks)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ...comm.collective_errors import named_collective
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -158,14 +160,16 @@ def _load_buffers(model, readers, rank0: bool, problems: list[str]) -> None:
             continue
         present = torch.tensor([int(name in saved)])
         if spread:
-            dist.broadcast(present, src=0)
+            with named_collective(f"broadcast of whether buffer '{name}' is saved (rank 0)"):
+                dist.broadcast(present, src=0)
         if not present.item():
             continue
         with torch.no_grad():
             if rank0:
                 _copy_checked(buffer, readers.get(name), name, problems)
             if spread:
-                dist.broadcast(buffer.data, src=0)
+                with named_collective(f"broadcast of buffer '{name}' from rank 0"):
+                    dist.broadcast(buffer.data, src=0)
 
 
 def _copy_checked(target: torch.Tensor, value: torch.Tensor, name: str, problems: list) -> None:
@@ -188,8 +192,9 @@ def _from_rank0(value: list) -> list:
         return value
     payload = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
     size = torch.tensor([payload.numel()])
-    dist.broadcast(size, src=0)
-    if dist.get_rank() != 0:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(payload, src=0)
+    with named_collective("broadcast of rank 0's list of checkpoint names (from_pretrained)"):
+        dist.broadcast(size, src=0)
+        if dist.get_rank() != 0:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=0)
     return json.loads(bytes(payload.tolist()).decode())

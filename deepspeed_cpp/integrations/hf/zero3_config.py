@@ -24,6 +24,7 @@ import contextlib
 import weakref
 from typing import Any
 
+from deepspeed_cpp.comm.collective_errors import named_collective
 from deepspeed_cpp.runtime.config import DeepSpeedConfig
 
 _current: weakref.ref | None = None
@@ -118,8 +119,9 @@ def initialize_weights_zero3(model) -> None:
         # Parameters below the persistence threshold stay whole on every rank (not gathered
         # above): rank 0's initialisation is sent to the others, as are the buffers.
         with torch.no_grad():
-            for param in model.parameters():
-                if not (hasattr(param, "ds_id") and not param.ds_persist):
-                    dist.broadcast(param.data, src=0)
-            for buffer in model.buffers():
-                dist.broadcast(buffer.data, src=0)
+            with named_collective("broadcast of rank 0's initial weights (from_pretrained)"):
+                for param in model.parameters():
+                    if not (hasattr(param, "ds_id") and not param.ds_persist):
+                        dist.broadcast(param.data, src=0)
+                for buffer in model.buffers():
+                    dist.broadcast(buffer.data, src=0)

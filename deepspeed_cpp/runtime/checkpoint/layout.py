@@ -94,7 +94,8 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> dict:
         for suffix, meaning in (
             (STAGING_SUFFIX, "a save of this tag that did not finish"),
             (DISPLACED_SUFFIX, "the previous checkpoint of this tag, displaced by a re-save "
-             "that stopped between two renames; rename it back to use it"),
+             "that stopped between two renames; the next save renames it back, or rename it "
+             "back by hand to use it"),
         ):  # fmt: skip
             sibling = directory.with_name(directory.name + suffix)
             if sibling.exists():

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...comm.collective_errors import named_collective
+from ...comm.collective_errors import named_collective, new_group
 from ...ops.zero import make_fetch_schedule
 from ...utils.logging import logger
 from . import partition_parameters as pp
@@ -59,10 +59,10 @@ class ParameterCoordinator:
         self.world_size = dist.get_world_size(group)
         # Gathers and use checks get groups of their own (see the module docstring).
         ranks = dist.get_process_group_ranks(group)
-        self.fetch_group = dist.new_group(ranks) if self.world_size > 1 else None
+        self.fetch_group = new_group(ranks) if self.world_size > 1 else None
         # gloo whatever the accelerator: a check is one integer per rank, and reading it on the
         # host must not wait for a device stream.
-        self.check_group = dist.new_group(ranks, backend="gloo") if self.world_size > 1 else None
+        self.check_group = new_group(ranks, backend="gloo") if self.world_size > 1 else None
         self.unit_of_module: dict[int, int] = {}
         self.units: list[list[torch.nn.Parameter]] = []
         self.unit_names: list[str] = []

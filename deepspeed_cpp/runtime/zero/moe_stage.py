@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ...comm.collective_errors import named_collective
 from ...moe.expert_names import expert_layers, gather_experts_to_rank0, to_local
 from ...utils import groups
 from .offload.optimizer_offload import OptimizerOffload
@@ -187,7 +188,8 @@ class ExpertParallelZeroStage:
             squares += torch.stack(norms).double().pow(2).sum()
         totals = torch.stack([overflow, squares])
         if self.world_size > 1:
-            dist.all_reduce(totals, group=self.group)
+            with named_collective("all_reduce of the overflow flag and gradient norm (MoE step)"):
+                dist.all_reduce(totals, group=self.group)
         if self.loss_scaler is not None and totals[0].item() > 0:
             self.loss_scaler.update_scale(True)
             self.skipped_steps += 1
@@ -278,7 +280,8 @@ class ExpertParallelZeroStage:
         if rank0_only:
             return gathered
         holder = [gathered]
-        dist.broadcast_object_list(holder, src=0, group=self.group)
+        with named_collective("broadcast of the gathered module state (expert parallel)"):
+            dist.broadcast_object_list(holder, src=0, group=self.group)
         return holder[0]
 
     def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:

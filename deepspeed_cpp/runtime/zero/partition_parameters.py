@@ -25,6 +25,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from ...comm.collective_errors import named_collective
 from .shard_gather import backend_for, launch_all_gather
 
 SHARD_ALIGNMENT = 16  # elements; the bucket planner pads with the same multiple
@@ -84,7 +85,13 @@ def partition_parameter(
             data = data.to(device=device or data.device, dtype=dtype or data.dtype)
         if world > 1:
             data = data.contiguous()
-            dist.broadcast(data, group_src=0, group=group)
+            with named_collective(
+                lambda: (
+                    f"broadcast from rank 0 of a parameter of shape {list(data.shape)} "
+                    f"being partitioned for ZeRO-3 (zero.Init)"
+                )
+            ):
+                dist.broadcast(data, group_src=0, group=group)
         param.ds_id = next(_ids)
         param.ds_shape = tuple(data.shape)
         param.ds_numel = data.numel()
@@ -153,8 +160,9 @@ def wait_gather(param: torch.nn.Parameter) -> None:
     if param.ds_status != ZeroParamStatus.INFLIGHT:
         return
     full, works = param.ds_works
-    for work in works:
-        work.wait()
+    with named_collective(lambda: f"all_gather (fetch) of ZeRO-3 parameter {describe(param)}"):
+        for work in works:
+            work.wait()
     param.ds_works = None
     param.data = full.narrow(0, 0, param.ds_numel).view(param.ds_shape)
     param.ds_status = ZeroParamStatus.AVAILABLE
@@ -308,7 +316,13 @@ class GatheredParameters:
                     world, _ = _world(param.ds_group)
                     if world > 1:
                         data = param.data.contiguous()
-                        dist.broadcast(data, group_src=self.modifier_rank, group=param.ds_group)
+                        with named_collective(
+                            lambda param=param: (
+                                f"broadcast from rank {self.modifier_rank} of "
+                                f"ZeRO-3 parameter {describe(param)} leaving GatheredParameters"
+                            )
+                        ):
+                            dist.broadcast(data, group_src=self.modifier_rank, group=param.ds_group)
                         param.data.copy_(data)
                     write_back(param)
         for param in self.params:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...comm.collective_errors import named_collective
 from ...ops.zero import BucketPlan, plan_buckets
 from . import partition_parameters as pp
 from .coordinator import ParameterCoordinator
@@ -360,7 +361,13 @@ def partition_module(
             if dtype is not None and buffer.is_floating_point():
                 moved = moved.to(dtype)
             if dist.get_world_size(group) > 1:
-                dist.broadcast(moved, group_src=0, group=group)
+                with named_collective(
+                    lambda name=name, owner=buffer_owner: (
+                        f"broadcast from rank 0 of buffer '{name}' of "
+                        f"{type(owner).__name__} (ZeRO-3 set-up)"
+                    )
+                ):
+                    dist.broadcast(moved, group_src=0, group=group)
             buffer_owner._buffers[name] = moved
 
 

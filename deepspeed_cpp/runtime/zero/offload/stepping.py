@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ....comm.collective_errors import named_collective
 from .backward_steps import KEY as STEP_DURING_BACKWARD
 from .backward_steps import BackwardSteps
 from .delayed_update import DelayedUpdate
@@ -239,7 +240,8 @@ class OffloadedStepping:
             failed = error
         flag = torch.tensor([0.0 if failed is None else 1.0], device=self.shard_grads[0].device)
         if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            with named_collective("all_reduce of the delayed (offloaded) optimizer step's outcome"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if failed is not None:
             raise failed
         if flag.item() > 0:
