@@ -1,6 +1,6 @@
 """Swap files of NVMe offload (SwapFolder) on real files through the real aio handle: round trips,
 independent completion, header checks, crash safety, stale folders, full disks, and the ``aio``
-config section.
+config section (file size limits: test_swap_file_size_limit.py).
 
 Covering design: the round trip runs on every engine the machine has; the other tests use the
 default engine. "A transfer in flight" is made long on purpose with 4096-byte pieces one at a time
