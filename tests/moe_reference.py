@@ -47,7 +47,8 @@ def reference_gating(logits, k, capacity, noise=None, priority=None):
         kept_mask = torch.zeros_like(mask1)
         for e in range(experts):
             mine = torch.nonzero(mask1[:, e]).flatten()
-            order = torch.argsort(-priority[mine].double(), stable=True)
+            # Descending, as DeepSpeed's torch.topk: NaN first (above every number).
+            order = torch.argsort(priority[mine].double(), descending=True, stable=True)
             chosen = mine[order] if capacity < 0 else mine[order[:capacity]]
             kept_mask[chosen, e] = 1
         locations = [torch.cumsum(kept_mask, 0) - 1]

@@ -10,30 +10,21 @@ an impossible request (unsupported dtype, mismatched lengths, a written tensor w
 overlap) must raise; anything else may raise (naming the argument) or must equal the reference.
 
 The ops run in-process: a crash would end pytest, which is the loudest possible failure.
-CI runs a fixed, derandomized sample (DS_OP_FUZZ_EXAMPLES to change how many).
+CI runs a fixed, derandomized sample (DS_OP_FUZZ_EXAMPLES to change how many,
+HYPOTHESIS_PROFILE=thorough for a long random search; see fuzz_settings.py). Bucket planning and
+MoE gating: test_op_fuzz_plans_gating.py.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
 
-import pytest
 import torch
+from fuzz_settings import FUZZ  # skips the module without hypothesis
+from hypothesis import given
+from hypothesis import strategies as st
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-EXAMPLES = int(os.environ.get("DS_OP_FUZZ_EXAMPLES", "60"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32]
 LAYOUTS = ["contiguous", "strided", "transposed", "expanded", "empty"]
 HYPER = st.sampled_from([0.1, 1e-3, 0.0, -0.5, math.nan, math.inf, -math.inf])
@@ -303,3 +294,155 @@ def test_zero_unflatten_from_fuzz(drawn):
     assert not must_fail, f"accepted although {must_fail} are wrong"
     for tensor, want in zip(tensors, expected):
         torch.testing.assert_close(tensor, want, rtol=0, atol=0)
+
+
+# --- Adam's host-side options: param_lowp, grad_scale, found_inf -------------------------------
+LOWP_DTYPES = [torch.bfloat16, torch.float16]
+GRAD_SCALES = [1.0, 1024.0, 3.0, 0.5, 1e-39, 1e38, 0.0, -2.0, math.nan, math.inf, 1e-46, 1e46]
+
+
+def _grad_scale_valid(scale: float) -> bool:
+    if not (math.isfinite(scale) and scale > 0):
+        return False
+    reciprocal = float(torch.tensor(1.0 / scale, dtype=torch.float32))
+    return math.isfinite(reciprocal) and reciprocal > 0
+
+
+@st.composite
+def adam_options_case(draw):
+    """A float32 param with Adam state and the optional arguments, some of them wrong."""
+    numel = draw(st.integers(0, 40))
+    seed = draw(st.integers(0, 1000))
+    generator = torch.Generator().manual_seed(seed)
+    param = torch.randn(numel, generator=generator)
+    grad = torch.randn(numel, generator=generator) * draw(st.sampled_from([1.0, 1e3, 1e-3]))
+    if numel and draw(st.integers(0, 3)) == 0:  # a non-finite or huge gradient element
+        grad[draw(st.integers(0, numel - 1))] = draw(st.sampled_from([math.inf, math.nan, 3e38]))
+    grad = grad.to(draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])))
+    case = {"param": param, "grad": grad, "exp_avg": torch.randn(numel, generator=generator),
+            "exp_avg_sq": torch.rand(numel, generator=generator) ** 2}  # fmt: skip
+    must_fail = []
+    lowp = draw(st.sampled_from(["none", "bf16", "fp16", "fp16", "float32", "short", "strided",
+                                 "aliases_param"]))  # fmt: skip
+    if lowp in ("bf16", "fp16"):
+        case["param_lowp"] = torch.full((numel,), 7.0, dtype=LOWP_DTYPES[lowp == "fp16"])
+    elif lowp == "float32":
+        case["param_lowp"], must_fail = torch.zeros(numel), must_fail + ["param_lowp"]
+    elif lowp == "short":
+        case["param_lowp"] = torch.zeros(numel + 1, dtype=torch.bfloat16)
+        must_fail.append("param_lowp")
+    elif lowp == "strided" and numel > 1:
+        case["param_lowp"] = torch.zeros(2 * numel, dtype=torch.bfloat16)[::2]
+        must_fail.append("param_lowp")
+    elif lowp == "aliases_param" and numel > 1:
+        case["param_lowp"] = param.view(torch.bfloat16)[:numel]  # the master's own bytes
+        must_fail.append("param_lowp")
+    scale = draw(st.sampled_from(GRAD_SCALES))
+    if not _grad_scale_valid(scale):
+        must_fail.append("grad_scale")
+    flag = draw(st.sampled_from(["none", "zero", "zero", "set", "float64", "two"]))
+    if flag != "none":
+        dtype = torch.float64 if flag == "float64" else torch.float32
+        flag_tensor = torch.zeros(2 if flag == "two" else 1, dtype=dtype)
+        flag_tensor[0] = 1.0 if flag == "set" else 0.0
+        case["found_inf"] = flag_tensor
+        if flag in ("float64", "two"):
+            must_fail.append("found_inf")
+    hyper = {"step": draw(st.integers(1, 4)), "adamw_mode": draw(st.booleans()),
+             "weight_decay": draw(st.sampled_from([0.0, 0.01])), "lr": 1e-3}  # fmt: skip
+    return case, scale, hyper, must_fail
+
+
+def _adam_options_reference(case, scale, hyper):
+    """The documented semantics, in float64 but for the float32 unscaling (gradient times
+    float32(1 / grad_scale), checked for non-finite values there)."""
+    out = {k: v.detach().clone() for k, v in case.items()}
+    flag = out.get("found_inf")
+    if flag is not None and flag[0] != 0:
+        return out  # an earlier check found an overflow: nothing happens
+    multiplier = torch.tensor(1.0 / scale, dtype=torch.float32)
+    unscaled = case["grad"].float() * multiplier
+    if flag is not None:
+        flag[0] = 0.0 if bool(unscaled.isfinite().all()) else 1.0
+        if flag[0] != 0:
+            return out
+    lr, wd, step = hyper["lr"], float(torch.tensor(hyper["weight_decay"]).float()), hyper["step"]
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    p, g = case["param"].double(), unscaled.double()
+    if hyper["adamw_mode"]:
+        p = p * (1 - lr * wd)
+    else:
+        g = g + wd * p
+    m = b1 * case["exp_avg"].double() + (1 - b1) * g
+    v = b2 * case["exp_avg_sq"].double() + (1 - b2) * g * g
+    p = p - lr * (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
+    out["param"], out["exp_avg"], out["exp_avg_sq"] = p, m, v
+    return out
+
+
+@FUZZ
+@given(adam_options_case())
+def test_cpu_adam_options_fuzz(drawn):
+    """param_lowp, grad_scale and found_inf: the documented result, or an error naming them."""
+    from deepspeed_cpp.ops import cpu_adam_step
+
+    case, scale, hyper, must_fail = drawn
+    expected = None if must_fail else _adam_options_reference(case, scale, hyper)
+    before = {k: v.clone() for k, v in case.items()}
+    try:
+        cpu_adam_step(case["param"], case["grad"], case["exp_avg"], case["exp_avg_sq"],
+                      param_lowp=case.get("param_lowp"), grad_scale=scale,
+                      found_inf=case.get("found_inf"), **hyper)  # fmt: skip
+    except (RuntimeError, ValueError) as error:
+        assert must_fail, f"a valid case was refused: {error}"
+        assert _names_one(str(error), must_fail), (str(error), must_fail)
+        for name, value in before.items():  # a refused call writes nothing
+            assert torch.equal(case[name], value) or value.isnan().any(), name
+        return
+    assert not must_fail, f"accepted although {must_fail} are wrong"
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(case[name].double(), expected[name].double(), rtol=2e-5,
+                                   atol=1e-6, equal_nan=True, msg=name)  # fmt: skip
+    if "found_inf" in case:
+        assert torch.equal(case["found_inf"], expected["found_inf"])
+    if "param_lowp" in case:
+        stepped = not torch.equal(case["param"], before["param"]) or case["param"].numel() == 0
+        want = case["param"].to(case["param_lowp"].dtype) if stepped else before["param_lowp"]
+        # the copy is the updated float32 master rounded once: exactly torch's rounding
+        assert torch.equal(case["param_lowp"], want) or (
+            case["param_lowp"].isnan().equal(want.isnan())
+        ), (case["param_lowp"], want)
+
+
+@FUZZ
+@given(st.integers(1, 9), st.sampled_from(["distinct", "same_param", "same_lowp", "grad_is_m"]))
+def test_cpu_adam_multi_refuses_shared_memory_between_entries(numel, sharing):
+    """One tensor in two places of the lists would be updated twice or read after written."""
+    from deepspeed_cpp.ops import cpu_adam_step_multi
+
+    params = [torch.randn(numel) for _ in range(2)]
+    grads = [torch.randn(numel) for _ in range(2)]
+    exp_avgs = [torch.zeros(numel) for _ in range(2)]
+    exp_avg_sqs = [torch.zeros(numel) for _ in range(2)]
+    lowp = [torch.zeros(numel, dtype=torch.bfloat16) for _ in range(2)]
+    if sharing == "same_param":
+        params[1] = params[0]
+    elif sharing == "same_lowp":
+        lowp[1] = lowp[0]
+    elif sharing == "grad_is_m":
+        grads[0] = exp_avgs[1]
+    expected = [p.clone() - 1e-3 * torch.sign(g) for p, g in zip(params, grads)]
+    try:
+        cpu_adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, step=1, lr=1e-3,
+                            params_lowp=lowp)  # fmt: skip
+    except RuntimeError as error:
+        assert sharing != "distinct", str(error)
+        assert "share memory" in str(error), str(error)
+        names = {"same_param": ("param[0]", "param[1]"), "same_lowp": ("param_lowp[0]",
+                 "param_lowp[1]"), "grad_is_m": ("grad[0]", "exp_avg[1]")}[sharing]  # fmt: skip
+        assert all(name in str(error) for name in names), str(error)
+        return
+    assert sharing == "distinct", f"{sharing} accepted"
+    for p, want, low in zip(params, expected, lowp):
+        torch.testing.assert_close(p, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(low, p.to(torch.bfloat16))

@@ -38,6 +38,7 @@ void cpu_adagrad_step_multi_cpu(at::TensorList params, at::TensorList grads,
     collected.add(static_cast<int64_t>(i), params[i], grads[i], {{"state_sum", &state_sums[i]}},
                   params_lowp.has_value() ? &(*params_lowp)[i] : nullptr);
   }
+  collected.check_no_shared_memory();
   const double scale = cpu_optim::checked_grad_scale(kOp, grad_scale);
   float* flag = cpu_optim::checked_found_inf(kOp, found_inf);
   try {

@@ -29,8 +29,9 @@ AdamHyperParams checked_hyper_params(int64_t step, double lr, double beta1, doub
   return AdamHyperParams{lr, beta1, beta2, eps, weight_decay, step, bias_correction, adamw_mode};
 }
 
-void run(const cpu_optim::StepTensorCollector& collected, const AdamHyperParams& hp,
-         double grad_scale, const std::optional<at::Tensor>& found_inf) {
+void run(cpu_optim::StepTensorCollector& collected, const AdamHyperParams& hp, double grad_scale,
+         const std::optional<at::Tensor>& found_inf) {
+  collected.check_no_shared_memory();
   const double scale = cpu_optim::checked_grad_scale(kOp, grad_scale);
   float* flag = cpu_optim::checked_found_inf(kOp, found_inf);
   try {

@@ -35,6 +35,7 @@ void cpu_lion_step_multi_cpu(at::TensorList params, at::TensorList grads, at::Te
     collected.add(static_cast<int64_t>(i), params[i], grads[i], {{"exp_avg", &exp_avgs[i]}},
                   params_lowp.has_value() ? &(*params_lowp)[i] : nullptr);
   }
+  collected.check_no_shared_memory();
   const double scale = cpu_optim::checked_grad_scale(kOp, grad_scale);
   float* flag = cpu_optim::checked_found_inf(kOp, found_inf);
   try {

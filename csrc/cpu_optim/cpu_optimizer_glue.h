@@ -5,7 +5,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <utility>
@@ -52,11 +54,14 @@ class StepTensorCollector {
     check_dtype(grad, "grad", index, grad_dtype_, "float32, bfloat16 or float16",
                 {at::kFloat, at::kBFloat16, at::kHalf});
     OptimizerTensor tensor{param.data_ptr(), grad.data_ptr(), {nullptr, nullptr}, nullptr, numel};
+    record_memory(param, "param", index);
+    record_memory(grad, "grad", index);
     for (size_t k = 0; k < states.size(); ++k) {
       const auto& [name, state] = states[k];
       check_tensor(*state, name, index, numel);
       check_dtype(*state, name, index, state_dtype_, "float32 or bfloat16",
                   {at::kFloat, at::kBFloat16});
+      record_memory(*state, name, index);
       tensor.state[k] = state->data_ptr();
     }
     if (param_lowp != nullptr) {
@@ -67,9 +72,26 @@ class StepTensorCollector {
                   " is only for float32 params (a copy of the float32 master weights), but ",
                   indexed_name("param", index), " is ", param.scalar_type(),
                   "; a low-precision param is updated in place");
+      record_memory(*param_lowp, "param_lowp", index);
       tensor.param_lowp = param_lowp->data_ptr();
     }
     tensors_.push_back(tensor);
+  }
+
+  // Every tensor the kernel reads or writes must have memory of its own: the kernel reads each
+  // element's gradient and state and writes them back in one pass, so a param that is also its
+  // grad, both states in one tensor, or one param listed twice would give results no
+  // reference defines. Call once, after the last add.
+  void check_no_shared_memory() {
+    std::sort(ranges_.begin(), ranges_.end(),
+              [](const MemoryRange& a, const MemoryRange& b) { return a.begin < b.begin; });
+    for (size_t i = 1; i < ranges_.size(); ++i) {
+      const MemoryRange& before = ranges_[i - 1];
+      const MemoryRange& after = ranges_[i];
+      TORCH_CHECK(after.begin >= before.end, op_, ": ", before.label, " and ", after.label,
+                  " share memory; every param, grad, state and param_lowp tensor must have "
+                  "storage of its own");
+    }
   }
 
   const std::vector<OptimizerTensor>& tensors() const { return tensors_; }
@@ -112,7 +134,21 @@ class StepTensorCollector {
     }
   }
 
+  struct MemoryRange {
+    uintptr_t begin;
+    uintptr_t end;
+    std::string label;
+  };
+
+  // Tensors are contiguous (checked before): their bytes are one range. Empty ones hold none.
+  void record_memory(const at::Tensor& t, const char* name, int64_t index) {
+    if (t.numel() == 0) return;
+    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+    ranges_.push_back({begin, begin + t.nbytes(), indexed_name(name, index)});
+  }
+
   const char* op_;
+  std::vector<MemoryRange> ranges_;
   StreamTypes types_;
   RecordedDtype param_dtype_{&types_.param, {}};
   RecordedDtype grad_dtype_{&types_.grad, {}};
@@ -129,6 +165,12 @@ inline void check_list_length(const char* op, const char* name, size_t length, s
 inline double checked_grad_scale(const char* op, double grad_scale) {
   TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0.0, op,
               ": grad_scale must be a finite number > 0 (the loss scale), got ", grad_scale);
+  // The kernels multiply by 1 / grad_scale in float32: a scale whose reciprocal rounds to 0 or
+  // to infinity there would zero every gradient or make each one infinite without a word.
+  const float multiplier = static_cast<float>(1.0 / grad_scale);
+  TORCH_CHECK(std::isfinite(multiplier) && multiplier > 0.0f, op, ": grad_scale ", grad_scale,
+              " is outside float32's range: its reciprocal ", 1.0 / grad_scale, " rounds to ",
+              multiplier, " in float32");
   return grad_scale;
 }
 

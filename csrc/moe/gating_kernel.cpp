@@ -32,9 +32,8 @@ void keep_by_priority(const int64_t* expert, const double* priority, const Gatin
     if (shape.capacity < 0 || static_cast<int64_t>(tokens.size()) <= shape.capacity) {
       continue;
     }
-    // Strict weak order: higher priority first, then the lower token index.
     const auto first = [priority](int64_t a, int64_t b) {
-      return priority[a] > priority[b] || (priority[a] == priority[b] && a < b);
+      return priority_before(priority[a], a, priority[b], b);
     };
     std::nth_element(tokens.begin(), tokens.begin() + shape.capacity, tokens.end(), first);
     for (auto it = tokens.begin() + shape.capacity; it != tokens.end(); ++it) {

@@ -29,7 +29,7 @@ __global__ void route_kernel(const T* logits, const T* noise, GatingShape shape,
 }
 
 // k = 1 with priorities: a token is kept when fewer than `capacity` tokens of its expert come
-// before it in (priority descending, token index ascending) order. O(tokens) per token.
+// before it in the order of priority_before (gating_token.h). O(tokens) per token.
 __global__ void keep_by_priority_kernel(const int64_t* expert, const double* priority,
                                         GatingShape shape, bool* kept) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -40,8 +40,7 @@ __global__ void keep_by_priority_kernel(const int64_t* expert, const double* pri
   const double mine = priority[t];
   int64_t ahead = 0;
   for (int64_t other = 0; other < shape.num_tokens; ++other) {
-    const double theirs = priority[other];
-    ahead += expert[other] == e && (theirs > mine || (theirs == mine && other < t)) ? 1 : 0;
+    ahead += expert[other] == e && priority_before(priority[other], other, mine, t) ? 1 : 0;
   }
   kept[t] = shape.capacity < 0 || ahead < shape.capacity;
 }

@@ -54,6 +54,12 @@ at::Tensor moe_gating_backward_cpu(const at::Tensor& grad_weight_in, const at::T
   const at::Tensor logits = logits_in.contiguous();
   const at::Tensor expert = expert_in.contiguous();
   const at::Tensor kept = kept_in.contiguous();
+  const int64_t* experts = expert.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < expert.numel(); ++i) {
+    TORCH_CHECK(experts[i] >= 0 && experts[i] < shape.num_experts, "moe_gating_backward: expert[",
+                i / shape.k, "][", i % shape.k, "] is ", experts[i],
+                ", not an expert index in [0, ", shape.num_experts, ")");
+  }
   at::Tensor grad_logits = at::empty_like(logits);
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "moe_gating_backward_cpu", [&] {
     at::parallel_for(0, shape.num_tokens, kTokenGrain, [&](int64_t begin, int64_t end) {

@@ -79,6 +79,19 @@ DS_HOST_DEVICE inline void route_token(const T* logits, const T* noise, int64_t 
   }
 }
 
+// Whether token `a` (priority pa) goes before token `b` (priority pb) when an expert keeps its
+// `capacity` tokens of highest priority: higher priority first, ties to the lower token index. A
+// NaN ranks above every number, as torch.sort and torch.topk order it; without that rule the
+// order would not be a strict weak ordering (std::nth_element's requirement, undefined behaviour
+// otherwise) and the CUDA count of tokens ahead would keep every NaN token past the capacity.
+DS_HOST_DEVICE inline bool priority_before(double pa, int64_t a, double pb, int64_t b) {
+  const bool a_nan = pa != pa;
+  const bool b_nan = pb != pb;
+  if (a_nan != b_nan) return a_nan;
+  if (!a_nan && pa != pb) return pa > pb;
+  return a < b;
+}
+
 // The combine weights of one token from its probabilities and which slots kept their capacity.
 template <typename T>
 DS_HOST_DEVICE inline void combine_token(const T* prob, const bool* kept, int k, T* weight) {
@@ -100,6 +113,15 @@ template <typename T>
 DS_HOST_DEVICE inline void combine_token_backward(const T* grad_weight, const T* logits,
                                                   int64_t num_experts, const int64_t* expert,
                                                   const bool* kept, int k, T* grad_logits) {
+  for (int slot = 0; slot < k; ++slot) {
+    if (expert[slot] < 0 || expert[slot] >= num_experts) {
+      // Not an index this op produced. The CPU op refuses it by name before calling this; the
+      // CUDA op checks nothing on the host (no synchronisation), so the row is made NaN rather
+      // than read out of bounds or left silently wrong.
+      for (int64_t e = 0; e < num_experts; ++e) grad_logits[e] = T(NAN);
+      return;
+    }
+  }
   const SoftmaxRow<T> row = softmax_row(logits, num_experts);
   T prob[kMaxSlots];
   T grad_prob[kMaxSlots];

@@ -1,14 +1,23 @@
 #include "bucket_plan.h"
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 
 namespace deepspeed_cpp {
 namespace {
 
+constexpr int64_t kMaxElements = std::numeric_limits<int64_t>::max();
+
 // A bucket's padded size; a bucket of only empty tensors still gets one element per shard.
+// Sizes near the int64 limit are refused here rather than wrapped round (undefined behaviour).
 int64_t padded_size(int64_t used, int64_t multiple) {
   const int64_t at_least_one = used > 0 ? used : 1;
+  if (at_least_one > kMaxElements - (multiple - 1)) {
+    throw std::invalid_argument("plan_buckets: a bucket of " + std::to_string(at_least_one) +
+                                " elements cannot be padded to a multiple of " +
+                                std::to_string(multiple) + " within int64");
+  }
   return (at_least_one + multiple - 1) / multiple * multiple;
 }
 
@@ -26,6 +35,12 @@ BucketPlan plan_buckets(const std::vector<int64_t>& numels, const std::vector<in
         std::to_string(capacity) + ", " + std::to_string(world_size) + ", " +
         std::to_string(alignment));
   }
+  if (world_size > kMaxElements / alignment) {
+    throw std::invalid_argument("plan_buckets: world_size * alignment (" +
+                                std::to_string(world_size) + " * " + std::to_string(alignment) +
+                                ") overflows int64");
+  }
+  const int64_t multiple = world_size * alignment;
   BucketPlan plan;
   plan.slots.reserve(numels.size());
   int64_t used = 0;  // elements in the open bucket
@@ -34,10 +49,11 @@ BucketPlan plan_buckets(const std::vector<int64_t>& numels, const std::vector<in
       throw std::invalid_argument("plan_buckets: numels[" + std::to_string(i) + "] is negative");
     }
     const bool open = !plan.bucket_groups.empty();
+    // `numels[i] <= capacity - used` rather than `used + numels[i] <= capacity`: no overflow.
     const bool fits =
-        open && plan.bucket_groups.back() == groups[i] && used + numels[i] <= capacity;
+        open && plan.bucket_groups.back() == groups[i] && numels[i] <= capacity - used;
     if (!fits) {
-      if (open) plan.bucket_sizes.push_back(padded_size(used, world_size * alignment));
+      if (open) plan.bucket_sizes.push_back(padded_size(used, multiple));
       plan.bucket_groups.push_back(groups[i]);
       used = 0;
     }
@@ -45,7 +61,7 @@ BucketPlan plan_buckets(const std::vector<int64_t>& numels, const std::vector<in
     used += numels[i];
   }
   if (!plan.bucket_groups.empty()) {
-    plan.bucket_sizes.push_back(padded_size(used, world_size * alignment));
+    plan.bucket_sizes.push_back(padded_size(used, multiple));
   }
   return plan;
 }

@@ -22,9 +22,9 @@ void check_flat(const at::Tensor& flat, at::TensorList tensors, at::IntArrayRef 
   for (size_t i = 0; i < tensors.size(); ++i) {
     TORCH_CHECK(tensors[i].device() == flat.device(), op, ": tensors[", i, "] is on ",
                 tensors[i].device(), " but flat is on ", flat.device());
-    const int64_t end = offsets[i] + tensors[i].numel();
-    TORCH_CHECK(offsets[i] >= 0 && end <= flat.numel(), op, ": tensors[", i, "] (",
-                tensors[i].numel(), " elements at offset ", offsets[i],
+    // `offset <= flat - numel` rather than `offset + numel <= flat`: no overflow for any offset.
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] <= flat.numel() - tensors[i].numel(), op,
+                ": tensors[", i, "] (", tensors[i].numel(), " elements at offset ", offsets[i],
                 ") does not fit in flat of ", flat.numel(), " elements");
   }
 }

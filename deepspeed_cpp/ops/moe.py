@@ -88,7 +88,9 @@ def moe_gating(
     top-2 second-expert sampling. ``priority`` (``[tokens]``, k = 1 only) makes tokens of higher
     priority claim an expert's capacity first (random token selection); without it tokens claim
     it in token order, every first choice before any second one. Ties between experts go to the
-    lower index. Gradients flow from ``weight`` to ``logits``.
+    lower index; between priorities, to the lower token index; a NaN priority ranks above every
+    number, as ``torch.topk`` (DeepSpeed's selection) orders it. Gradients flow from ``weight``
+    to ``logits``.
     """
     load_moe(logits.device.type)
     return Gating(
