@@ -132,12 +132,14 @@ def directory_removed(engine, root: Path, good: dict, seed: int) -> dict:
 def leftovers_of_killed_saves(engine, root: Path, good: dict, seed: int) -> dict:
     """What killed saves leave, cleared by the next save: a staging directory, a re-saved tag
     stopped between its two renames (only ``<tag>.replaced`` left) and a stale ``.replaced`` copy
-    beside its complete tag."""
+    beside its complete tag. A folder that only ends like a staging one is left alone."""
     engine.save_checkpoint(root, tag="again", client_state={"epoch": 3}, save_latest=False)
     os.replace(root / "again", root / "again.replaced")
     shutil.copytree(root / "good", root / "good.replaced")
     (root / "killed.partial").mkdir()
     (root / "killed.partial" / ORDER[0]).write_bytes(b"half a shard")
+    (root / "notes.partial").mkdir()  # not a save's: other files in it, never removed
+    (root / "notes.partial" / "notes.txt").write_text("someone's notes")
     engine.save_checkpoint(root, tag="next", client_state={"epoch": 4}, save_latest=False)
     return {
         "entries": sorted(p.name for p in root.iterdir() if not p.name.startswith(".")),

@@ -4,8 +4,10 @@ A save that fails is cleaned up by the saver itself (its ``<tag>.partial`` is re
 save lock is released). A save that was killed cannot clean up, so the next save into the same
 folder does it, holding the save lock (no other training can be mid-save there):
 
-- ``<tag>.partial``: the staging directory of a save that never published; removed.
-- ``<tag>.replaced``: the previous checkpoint of a tag that was being saved again. When the
+- ``<tag>.partial``: the staging directory of a save that never published; removed (only when it
+  holds nothing but the files a save writes).
+- ``<tag>.replaced`` (holding checkpoint metadata): the previous checkpoint of a tag that was
+  being saved again. When the
   re-save got as far as publishing, ``<tag>`` is complete and the old copy is removed; when it
   stopped between its two renames, ``<tag>`` is absent and the old copy is renamed back, so a
   complete checkpoint is never deleted.
@@ -15,11 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 
 from ...utils.logging import logger
 from .atomic_files import fsync_directory, remove_tree
-from .layout import DISPLACED_SUFFIX, METADATA_FILE, STAGING_SUFFIX
+from .layout import (
+    CLIENT_STATE_FILE,
+    DISPLACED_SUFFIX,
+    METADATA_FILE,
+    MODULE_FILE,
+    STAGING_SUFFIX,
+)
 
 
 def discard_staging(staging: Path) -> None:
@@ -37,6 +46,20 @@ def discard_staging(staging: Path) -> None:
         )
 
 
+# What a save writes into its staging directory: the files below, each first under a temporary
+# name (``.<name>.tmp-<pid>``, see atomic_files.py).
+_SAVED_FILE = re.compile(
+    rf"\.?(zero_pp_rank_\d+_mp_rank_00_optim_states\.pt|{re.escape(MODULE_FILE)}|"
+    rf"{re.escape(CLIENT_STATE_FILE)}|{re.escape(METADATA_FILE)})(\.tmp-\d+)?"
+)
+
+
+def _holds_only_checkpoint_files(directory: Path) -> bool:
+    """Whether ``directory`` holds nothing but files a save writes: a folder that merely ends in
+    the staging suffix, holding someone's other data, is never removed."""
+    return all(p.is_file() and _SAVED_FILE.fullmatch(p.name) for p in directory.iterdir())
+
+
 def clear_interrupted_saves(save_dir: Path) -> list[str]:
     """Clears what killed saves left in ``save_dir`` (see the module docstring); the caller
     holds the folder's save lock. Returns one line per entry it removed or restored."""
@@ -45,9 +68,14 @@ def clear_interrupted_saves(save_dir: Path) -> list[str]:
         if not entry.is_dir():
             continue
         if entry.name.endswith(STAGING_SUFFIX):
+            if not _holds_only_checkpoint_files(entry):
+                logger.warning(
+                    "deepspeed_cpp: %s holds files a save does not write; left as it is", entry
+                )
+                continue
             remove_tree(entry)
             done.append(f"removed {entry} (a save that did not finish)")
-        elif entry.name.endswith(DISPLACED_SUFFIX):
+        elif entry.name.endswith(DISPLACED_SUFFIX) and (entry / METADATA_FILE).is_file():
             final = entry.with_name(entry.name[: -len(DISPLACED_SUFFIX)])
             if (final / METADATA_FILE).is_file():
                 remove_tree(entry)
