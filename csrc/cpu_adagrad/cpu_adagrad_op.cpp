@@ -4,10 +4,8 @@
 
 #include <optional>
 #include <stdexcept>
-#include <string>
 #include <vector>
 
-#include "../common/cpu_isa.h"
 #include "../cpu_optim/cpu_optimizer_glue.h"
 #include "cpu_adagrad_kernel.h"
 
@@ -54,15 +52,4 @@ void cpu_adagrad_step_multi_cpu(at::TensorList params, at::TensorList grads,
 
 TORCH_LIBRARY_IMPL(deepspeed_cpp, CPU, m) {
   m.impl("cpu_adagrad_step_multi", &deepspeed_cpp::cpu_adagrad_step_multi_cpu);
-}
-
-// Read by the report command through ctypes; an invalid DS_CPU_ISA comes back as its message.
-extern "C" const char* deepspeed_cpp_cpu_adagrad_isa() {
-  try {
-    return deepspeed_cpp::cpu_isa_name(deepspeed_cpp::selected_cpu_isa());
-  } catch (const std::exception& error) {
-    static thread_local std::string message;
-    message = std::string("error: ") + error.what();
-    return message.c_str();
-  }
 }

@@ -6,6 +6,8 @@
 #include "adagrad_math.h"
 
 #define DS_CPU_OPTIM_FAMILY_LANES "../cpu_adagrad/adagrad_lanes.h"
+// The extern "C" function csrc/cpu_optim/cpu_optim_isa_query.cpp defines for this family.
+#define DS_CPU_OPTIM_ISA_QUERY deepspeed_cpp_cpu_adagrad_isa
 
 namespace deepspeed_cpp {
 namespace cpu_optim {

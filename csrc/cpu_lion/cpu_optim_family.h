@@ -6,6 +6,8 @@
 #include "lion_math.h"
 
 #define DS_CPU_OPTIM_FAMILY_LANES "../cpu_lion/lion_lanes.h"
+// The extern "C" function csrc/cpu_optim/cpu_optim_isa_query.cpp defines for this family.
+#define DS_CPU_OPTIM_ISA_QUERY deepspeed_cpp_cpu_lion_isa
 
 namespace deepspeed_cpp {
 namespace cpu_optim {
