@@ -17,6 +17,7 @@ import difflib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -74,7 +75,7 @@ DEEPSPEED_ONLY_FLAGS = {
     "CCL_COMM": "collectives go through torch.distributed (gloo, nccl)",
     "SHM_COMM": "collectives go through torch.distributed (gloo, nccl)",
     "PIN_MEMORY": "page-locked buffers come from torch; nothing to build",
-    "STRING": "the version comes from pyproject.toml",
+    "STRING": "the version is deepspeed_cpp.__version__ (+torch<version> with pre-built ops)",
 }
 
 
@@ -156,13 +157,22 @@ class BuildPyWithSources(build_py):
         shutil.copytree(ROOT / "csrc", target, ignore=shutil.ignore_patterns("*.o", "*.so"))
 
 
+def package_version() -> str:
+    """deepspeed_cpp.__version__, read from the source (importing the package needs torch)."""
+    text = (ROOT / "deepspeed_cpp" / "__init__.py").read_text()
+    return re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE).group(1)
+
+
 def setup_kwargs() -> dict:
     op_builder = load_op_builder()
     builders = ops_to_prebuild(op_builder)
-    kwargs = {"cmdclass": {"build_py": BuildPyWithSources}}
+    kwargs = {"version": package_version(), "cmdclass": {"build_py": BuildPyWithSources}}
     if not builders:
         return kwargs
-    import torch
+    # Pre-built ops load only under the torch they were compiled against: the wheel's local
+    # version says which (pip shows it; the loader checks build_info.json).
+    local = op_builder.build_info.wheel_local_version(op_builder.build_info.current_build_info())
+    kwargs["version"] += f"+{local}"
     from torch.utils.cpp_extension import BuildExtension
 
     print("deepspeed_cpp setup: pre-building ops:", ", ".join(b.NAME for b in builders))
@@ -186,11 +196,7 @@ def setup_kwargs() -> dict:
         def run(self):
             super().run()
             ops_dir = Path(self.get_ext_fullpath(self.extensions[0].name)).parent
-            info = {
-                "torch_version": torch.__version__,
-                "cuda_version": torch.version.cuda,
-                "ops": [b.NAME for b in builders],
-            }
+            info = {**op_builder.build_info.current_build_info(), "ops": [b.NAME for b in builders]}
             (ops_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
     kwargs["ext_modules"] = [extension_for(b) for b in builders]

@@ -116,6 +116,21 @@ assert "site" in str(builder.loaded_library()), builder.loaded_library()
 assert torch._C._dispatch_has_kernel_for_dispatch_key("deepspeed_cpp::fused_adam", "CUDA")
 print("LOADED", builder.loaded_library().name)
 
+# No GPU here: the library loaded, but the op is not available, and says why; CPU tensors are
+# refused by name rather than failing inside the dispatcher.
+from deepspeed_cpp.ops.fused_adam import fused_adam, fused_adam_available
+from deepspeed_cpp.ops.op_builder import OpNotAvailableError
+available, why = fused_adam_available()
+assert not available and "no CUDA device is visible" in why, why
+p, g, m, v = (torch.zeros(5) for _ in range(4))
+try:
+    fused_adam([p], [g], [m], [v], step=1, lr=1e-3)
+except OpNotAvailableError as error:
+    assert "params[0] is on cpu; the op runs on CUDA tensors" in str(error), error
+else:
+    raise AssertionError("fused_adam ran on CPU tensors")
+print("UNAVAILABLE WITHOUT GPU OK")
+
 # FusedAdam's CUDA path on fake CUDA tensors (no GPU): every dtype, both step modes, and the
 # GradScaler hand-over, through the op's schema and its meta implementation.
 mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -138,7 +153,6 @@ with mode:
     capturable.step()
     assert all(capturable.state[p]["step"].device.type == "cuda" for p in params)
     # The meta implementation ran (and checks devices):
-    from deepspeed_cpp.ops.fused_adam import fused_adam
     p, m, v = (torch.zeros(4, device="cuda") for _ in range(3))
     try:
         fused_adam([p], [torch.zeros(4)], [m], [v], step=1, lr=1.0)
@@ -188,5 +202,6 @@ def test_wheel_build_holds_each_architecture_and_loads_without_toolkit(tmp_path)
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "LOADED fused_adam." in ran.stdout and "FAKE CUDA STEPS OK" in ran.stdout
+    assert "UNAVAILABLE WITHOUT GPU OK" in ran.stdout
     assert "just in time" not in ran.stderr
     assert not (tmp_path / "empty-cache").exists()

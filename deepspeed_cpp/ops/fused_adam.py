@@ -14,8 +14,19 @@ _cuda = OpLoader(FusedAdamBuilder())
 
 
 def fused_adam_available() -> tuple[bool, str]:
-    """Whether the CUDA op can be loaded here (pre-built, or nvcc to build it), else why not."""
-    return _cuda.builder.is_compatible()
+    """Whether the CUDA op can run here, else why not: its library must be loadable (pre-built,
+    or nvcc to build it) and a CUDA device visible. A pre-built library still loads on a machine
+    without a GPU (``load_fused_adam()``), but there is nothing for it to run on."""
+    ok, why = _cuda.builder.is_compatible()
+    if not ok:
+        return False, why
+    if not torch.cuda.is_available():
+        return False, (
+            "no CUDA device is visible (torch.cuda.is_available() is False); the fused_adam op "
+            "runs on CUDA tensors only (CPU parameters: deepspeed_cpp.optim.FusedAdam uses "
+            "cpu_adam for them)"
+        )
+    return True, ""
 
 
 def load_fused_adam() -> None:

@@ -20,13 +20,15 @@ import contextlib
 import ctypes
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import shutil
 import sys
 from pathlib import Path
 from typing import ClassVar
+
+from .build_info import current_build_info, mismatch, read_build_info, wheel_local_version
+from .library_check import DamagedLibraryError, check_loadable
 
 logger = logging.getLogger("deepspeed_cpp")
 
@@ -155,27 +157,19 @@ class OpBuilder:
         return jit_cache_root() / f"{self.NAME}_{self.source_digest()}"
 
     def prebuilt_library(self) -> Path | None:
-        """The pre-built library for this torch version, or None (with one log line if stale)."""
+        """The pre-built library when it was built for this torch, else None."""
+        library, _ = self.find_prebuilt()
+        return library
+
+    def find_prebuilt(self) -> tuple[Path | None, str]:
+        """(the usable pre-built library or None, why a pre-built one present is not usable)."""
         matches = sorted(PREBUILT_DIR.glob(f"{self.NAME}.*so"))
         if not matches:
-            return None
-        import torch
-
-        try:
-            info = json.loads(BUILD_INFO_FILE.read_text())
-        except (OSError, ValueError):
-            info = {}
-        built_for = info.get("torch_version")
-        if built_for != torch.__version__:
-            logger.warning(
-                "deepspeed_cpp: ignoring pre-built %s (built for torch %s, running torch %s); "
-                "compiling it just in time instead",
-                matches[0].name,
-                built_for,
-                torch.__version__,
-            )
-            return None
-        return matches[0]
+            return None, ""
+        differs = mismatch(read_build_info(BUILD_INFO_FILE))
+        if differs:
+            return None, f"the pre-built {matches[0]} cannot be used: {differs}"
+        return matches[0], ""
 
     def jit_available(self) -> tuple[bool, str]:
         """Whether a JIT build can be attempted here, and if not, what is missing."""
@@ -202,11 +196,20 @@ class OpBuilder:
                 from .registry import RegistryBuilder
 
                 RegistryBuilder().load(verbose=verbose)
-            library = self.prebuilt_library() or self._jit_build(verbose)
+            library = self._prebuilt_or_jit(verbose)
             if library not in _loaded.values():
                 torch.ops.load_library(str(library))
             _loaded[self.NAME] = library
         return torch.ops.deepspeed_cpp
+
+    def _prebuilt_or_jit(self, verbose: bool) -> Path:
+        library, stale = self.find_prebuilt()
+        if library is not None:
+            _check_library(library, remedy=_REINSTALL)
+            return library
+        if stale:
+            logger.warning("deepspeed_cpp: %s; using a just-in-time build instead", stale)
+        return self._jit_build(verbose, stale)
 
     def loaded_library(self) -> Path | None:
         return _loaded.get(self.NAME)
@@ -216,8 +219,26 @@ class OpBuilder:
         self.load()
         return ctypes.CDLL(str(_loaded[self.NAME]))
 
-    def _jit_build(self, verbose: bool) -> Path:
+    def _jit_build(self, verbose: bool, stale: str = "") -> Path:
+        build_dir = self.jit_build_dir()
+        library = build_dir / f"{build_dir.name}.so"
+        remedy = (
+            f"delete {build_dir} to have it rebuilt, or set DS_CPP_EXTENSIONS_DIR to another folder"
+        )
+        if _finished_build(build_dir, library):
+            # Served without torch's build step, which writes into the folder: a read-only
+            # cache of finished builds still works, and no compiler is needed.
+            _check_library(library, remedy=remedy)
+            return library
         ok, why = self.jit_available()
+        if not ok and stale:
+            running = current_build_info()
+            raise OpNotAvailableError(
+                f"op '{self.NAME}': {stale}; and it cannot be compiled just in time for torch "
+                f"{running['torch_version']} here: {why}. Install deepspeed_cpp built for this "
+                f"torch (a wheel whose version ends in +{wheel_local_version(running)}), or the "
+                f"torch it was built for, or a C++ compiler."
+            )
         if not ok:
             raise OpNotAvailableError(
                 f"op '{self.NAME}' is not pre-built for this torch and cannot be compiled just in "
@@ -225,12 +246,14 @@ class OpBuilder:
             )
         import torch.utils.cpp_extension as cpp_extension
 
-        build_dir = self.jit_build_dir()
-        build_dir.parent.mkdir(parents=True, exist_ok=True)
+        _make_writable_folder(build_dir.parent, self.NAME)
         os.environ.setdefault("MAX_JOBS", str(default_max_jobs()))
         with _exclusive_build_lock(build_dir):
-            library = build_dir / f"{build_dir.name}.so"
-            if not library.is_file():
+            if library.is_file():
+                # torch's build step would find it up to date and load it at once; a truncated
+                # file would then crash the process (SIGBUS) instead of raising.
+                _check_library(library, remedy=remedy)
+            else:
                 logger.warning(
                     "deepspeed_cpp: compiling op '%s' just in time into %s (first use only)",
                     self.NAME,
@@ -253,9 +276,67 @@ class OpBuilder:
             except (RuntimeError, OSError, SystemExit) as error:
                 raise OpNotAvailableError(
                     f"JIT build of op '{self.NAME}' failed in {build_dir}: {error}. The "
-                    f"compiler's output is printed above."
+                    f"compiler's output is printed above.{_free_space_note(build_dir)}"
                 ) from error
         return library
+
+
+_REINSTALL = (
+    "reinstall deepspeed_cpp (pip install --force-reinstall --no-deps <the wheel>), or delete "
+    "the file to have the op compiled just in time"
+)
+
+
+def _check_library(library: Path, remedy: str) -> None:
+    try:
+        check_loadable(library)
+    except DamagedLibraryError as error:
+        raise OpNotAvailableError(f"{error}. To fix it: {remedy}.") from error
+
+
+def _finished_build(build_dir: Path, library: Path) -> bool:
+    """Whether `build_dir` holds a build that completed: its library is there and the lock file
+    beside it was emptied by the build that made it (see _exclusive_build_lock). Takes the lock
+    shared, so it waits for a build in progress, and opens it read-only, so it works in a cache
+    the process cannot write."""
+    lock_path = build_dir.with_name(build_dir.name + ".lock")
+    try:
+        with open(lock_path) as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_SH)
+            try:
+                return lock_file.read().strip() == "" and library.is_file()
+            finally:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
+    except OSError:
+        return False
+
+
+def _make_writable_folder(folder: Path, op: str) -> None:
+    """Creates the JIT cache folder; an error names it when it cannot be created or written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        writable = os.access(folder, os.W_OK | os.X_OK)
+        reason = "it is not writable by this process (read-only, or owned by another user)"
+    except OSError as error:
+        writable, reason = False, f"it cannot be created ({error.strerror or error})"
+    if not writable:
+        raise OpNotAvailableError(
+            f"op '{op}' needs compiling just in time, but the JIT cache folder {folder}: "
+            f"{reason}. Set DS_CPP_EXTENSIONS_DIR to a writable folder (builds already finished "
+            f"in a read-only cache are still used)."
+        )
+
+
+def _free_space_note(folder: Path) -> str:
+    """' <folder> has only N MiB free.' when the disk is (nearly) full, else ''."""
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(folder if folder.exists() else folder.parent).free
+        if free < 256 * 1024 * 1024:
+            return (
+                f" The disk holding {folder} has only {free // (1024 * 1024)} MiB free: free "
+                f"space or set DS_CPP_EXTENSIONS_DIR to a folder on another disk."
+            )
+    return ""
 
 
 @contextlib.contextmanager
