@@ -10,7 +10,9 @@ test_op_loading.py.
 import os
 import subprocess
 import sys
+import sysconfig
 import zipfile
+from pathlib import Path
 
 import pytest
 from conftest import copy_tracked_tree
@@ -118,3 +120,46 @@ def test_config_settings_reach_bdist_wheel(source, tmp_path):
     (wheel,) = (tmp_path / "dist").glob("deepspeed_cpp-*.whl")
     assert wheel.name.startswith("deepspeed_cpp-0.1.0-7-"), wheel.name
     _check_wheel(wheel)
+
+
+def _fresh_venv_seeing_ours(tmp_path):
+    """A new virtual environment whose own site-packages is empty but which sees this one's
+    packages (torch, setuptools, pip) through a .pth line: an install into it cannot touch ours,
+    and it downloads nothing. Only the new site-packages is a site directory, so the editable
+    finders already installed here are not run there."""
+    venv = tmp_path / "venv"
+    made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    python = venv / "bin" / "python"
+    ours = sysconfig.get_paths()["purelib"]
+    theirs = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                  cwd=tmp_path).stdout.strip()  # fmt: skip
+    Path(theirs, "our_packages.pth").write_text(ours + "\n")
+    return python
+
+
+EDITED_CHECK = """
+import sys
+import deepspeed_cpp
+from deepspeed_cpp.ops.op_builder.builder import csrc_dir
+source = sys.argv[1]
+assert deepspeed_cpp.__file__.startswith(source), deepspeed_cpp.__file__
+assert str(csrc_dir()) == source + "/csrc", csrc_dir()
+from deepspeed_cpp import _editable_probe  # written after the install: seen only if editable
+print("EDITABLE OK", _editable_probe.VALUE)
+"""
+
+
+def test_pip_install_editable(source, tmp_path):
+    python = _fresh_venv_seeing_ours(tmp_path)
+    result = _run([str(python), "-m", "pip", "install", "--no-build-isolation", "--no-deps",
+                   "--no-index", "-e", str(source)], cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    probe = source / "deepspeed_cpp" / "_editable_probe.py"
+    probe.write_text("VALUE = 7\n")
+    try:
+        ran = _run([str(python), "-c", EDITED_CHECK, str(source.resolve())], cwd=tmp_path)
+    finally:
+        probe.unlink()
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "EDITABLE OK 7" in ran.stdout
