@@ -56,14 +56,21 @@ def op_status(builder) -> str:
     compatible, why = builder.is_compatible()
     if not compatible:
         return f"cannot build here: {why}"
-    prebuilt = builder.prebuilt_library()
+    prebuilt, stale = builder.find_prebuilt()
     if prebuilt is not None:
         return f"pre-built ({prebuilt.name})"
+    not_prebuilt = f"pre-built library unusable ({stale})" if stale else "not pre-built"
+    cached = builder.jit_build_dir() / f"{builder.jit_build_dir().name}.so"
+    if cached.is_file():
+        return (
+            f"{not_prebuilt}, compiled in the JIT cache"
+            if stale
+            else "can JIT (already compiled in cache)"
+        )
     jit_ok, jit_why = builder.jit_available()
     if not jit_ok:
-        return f"not pre-built, cannot JIT: {jit_why}"
-    cached = builder.jit_build_dir() / f"{builder.jit_build_dir().name}.so"
-    return "can JIT (already compiled in cache)" if cached.is_file() else "can JIT (not compiled)"
+        return f"{not_prebuilt}, cannot JIT: {jit_why}"
+    return f"{not_prebuilt}, can JIT (not compiled)" if stale else "can JIT (not compiled)"
 
 
 def loaded_details(name: str) -> str:

@@ -157,3 +157,24 @@ def test_read_only_cache_serves_finished_builds_and_names_itself_for_new_ones(
         f"is not writable" in refused.stderr
     )
     assert "Set DS_CPP_EXTENSIONS_DIR to a writable folder" in refused.stderr
+
+
+def test_jit_cache_on_a_full_disk_says_so(tmp_path):
+    from disk_folders import mount_namespace_prefix
+
+    prefix = mount_namespace_prefix(tmp_path)
+    if prefix is None:
+        pytest.skip("no mount namespace here to make a small file system")
+    cache = tmp_path / "small"
+    cache.mkdir()
+    # Filled before the build starts, so it fails at its first write instead of after minutes of
+    # compiling (the same message comes from a compiler that cannot write its object file).
+    mounted = (
+        f"mount -t tmpfs -o size=64k tmpfs {cache} && "
+        f'(dd if=/dev/zero of={cache}/filler bs=4k 2>/dev/null; exec "$@")'
+    )
+    ran = _run(cache, prefix=[*prefix, "sh", "-c", mounted, "sh"])
+    assert ran.returncode == 1, ran.stderr[-3000:]
+    assert "JIT build of op 'registry' failed in " in ran.stderr
+    assert f"The disk holding {cache / jit_cache_root().name}" in ran.stderr
+    assert "free space or set DS_CPP_EXTENSIONS_DIR to a folder on another disk" in ran.stderr

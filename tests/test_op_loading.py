@@ -1,17 +1,21 @@
 """How ops are found: JIT from an empty cache, cache keys, killed builds, pre-built wheels."""
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import zipfile
+from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT, copy_tracked_tree
 
 from deepspeed_cpp.ops.op_builder import ALL_OPS, CPUAdamBuilder, builder
+from deepspeed_cpp.ops.op_builder.build_info import current_build_info, wheel_local_version
 
 STEP_SCRIPT = """
 import torch
@@ -187,6 +191,8 @@ def prebuilt_site(tmp_path_factory):
     libraries = sorted(n.split("/")[-1].split(".")[0] for n in names
                        if n.startswith("deepspeed_cpp/_ops/") and n.endswith(".so"))  # fmt: skip
     assert libraries == PREBUILT_LIBRARIES
+    local = wheel_local_version(current_build_info())  # e.g. torch2.14.1.cu130
+    assert wheel.name.startswith(f"deepspeed_cpp-0.1.0+{local}-"), wheel.name
     assert "deepspeed_cpp/_ops/build_info.json" in names
     assert "deepspeed_cpp/csrc/registration.cpp" in names
     site = root / "site"
@@ -225,6 +231,88 @@ def test_prebuilt_wheel_needs_no_compiler(prebuilt_site, tmp_path):
     assert report.returncode == 0, report.stderr
     assert re.search(r"cpu_adam +: pre-built", report.stdout), report.stdout
     assert "cpu isa level:" in report.stdout
+
+
+def test_wheel_records_what_it_was_built_against(prebuilt_site):
+    info = json.loads((prebuilt_site / "deepspeed_cpp" / "_ops" / "build_info.json").read_text())
+    assert info == {**current_build_info(), "ops": ["registry", "cpu_adam"]}
+    local = wheel_local_version(info)
+    assert (prebuilt_site / f"deepspeed_cpp-0.1.0+{local}.dist-info").is_dir()
+
+
+def _site_copy(prebuilt_site, tmp_path, **recorded):
+    """A copy of the installed wheel, its build record changed to `recorded`."""
+    site = tmp_path / "site"
+    shutil.copytree(prebuilt_site, site, ignore=shutil.ignore_patterns("__pycache__"))
+    record = site / "deepspeed_cpp" / "_ops" / "build_info.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), **recorded}))
+    return site
+
+
+# Where the copy's JIT builds of the two ops go (the folder names digest where csrc/ is).
+_JIT_DIRS = """
+from deepspeed_cpp.ops.op_builder import CPUAdamBuilder, RegistryBuilder
+for op in (RegistryBuilder(), CPUAdamBuilder()):
+    print(op.NAME, op.jit_build_dir())
+"""
+
+
+def test_prebuilt_for_another_torch_falls_back_to_jit_or_names_both_versions(
+    prebuilt_site, tmp_path
+):
+    import torch
+
+    other = "2.13.0+cpu"
+    site = _site_copy(prebuilt_site, tmp_path, torch_version=other, cuda_version=None)
+    env = _no_compiler(site, tmp_path)
+    refused = _run(STEP_SCRIPT, env, cwd=tmp_path)
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert (
+        f"built for torch {other}, running torch {torch.__version__}; built for CUDA None, "
+        f"running CUDA {torch.version.cuda}; and it cannot be compiled just in time for torch "
+        f"{torch.__version__} here: no C++ compiler" in refused.stderr
+    )
+    assert f"a wheel whose version ends in +{wheel_local_version(current_build_info())}" in (
+        refused.stderr
+    )
+
+    # With a finished JIT build of the same sources in the cache (the wheel's own libraries put
+    # where a compiler would have written them), the stale libraries are passed over for it.
+    dirs = _run(_JIT_DIRS, env, cwd=tmp_path)
+    assert dirs.returncode == 0, dirs.stderr
+    for line in dirs.stdout.splitlines():
+        name, build_dir = line.split(" ", 1)
+        build_dir = Path(build_dir)
+        build_dir.mkdir(parents=True)
+        (library,) = (site / "deepspeed_cpp" / "_ops").glob(f"{name}.*so")
+        shutil.copy(library, build_dir / f"{build_dir.name}.so")
+        build_dir.with_name(build_dir.name + ".lock").write_text("")
+    fallback = _run(STEP_SCRIPT + _LOADED_FROM, env, cwd=tmp_path)
+    assert fallback.returncode == 0, fallback.stderr[-3000:]
+    assert f"LOADED FROM {env['DS_CPP_EXTENSIONS_DIR']}" in fallback.stdout
+    assert f"cannot be used: built for torch {other}" in fallback.stderr
+    assert "using a just-in-time build instead" in fallback.stderr
+    report = _run("from deepspeed_cpp.env_report import main; main()", env, cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    line = next(line for line in report.stdout.splitlines() if line.startswith("cpu_adam "))
+    assert f"pre-built library unusable (the pre-built {site}" in line, line
+    assert line.endswith("compiled in the JIT cache"), line
+
+
+_LOADED_FROM = """
+from deepspeed_cpp.ops.op_builder import CPUAdamBuilder
+print("LOADED FROM", CPUAdamBuilder().loaded_library())
+"""
+
+
+def test_truncated_prebuilt_library_is_named_with_the_fix(prebuilt_site, tmp_path):
+    site = _site_copy(prebuilt_site, tmp_path)
+    (library,) = (site / "deepspeed_cpp" / "_ops").glob("cpu_adam.*so")
+    library.write_bytes(library.read_bytes()[:4096])
+    ran = _run(STEP_SCRIPT, _no_compiler(site, tmp_path), cwd=tmp_path)
+    assert ran.returncode == 1, ran.stderr[-3000:]  # not -7 (SIGBUS)
+    assert f"{library} is not a loadable shared library: it is truncated (4096 bytes" in ran.stderr
+    assert "To fix it: reinstall deepspeed_cpp (pip install --force-reinstall" in ran.stderr
 
 
 def test_no_compiler_and_nothing_prebuilt_says_why(tmp_path):

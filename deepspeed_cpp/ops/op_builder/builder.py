@@ -244,41 +244,51 @@ class OpBuilder:
                 f"op '{self.NAME}' is not pre-built for this torch and cannot be compiled just in "
                 f"time: {why}. Install a wheel built with DS_BUILD_OPS=1, or fix the above."
             )
-        import torch.utils.cpp_extension as cpp_extension
-
         _make_writable_folder(build_dir.parent, self.NAME)
         os.environ.setdefault("MAX_JOBS", str(default_max_jobs()))
-        with _exclusive_build_lock(build_dir):
-            if library.is_file():
-                # torch's build step would find it up to date and load it at once; a truncated
-                # file would then crash the process (SIGBUS) instead of raising.
-                _check_library(library, remedy=remedy)
-            else:
-                logger.warning(
-                    "deepspeed_cpp: compiling op '%s' just in time into %s (first use only)",
-                    self.NAME,
-                    build_dir,
-                )
-            build_dir.mkdir(exist_ok=True)
-            self.prepare_build()
-            try:
-                cpp_extension.load(
-                    name=build_dir.name,
-                    sources=[str(p) for p in self.absolute_sources()],
-                    extra_cflags=self.extra_cflags(),
-                    extra_ldflags=self.extra_ldflags(),
-                    extra_cuda_cflags=self.extra_cuda_cflags() or None,
-                    extra_include_paths=[str(p) for p in self.absolute_include_dirs()],
-                    build_directory=str(build_dir),
-                    is_python_module=False,
-                    verbose=verbose,
-                )
-            except (RuntimeError, OSError, SystemExit) as error:
-                raise OpNotAvailableError(
-                    f"JIT build of op '{self.NAME}' failed in {build_dir}: {error}. The "
-                    f"compiler's output is printed above.{_free_space_note(build_dir)}"
-                ) from error
+        try:
+            with _exclusive_build_lock(build_dir):
+                self._compile(build_dir, library, remedy, verbose)
+        except OSError as error:  # the lock file or the build folder: a full disk, say
+            raise OpNotAvailableError(
+                f"JIT build of op '{self.NAME}' failed in {build_dir}: {error}."
+                f"{_free_space_note(build_dir)}"
+            ) from error
         return library
+
+    def _compile(self, build_dir: Path, library: Path, remedy: str, verbose: bool) -> None:
+        """Runs torch's build into `build_dir`; called holding the build's exclusive lock."""
+        import torch.utils.cpp_extension as cpp_extension
+
+        if library.is_file():
+            # torch's build step would find it up to date and load it at once; a truncated
+            # file would then crash the process (SIGBUS) instead of raising.
+            _check_library(library, remedy=remedy)
+        else:
+            logger.warning(
+                "deepspeed_cpp: compiling op '%s' just in time into %s (first use only)",
+                self.NAME,
+                build_dir,
+            )
+        build_dir.mkdir(exist_ok=True)
+        self.prepare_build()
+        try:
+            cpp_extension.load(
+                name=build_dir.name,
+                sources=[str(p) for p in self.absolute_sources()],
+                extra_cflags=self.extra_cflags(),
+                extra_ldflags=self.extra_ldflags(),
+                extra_cuda_cflags=self.extra_cuda_cflags() or None,
+                extra_include_paths=[str(p) for p in self.absolute_include_dirs()],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=verbose,
+            )
+        except (RuntimeError, OSError, SystemExit) as error:
+            raise OpNotAvailableError(
+                f"JIT build of op '{self.NAME}' failed in {build_dir}: {error}. The "
+                f"compiler's output is printed above.{_free_space_note(build_dir)}"
+            ) from error
 
 
 _REINSTALL = (
