@@ -294,7 +294,9 @@ def test_prebuilt_for_another_torch_falls_back_to_jit_or_names_both_versions(
     assert "using a just-in-time build instead" in fallback.stderr
     report = _run("from deepspeed_cpp.env_report import main; main()", env, cwd=tmp_path)
     assert report.returncode == 0, report.stderr
-    line = next(line for line in report.stdout.splitlines() if line.startswith("cpu_adam "))
+    line = next(
+        ln.strip() for ln in report.stdout.splitlines() if ln.strip().startswith("cpu_adam ")
+    )
     assert f"pre-built library unusable (the pre-built {site}" in line, line
     assert line.endswith("compiled in the JIT cache"), line
 
