@@ -60,6 +60,7 @@ from .rank_agreement import agree_on
 from .reshard import classify_state
 from .rng_state import capture_rng_states
 from .save_lock import SaveLock
+from .streamed_save import save_streamed_atomically
 
 before_rank_files: Callable[[Path, int], None] | None = None
 """Test seam: when set, called on every rank with (staging directory, rank) just before the rank
@@ -86,7 +87,8 @@ def _bucket_entries(engine, indices: list[int]) -> dict[int, dict]:
     if zero is None:
         return {}
     entries = {}
-    slices = zip(bucket_writers(zero), zero.shard_state(), zero.owned_ranges(), indices)
+    # NVMe-held tensors come as DeferredTensor entries, read while the shard file is written.
+    slices = zip(bucket_writers(zero), zero.stream_shard_state(), zero.owned_ranges(), indices)
     for writes, slice_, (start, size), bucket in slices:
         if writes:  # ZeRO-0 ranks hold identical copies; the first rank of the group saves them
             entries[bucket] = {"start": start, "size": size, **slice_}
@@ -124,9 +126,13 @@ def _module_payload(engine, state_dict: dict, exclude_frozen_parameters: bool) -
     }
 
 
-def _file_entry(name: str, role: str, rank: int, payload: dict, staging: Path) -> dict:
-    """Writes ``payload`` to ``staging/name``; its entry in the metadata's file list."""
-    size, digest = save_torch_atomically(payload, staging / name)
+def _file_entry(
+    name: str, role: str, rank: int, payload: dict, staging: Path, streamed: bool = False
+) -> dict:
+    """Writes ``payload`` to ``staging/name`` (``streamed``: it may hold DeferredTensor entries,
+    see ``streamed_save.py``); its entry in the metadata's file list."""
+    save = save_streamed_atomically if streamed else save_torch_atomically
+    size, digest = save(payload, staging / name)
     return {"name": name, "role": role, "rank": rank, "bytes": size, DIGEST_KEY: digest}
 
 
@@ -143,7 +149,9 @@ def _write_rank_files(
         "rng": capture_rng_states(engine.device),
         "buckets": _bucket_entries(engine, indices),
     }
-    written = [_file_entry(shard_name, f"shard of rank {rank}", rank, shard, staging)]
+    written = [
+        _file_entry(shard_name, f"shard of rank {rank}", rank, shard, staging, streamed=True)
+    ]
     layers = expert_layers(engine.module)
     state_dict = to_global(share_tied(engine.module, state_dict), layers)
     for name, role, experts in expert_payloads(state_dict, layers, rank):

@@ -300,6 +300,9 @@ class ExpertParallelZeroStage:
     def shard_state(self) -> list[dict]:
         return [entry for member in self.sets for entry in member.shard_state()]
 
+    def stream_shard_state(self) -> list[dict]:
+        return [entry for member in self.sets for entry in member.stream_shard_state()]
+
     def first_state(self) -> dict | None:
         for member in self.sets:
             entry = member.first_state()

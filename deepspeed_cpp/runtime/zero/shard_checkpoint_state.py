@@ -5,7 +5,11 @@ time when the state is offloaded (``offload/optimizer_homes.py``)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from .offload.deferred_tensor import DeferredTensor
 
 
 class ShardCheckpointState:
@@ -19,30 +23,55 @@ class ShardCheckpointState:
         """This rank's part of the training state, per bucket: ``{"master": its fp32 slice,
         "state": the optimizer's state for that slice}`` (the live tensors, except that a master
         slice viewing the flat parameters is copied: torch.save writes a view's whole storage;
-        with NVMe offload everything is copied out of the swap buffers)."""
-        if self._backward_steps is not None:
-            self._backward_steps.check_between_steps("saving a checkpoint")
-        self.apply_pending_update()
+        with NVMe offload everything is copied out of the swap buffers, so the whole state is
+        in memory at once: checkpoints use ``stream_shard_state`` instead)."""
+        self._check_between_steps("saving a checkpoint")
         copy_all = self.home.kind == "nvme"
         entries = []
         for members in self.home.sub_groups:
             with self.home.resident(members, write_back=False):
-                for index in members:
-                    master = self.masters[index]
-                    state = dict(self._optimizer_for(index).state.get(master, {}))
-                    if copy_all:
-                        state = {
-                            k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()
-                        }
-                    whole = master.untyped_storage().nbytes() == master.nbytes
-                    keep = whole and not copy_all
-                    entries.append(
-                        {
-                            "master": master.detach() if keep else master.detach().clone(),
-                            "state": state,
-                        }
-                    )
+                entries.extend(self._bucket_entry(index, copy_all) for index in members)
         return entries
+
+    def stream_shard_state(self) -> list[dict]:
+        """As ``shard_state``, except that every tensor held in NVMe swap files is a
+        ``DeferredTensor`` (dtype and size only) whose bytes ``deferred.reader.view(deferred)``
+        returns, read into the swap buffers one sub-group at a time: saving never holds more
+        than one sub-group of the state beyond the buffers. The caller closes the readers
+        (``reader.close()``) when done, also when it fails."""
+        self._check_between_steps("saving a checkpoint")
+        reader = SubGroupReader(self)
+        entries = []
+        for members in self.home.sub_groups:
+            if self.home.state_outline(members[0]) is None:
+                with self.home.resident(members, write_back=False):
+                    entries.extend(self._bucket_entry(index, copy=False) for index in members)
+                continue
+            for index in members:
+                scalars, dtypes = self.home.state_outline(index)
+                size = self.buckets[index].owned_size
+                state = {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}
+                for key, dtype in dtypes.items():
+                    state[key] = DeferredTensor(dtype, size, index, key, reader)
+                master = DeferredTensor(torch.float32, size, index, None, reader)
+                entries.append({"master": master, "state": state})
+        return entries
+
+    def _check_between_steps(self, what: str) -> None:
+        if self._backward_steps is not None:
+            self._backward_steps.check_between_steps(what)
+        self.apply_pending_update()
+
+    def _bucket_entry(self, index: int, copy: bool) -> dict:
+        """``{"master", "state"}`` of a resident bucket (copies with ``copy``; a master viewing
+        part of a larger storage is always copied: torch.save writes a view's whole storage)."""
+        master = self.masters[index]
+        state = dict(self._optimizer_for(index).state.get(master, {}))
+        if copy:
+            state = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        whole = master.untyped_storage().nbytes() == master.nbytes
+        keep = whole and not copy
+        return {"master": master.detach() if keep else master.detach().clone(), "state": state}
 
     def first_state(self) -> dict | None:
         """``{"master", "state"}`` (copies) of the first bucket that has optimizer state, or
@@ -127,3 +156,41 @@ def _steps_taken(states: list[dict]) -> int:
     """The optimizer steps a checkpoint's state records (its per-tensor ``step`` counters)."""
     counts = [int(s["step"]) for s in states if s and "step" in s]
     return max(counts, default=0)
+
+
+class SubGroupReader:
+    """The bytes of an optimizer's ``DeferredTensor`` entries, its sub-groups made resident one
+    at a time (read-only: nothing is written back). Views stay valid until the next ``view``
+    of another sub-group or ``close``; asked in bucket order, each sub-group is read once."""
+
+    def __init__(self, optimizer) -> None:
+        self._optimizer = optimizer
+        self._group_of = {b: members[0] for members in optimizer.home.sub_groups for b in members}
+        self._resident: contextlib.ExitStack | None = None
+        self._first: int | None = None  # first bucket of the resident sub-group
+
+    def view(self, deferred: DeferredTensor) -> torch.Tensor:
+        first = self._group_of[deferred.bucket]
+        if first != self._first:
+            self.close()
+            members = next(m for m in self._optimizer.home.sub_groups if m[0] == first)
+            stack = contextlib.ExitStack()
+            stack.enter_context(self._optimizer.home.resident(members, write_back=False))
+            self._resident, self._first = stack, first
+        master = self._optimizer.masters[deferred.bucket]
+        if deferred.key is None:
+            value = master.detach()
+        else:
+            value = self._optimizer._optimizer_for(deferred.bucket).state[master][deferred.key]
+        if value.dtype != deferred.dtype or value.numel() != deferred.numel:
+            raise RuntimeError(
+                f"checkpoint save: bucket {deferred.bucket} {deferred.key or 'master'} is "
+                f"{value.dtype} x {value.numel()} in its swap buffer, the checkpoint's outline "
+                f"said {deferred.dtype} x {deferred.numel} (the state changed during the save)"
+            )
+        return value
+
+    def close(self) -> None:
+        resident, self._resident, self._first = self._resident, None, None
+        if resident is not None:
+            resident.close()

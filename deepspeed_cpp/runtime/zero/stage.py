@@ -74,6 +74,10 @@ class ZeroStage(Protocol):
     def shard_state(self) -> list[dict]:
         """Per bucket: ``{"master": fp32 slice, "state": optimizer state of that slice}``."""
 
+    def stream_shard_state(self) -> list[dict]:
+        """As ``shard_state``, with NVMe-held tensors as ``DeferredTensor`` entries read one
+        sub-group at a time while the checkpoint is written."""
+
     def load_shard_state(self, masters: list[torch.Tensor], states: list[dict] | None) -> None:
         """Replaces the master slices (and state) and writes the parameters from them."""
 

@@ -76,6 +76,12 @@ class DeviceHome:
     def read_ahead_next_step(self) -> None:
         """Starts bringing in what the next step steps first (NVMe only)."""
 
+    def state_outline(self, bucket: int) -> tuple[dict, dict[str, torch.dtype]] | None:
+        """For a bucket whose state is in swap files: (its optimizer state that is not
+        per-element, the dtype of each per-element entry, in the optimizer's order), known
+        without reading the files; None where the state is in memory."""
+        return None
+
     def host_bytes(self) -> int:
         return 0
 
@@ -348,6 +354,10 @@ class NvmeHome(DeviceHome):
             for group in range(min(len(self._slots) - 1, len(self.sub_groups))):
                 self._start_read(group)
 
+    def state_outline(self, bucket: int) -> tuple[dict, dict[str, torch.dtype]]:
+        # Outside ``resident`` everything per-element is in the files (``_harvest``).
+        return dict(self._scalars[bucket]), dict(self._state_dtypes[bucket])
+
     def host_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self._slots)
 
@@ -400,6 +410,10 @@ class PartialHome:
 
     def read_ahead_next_step(self) -> None:
         self.inner.read_ahead_next_step()
+
+    def state_outline(self, bucket: int):
+        local = self._local.get(bucket)
+        return None if local is None else self.inner.state_outline(local)
 
     def host_bytes(self) -> int:
         return self.inner.host_bytes()
