@@ -15,6 +15,7 @@ so a checkpoint loads, reshards and hashes the same whichever way it was saved.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import pickle
 import sys
@@ -107,6 +108,7 @@ def _write_archive(obj, handle: BinaryIO) -> None:
         handle, get_crc32_options(), serialization_config.save.storage_alignment
     )
     readers = {id(p.reader): p.reader for p in pickler.records.values() if _is_deferred(p)}
+    finished = False
     try:
         writer.write_record("data.pkl", data, len(data))
         writer.write_record(".format_version", "1", 1)
@@ -125,10 +127,16 @@ def _write_archive(obj, handle: BinaryIO) -> None:
                 writer.write_record(name, host, nbytes)
             if record_written is not None:
                 record_written(name, nbytes)
+        finished = True
         writer.write_end_of_file()
     finally:
         for reader in readers.values():
             reader.close()
+        if not finished:
+            # An unfinished writer would finish itself when collected, writing into a closed
+            # file from a destructor (which aborts the process); the file is discarded anyway.
+            with contextlib.suppress(Exception):
+                writer.write_end_of_file()
 
 
 def _own_storage(view: torch.Tensor) -> torch.UntypedStorage:

@@ -163,6 +163,7 @@ class NvmeHome(DeviceHome):
         self._reads: dict[int, object] = {}  # sub-group -> ticket of its read into its slot
         self._writes: dict[int, object] = {}  # slot -> ticket of the write out of it
         self._next_slot = 0
+        self._in_use: int | None = None  # the slot of the sub-group inside ``resident``
         from .swap_files import AioSettings, SwapFolder  # the aio op is loaded for NVMe only
 
         aio = AioSettings.from_config(aio_config)
@@ -244,6 +245,7 @@ class NvmeHome(DeviceHome):
     def resident(self, sub_group: Sequence[int], write_back: bool = True) -> Iterator[None]:
         group = self._group_of[sub_group[0]]
         slot = self._bring_in(group)
+        self._in_use = slot
         # With S slots, one holds this sub-group and one the previous sub-group's write, still
         # in flight: reads go S - 2 ahead now, so that neither waits for that write (which would
         # stall this step); the read into the writing slot starts when this step is done.
@@ -273,6 +275,7 @@ class NvmeHome(DeviceHome):
                 self._write(group, slot)
             else:
                 del self._slot_of[group]  # the file is still current
+            self._in_use = None
             if not self.pipeline_write:
                 self._finish_writes()
 
@@ -309,8 +312,12 @@ class NvmeHome(DeviceHome):
 
     # --- slots and files ----------------------------------------------------------------------
     def _claim_slot(self, group: int) -> int:
-        """A slot for ``group``: the next in the ring, once its previous write has finished."""
+        """A slot for ``group``: the next in the ring, once its previous write has finished;
+        never the resident sub-group's (the ring is out of step with the sub-groups when a
+        read-only pass stopped early, as ``first_state`` does, leaving a read ahead behind)."""
         slot = self._next_slot
+        if slot == self._in_use and len(self._slots) > 1:
+            slot = (slot + 1) % len(self._slots)
         self._next_slot = (slot + 1) % len(self._slots)
         for other, held in list(self._slot_of.items()):
             if held == slot:
