@@ -181,7 +181,7 @@ def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
         try:
             kinds = metadata["optimizer"]["state_kinds"] if options["optimizer_states"] else {}
             plan.masters, plan.states = Resharder(reader, current, kinds).slices_for(
-                zero.owned_ranges(), with_state=options["optimizer_states"]
+                zero.owned_ranges(), with_state=options["optimizer_states"], mapped=_in_swap(zero)
             )
             plan.rng = _rng_states(engine, directory, metadata, reader)
         finally:
@@ -206,6 +206,16 @@ def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
         options["allow_pickle"],
     )
     return plan
+
+
+def _in_swap(zero) -> frozenset[int]:
+    """The buckets whose state lives in NVMe swap files (``state_outline`` not None)."""
+    home = getattr(zero, "home", None)  # the expert-parallel composite has one per set
+    if home is None:
+        return frozenset()
+    return frozenset(
+        b for b in range(len(zero.owned_ranges())) if home.state_outline(b) is not None
+    )
 
 
 def _apply(engine, plan: _Plan, options: dict) -> None:

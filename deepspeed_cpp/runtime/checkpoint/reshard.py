@@ -41,6 +41,12 @@ def _copy(value):
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
+def _copy_unless_per_element(value):
+    # A 0-dim view would keep the whole shard file mapped for as long as the home holds it.
+    keep = isinstance(value, torch.Tensor) and value.dim() > 0
+    return value if keep else _copy(value)
+
+
 def _whole_slice(saved: ZeroLayout, target: ZeroLayout, bucket: int, start: int, size: int):
     if not target.same_bucket_contents(saved, bucket):
         return None
@@ -118,19 +124,26 @@ class Resharder:
         return state
 
     def slices_for(
-        self, owned: Sequence[tuple[int, int]], with_state: bool
+        self,
+        owned: Sequence[tuple[int, int]],
+        with_state: bool,
+        mapped: frozenset[int] = frozenset(),
     ) -> tuple[list[torch.Tensor], list[dict] | None]:
         """For every bucket of the target plan, the master values of the owned slice
-        ``(start, size)`` and (``with_state``) the optimizer state for it."""
+        ``(start, size)`` and (``with_state``) the optimizer state for it. A bucket in
+        ``mapped`` saved whole gets the views of the memory-mapped shard file, not copies: its
+        state goes to NVMe swap files, copied there one sub-group at a time, so the rank's
+        state never sits in host memory at once (the mapped pages are clean page cache)."""
         masters: list[torch.Tensor] = []
         states: list[dict] | None = [] if with_state else None
         for bucket, (start, size) in enumerate(owned):
             whole: ShardSlice | None = _whole_slice(self.saved, self.target, bucket, start, size)
             if whole is not None:
                 entry = self.reader.entry(whole, bucket)
-                masters.append(entry["master"].clone())
+                copy = _copy if bucket not in mapped else _copy_unless_per_element
+                masters.append(copy(entry["master"]))
                 if states is not None:
-                    states.append({k: _copy(v) for k, v in entry["state"].items()})
+                    states.append({k: copy(v) for k, v in entry["state"].items()})
                 continue
             masters.append(self._gather(MASTER, bucket, start, size))
             if states is not None:
