@@ -121,7 +121,7 @@ def _stream_job(parent):
 
     def engine_with(offload):
         torch.manual_seed(3)
-        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(40)])
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(32)])
         zero = {"stage": 2, "reduce_bucket_size": 32_768, "sub_group_size": 32_768}
         if offload is not None:
             zero["offload_optimizer"] = offload
@@ -132,9 +132,8 @@ def _stream_job(parent):
 
     saver = engine_with(nvme)
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") + rank)
-    for _ in range(2):
-        saver.backward(saver(torch.randn(2, 256, generator=generator)).square().mean())
-        saver.step()
+    saver.backward(saver(torch.randn(2, 256, generator=generator)).square().mean())
+    saver.step()
     home = saver.optimizer.home
     owned = sum(size for _, size in saver.optimizer.owned_ranges())
     figures = {"state_bytes": owned * 4 * 3, "buffer_bytes": home.host_bytes(),
@@ -166,9 +165,9 @@ def test_an_nvme_save_streams_and_loads_bitwise_either_way(pool2, tmp_path):
         state, buffers = figures["state_bytes"], figures["buffer_bytes"]
         assert figures["sub_groups"] >= 8
         assert state >= 8 * buffers, figures  # the state could not fit in the buffers
-        # Copying the state out (what the save did before) raised the high-water mark by most of
-        # the state (12 MB of 16 here); streamed, the sub-groups pass through the buffers, which
-        # were resident already (0.4-0.8 MB measured: pickling, one bucket for the metadata).
+        # Copying the state out (what the save did before) raised the high-water mark by 6 MB
+        # of this 13 MB state (some copies reuse heap the step freed); streamed, the sub-groups
+        # pass through the buffers, resident already: 0.3-0.6 MB measured (pickling, metadata).
         assert figures["save_extra_bytes"] < 2 * buffers, figures
         for loaded in (in_memory, offloaded):
             assert len(loaded) == len(saved)
