@@ -19,7 +19,6 @@ import contextlib
 import io
 import pickle
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -32,9 +31,6 @@ from .atomic_files import write_atomically
 from .digests import HashingWriter
 
 _PICKLE_PROTOCOL = 2  # torch.save's default
-
-record_written: Callable[[str, int], None] | None = None
-"""Accounting seam: when set, called with (record name, bytes) after each tensor record."""
 
 
 class _DeferredStorage:
@@ -125,8 +121,6 @@ def _write_archive(obj, handle: BinaryIO) -> None:
                 # As torch.save: a device storage is copied to the host for its record.
                 host = payload if payload.device.type == "cpu" else payload.cpu()
                 writer.write_record(name, host, nbytes)
-            if record_written is not None:
-                record_written(name, nbytes)
         finished = True
         writer.write_end_of_file()
     finally:
