@@ -3,20 +3,21 @@
 Scripts written for DeepSpeed run with ``import deepspeed_cpp as deepspeed``.
 """
 
-from . import comm, ops, optim
-from .comm import init_distributed
 from .utils.logging import logger
 
 __version__ = "0.1.0"
 
-# The engine and its config stack load on first use, so that importing the package (for the ops
-# or the report command) stays light.
+# Everything but the logger loads on first use: ``python -m deepspeed_cpp.launcher`` only parses
+# flags before it execs torchrun (which imports torch itself), so importing torch here would cost
+# every launch seconds for nothing; the engine, ops and process-group helpers arrive on first
+# touch, e.g. ``deepspeed_cpp.initialize`` or ``deepspeed_cpp.comm``.
 _LAZY = {
     "initialize": ".runtime.initialize",
     "add_config_arguments": ".runtime.initialize",
     "DeepSpeedEngine": ".runtime.engine",
+    "init_distributed": ".comm",
 }
-_LAZY_MODULES = ("accelerator", "moe", "runtime", "utils", "zero")
+_LAZY_MODULES = ("accelerator", "comm", "moe", "ops", "optim", "runtime", "utils", "zero")
 
 
 def __getattr__(name: str):
@@ -27,6 +28,10 @@ def __getattr__(name: str):
     if name in _LAZY_MODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'deepspeed_cpp' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_LAZY_MODULES))
 
 
 __all__ = [
