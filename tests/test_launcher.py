@@ -200,6 +200,39 @@ def test_trampoline_execs_with_local_rank_and_refuses_without_it():
     assert run.returncode == 2 and "MODE is 'java'" in run.stderr
 
 
+def test_launcher_start_imports_neither_torch_nor_the_engine():
+    # The launcher parses flags and execs torchrun, which imports torch itself: importing it
+    # here too would cost every launch a second torch import.
+    probe = (
+        "import sys\n"
+        "import deepspeed_cpp.launcher.__main__\n"
+        "print([m for m in sys.modules if m == 'torch' or m.startswith(('deepspeed_cpp.comm', "
+        "'deepspeed_cpp.ops', 'deepspeed_cpp.optim', 'deepspeed_cpp.runtime'))])\n"
+    )
+    run = subprocess.run([PYTHON, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout
+
+
+def test_package_attributes_load_on_first_touch():
+    import deepspeed_cpp
+    import deepspeed_cpp.comm.distributed
+    import deepspeed_cpp.runtime.initialize
+    import deepspeed_cpp.runtime.zero.partition_parameters
+
+    assert deepspeed_cpp.init_distributed is deepspeed_cpp.comm.distributed.init_distributed
+    assert deepspeed_cpp.initialize is deepspeed_cpp.runtime.initialize.initialize
+    assert deepspeed_cpp.zero.Init is deepspeed_cpp.runtime.zero.partition_parameters.Init
+    assert callable(deepspeed_cpp.ops.cpu_adam_step)
+    assert issubclass(deepspeed_cpp.optim.FusedAdam, torch.optim.Optimizer)
+    namespace = {}
+    exec("from deepspeed_cpp import *", namespace)
+    assert set(deepspeed_cpp.__all__) <= set(namespace)
+    assert {"comm", "ops", "optim", "initialize", "zero", "moe"} <= set(dir(deepspeed_cpp))
+    with pytest.raises(AttributeError, match="no attribute 'not_a_part'"):
+        deepspeed_cpp.not_a_part  # noqa: B018 - the attribute access is the test
+
+
 # ---- real launches on loopback -------------------------------------------------------------
 
 PROBE = textwrap.dedent(
