@@ -489,6 +489,9 @@ def print_tables(args, results, notes, fio, rows, n_params, layers, cpu, fs) -> 
           f"({fs}); reduce_bucket_size {args.bucket:.0e}, sub_group_size "
           f"{args.sub_group_size:.0e}, buffer_count {args.buffer_count} (DeepSpeed "
           f"{args.ds_buffer_count})")  # fmt: skip
+    print(f"deepspeed_cpp's NVMe rows run with glibc's mmap threshold fixed by the engine "
+          f"(DS_CPP_MMAP_THRESHOLD={os.environ.get('DS_CPP_MMAP_THRESHOLD', '1 MiB default')}, "
+          f"runtime/zero/offload/host_heap.py); the other rows with glibc's default")  # fmt: skip
     versions = {s["version"] + " (" + s["optimizer"] + ")" for k, s in results.items()
                 if k[3] == DS and k[2] != "mem"}  # fmt: skip
     if versions:
