@@ -373,8 +373,10 @@ def _adam_options_reference(case, scale, hyper):
         p = p * (1 - lr * wd)
     else:
         g = g + wd * p
-    m = b1 * case["exp_avg"].double() + (1 - b1) * g
-    v = b2 * case["exp_avg_sq"].double() + (1 - b2) * g * g
+    # The moments are stored in float32: a gradient whose square overflows float32 makes
+    # exp_avg_sq inf (and the step 0), as torch's own float32 Adam does.
+    m = (b1 * case["exp_avg"].double() + (1 - b1) * g).float().double()
+    v = (b2 * case["exp_avg_sq"].double() + (1 - b2) * g * g).float().double()
     p = p - lr * (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
     out["param"], out["exp_avg"], out["exp_avg_sq"] = p, m, v
     return out

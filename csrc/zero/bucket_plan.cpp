@@ -13,12 +13,15 @@ constexpr int64_t kMaxElements = std::numeric_limits<int64_t>::max();
 // Sizes near the int64 limit are refused here rather than wrapped round (undefined behaviour).
 int64_t padded_size(int64_t used, int64_t multiple) {
   const int64_t at_least_one = used > 0 ? used : 1;
-  if (at_least_one > kMaxElements - (multiple - 1)) {
+  // The padding actually needed, not multiple - 1: a size whose padded value still fits is kept.
+  const int64_t remainder = at_least_one % multiple;
+  const int64_t padding = remainder == 0 ? 0 : multiple - remainder;
+  if (at_least_one > kMaxElements - padding) {
     throw std::invalid_argument("plan_buckets: a bucket of " + std::to_string(at_least_one) +
                                 " elements cannot be padded to a multiple of " +
                                 std::to_string(multiple) + " within int64");
   }
-  return (at_least_one + multiple - 1) / multiple * multiple;
+  return at_least_one + padding;
 }
 
 }  // namespace
