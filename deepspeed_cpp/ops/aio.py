@@ -246,7 +246,10 @@ aio_handle = AsyncIOHandle
 
 
 def _validate(tensor: torch.Tensor, filename: str, file_offset: int) -> None:
-    expected = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    # Copied into default strides: a one-element view may keep another stride, which
+    # view(torch.uint8) refuses for dtypes wider than a byte.
+    dense = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+    expected = dense.view(-1).view(torch.uint8).numpy().tobytes()
     with open(filename, "rb") as file:
         file.seek(file_offset)
         found = file.read(len(expected))
