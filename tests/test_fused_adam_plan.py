@@ -116,8 +116,13 @@ def test_too_many_chunks_to_number_is_refused(test_ops):
     "args, message",
     [
         (([5], 0, 36, 440), "chunk_elements must be >= 1, got 0"),
-        (([5], 8, 0, 440), "max_tensors and max_blocks must be >= 1, got 0 and 440"),
+        (
+            ([5], 8, 0, 440),
+            "max_tensors and max_blocks must be >= 1, got 0 and 440",
+        ),
         (([5, -2], 8, 36, 440), "tensor 1 has -2 elements"),
+        # 2^32 + 3 is 3 as an int: refused, not planned with 3 slots.
+        (([5], 8, 2**32 + 3, 440), "must be at most 2147483647, got 4294967299 and 440"),
     ],
 )
 def test_bad_plan_arguments(test_ops, args, message):

@@ -1,5 +1,8 @@
 #include "fused_adam_checks.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -8,6 +11,43 @@ namespace {
 
 std::string indexed(const char* list, size_t index) {
   return std::string(list) + "[" + std::to_string(index) + "]";
+}
+
+// One argument's bytes, for the aliasing check.
+struct MemoryRange {
+  uintptr_t begin;
+  uintptr_t end;
+  bool written;  // params, exp_avgs and exp_avg_sqs are updated in place; grads only read
+  const char* list;
+  size_t index;
+};
+
+// A tensor the op writes must share no byte with any other argument: the kernel's blocks would
+// race on it, and the result would depend on the order they run in. Grads may share memory with
+// each other (they are only read). Sorted by start, a range overlaps an earlier one exactly when
+// it starts before the furthest end seen so far, so tracking the range with the furthest end
+// (among all, and among the written ones) finds a clash if there is one.
+void check_no_aliasing(std::vector<MemoryRange> ranges) {
+  std::sort(ranges.begin(), ranges.end(),
+            [](const MemoryRange& a, const MemoryRange& b) { return a.begin < b.begin; });
+  const MemoryRange* furthest = nullptr;
+  const MemoryRange* furthest_written = nullptr;
+  for (const MemoryRange& range : ranges) {
+    const MemoryRange* clash = nullptr;
+    if (range.written && furthest != nullptr && furthest->end > range.begin) {
+      clash = furthest;
+    } else if (furthest_written != nullptr && furthest_written->end > range.begin) {
+      clash = furthest_written;
+    }
+    TORCH_CHECK(clash == nullptr, "fused_adam: ", indexed(clash->list, clash->index), " and ",
+                indexed(range.list, range.index),
+                " share memory (overlap); params, exp_avgs and exp_avg_sqs are updated in place "
+                "and must not overlap any other argument");
+    if (furthest == nullptr || range.end > furthest->end) furthest = &range;
+    if (range.written && (furthest_written == nullptr || range.end > furthest_written->end)) {
+      furthest_written = &range;
+    }
+  }
 }
 
 const char* device_type_name(c10::DeviceType type) {
@@ -73,10 +113,15 @@ FusedAdamCall checked_fused_adam_call(at::TensorList params, at::TensorList grad
   TORCH_CHECK(state_steps.has_value() || step >= 1,
               "fused_adam: step must be >= 1 (the step number after this update), got ", step);
   TORCH_CHECK(lr >= 0.0, "fused_adam: lr must be >= 0, got ", lr);
+  // Infinite values pass the range checks but turn every parameter into inf or NaN.
+  TORCH_CHECK(std::isfinite(lr), "fused_adam: lr must be finite, got ", lr);
   TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "fused_adam: beta1 must be in [0, 1), got ", beta1);
   TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "fused_adam: beta2 must be in [0, 1), got ", beta2);
   TORCH_CHECK(eps >= 0.0, "fused_adam: eps must be >= 0, got ", eps);
+  TORCH_CHECK(std::isfinite(eps), "fused_adam: eps must be finite, got ", eps);
   TORCH_CHECK(weight_decay >= 0.0, "fused_adam: weight_decay must be >= 0, got ", weight_decay);
+  TORCH_CHECK(std::isfinite(weight_decay), "fused_adam: weight_decay must be finite, got ",
+              weight_decay);
 
   FusedAdamCall call{};
   call.hyper =
@@ -101,6 +146,8 @@ FusedAdamCall checked_fused_adam_call(at::TensorList params, at::TensorList grad
               "fused_adam: exp_avgs[0] must be float32 or the parameters' dtype ",
               params[0].scalar_type(), ", got dtype ", exp_avgs[0].scalar_type());
   call.tensors.reserve(n);
+  std::vector<MemoryRange> ranges;
+  ranges.reserve(4 * n);
   for (size_t i = 0; i < n; ++i) {
     const int64_t numel = params[i].numel();
     // Each tensor with the dtype it must share: its list's first, and for exp_avg_sqs the
@@ -124,6 +171,11 @@ FusedAdamCall checked_fused_adam_call(at::TensorList params, at::TensorList grad
       TORCH_CHECK(member.tensor.numel() == numel, "fused_adam: ", name, " has ",
                   member.tensor.numel(), " elements (shape ", member.tensor.sizes(), ") but ",
                   indexed("params", i), " has ", numel);
+      if (numel > 0) {
+        const auto begin = reinterpret_cast<uintptr_t>(member.tensor.data_ptr());
+        ranges.push_back(MemoryRange{begin, begin + member.tensor.nbytes(),
+                                     member.list != std::string("grads"), member.list, i});
+      }
     }
     FusedAdamTensor tensor{};
     tensor.param = params[i].data_ptr();
@@ -137,6 +189,7 @@ FusedAdamCall checked_fused_adam_call(at::TensorList params, at::TensorList grad
     }
     call.tensors.push_back(tensor);
   }
+  check_no_aliasing(std::move(ranges));
   return call;
 }
 

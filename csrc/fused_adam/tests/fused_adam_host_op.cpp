@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <tuple>
@@ -75,6 +76,17 @@ void fused_adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
                      adamw_mode, lr_tensor, state_steps, inv_grad_scale, found_inf);
 }
 
+// The capacity's counts are int in the planner: a larger int64 would wrap round into another
+// (possibly valid) capacity instead of being refused. The planner checks the rest of the range.
+void check_capacity_fits_int(int64_t max_tensors, int64_t max_blocks) {
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  constexpr int64_t kIntMin = std::numeric_limits<int>::min();
+  TORCH_CHECK(max_tensors >= kIntMin && max_tensors <= kIntMax && max_blocks >= kIntMin &&
+                  max_blocks <= kIntMax,
+              "multi-tensor plan: max_tensors and max_blocks must be at most ", kIntMax, ", got ",
+              max_tensors, " and ", max_blocks);
+}
+
 // The same with a chosen chunk size, launch capacity and block size, so that small tensors
 // exercise tensors split over launches, partial chunks and idle threads.
 void fused_adam_with_capacity(int64_t chunk_elements, int64_t max_tensors, int64_t max_blocks,
@@ -88,6 +100,7 @@ void fused_adam_with_capacity(int64_t chunk_elements, int64_t max_tensors, int64
                               const std::optional<at::Tensor>& found_inf) {
   TORCH_CHECK(chunk_elements >= 1 && chunk_elements <= (int64_t(1) << 30),
               "chunk_elements must be in [1, 2^30], got ", chunk_elements);
+  check_capacity_fits_int(max_tensors, max_blocks);
   const MultiTensorCapacity capacity{chunk_elements, static_cast<int>(max_tensors),
                                      static_cast<int>(max_blocks)};
   fused_adam_on_host(capacity, threads_per_block, params, grads, exp_avgs, exp_avg_sqs, step, lr,
@@ -99,6 +112,7 @@ void fused_adam_with_capacity(int64_t chunk_elements, int64_t max_tensors, int64
 // (launch, slot, tensor).
 std::tuple<at::Tensor, at::Tensor> plan(at::IntArrayRef numels, int64_t chunk_elements,
                                         int64_t max_tensors, int64_t max_blocks) {
+  check_capacity_fits_int(max_tensors, max_blocks);
   std::vector<PlannedLaunch> launches;
   try {
     launches = plan_multi_tensor_launches(
