@@ -219,6 +219,20 @@ def test_aio_requests_in_flight_from_overlapping_views(disk_dir, engines, settin
         assert _bytes(target[start : start + length]) == _bytes(view)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_aio_validate_of_a_one_element_strided_view(disk_dir, engines, dtype):
+    """A one-element view with stride 2 is contiguous, so the handle takes it; validate=True
+    once failed on it in view(torch.uint8) instead of comparing the bytes."""
+    handle = _handle((PAGE, 2, False, True, 1, "auto"))
+    view = torch.randn(2).to(dtype)[::2]
+    path = disk_dir / "validate.bin"
+    assert handle.write(view, path, True) == 1
+    assert _file_bytes(path) == _bytes(view)
+    target = torch.zeros(2, dtype=dtype)[::2]
+    assert handle.read(target, path, True) == 1
+    assert torch.equal(target, view)
+
+
 # Out-of-range settings among valid ones: each is accepted or refused naming itself.
 @FUZZ
 @given(
