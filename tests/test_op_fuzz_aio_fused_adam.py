@@ -20,6 +20,7 @@ Settings (examples per property, the "thorough" profile): tests/fuzz_settings.py
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import re
@@ -60,6 +61,14 @@ def engines():
 
 
 _handles: dict[tuple, AsyncIOHandle] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_handles():
+    """Ends the module's handles (their worker threads) before the rest of the suite runs."""
+    yield
+    _handles.clear()
+    gc.collect()
 
 
 def _handle(settings) -> AsyncIOHandle:
