@@ -384,10 +384,12 @@ class Init:
         if enabled:
             from ...accelerator import get_accelerator
             from ...comm import init_distributed
+            from ...comm.exit_grace import release_gil_at_exit
 
             # As DeepSpeed: shards must be split over the real world size, and live on the
             # accelerator (an NCCL group takes no CPU tensors).
             init_distributed()
+            release_gil_at_exit()  # gathers of partitioned parameters must not abort the exit
             self.device = torch.device(get_accelerator().current_device_name())
         self.persistence_threshold, config_dtype = _init_settings(config_dict_or_path or config)
         self.dtype = dtype or config_dtype
