@@ -21,8 +21,12 @@ Rows (``z<stage> <where>``):
   cpu+dpu    cpu offload with deepspeed_cpp's delayed parameter update (warm-up 1 step): the
              Adam step runs in a background thread during the next forward/backward (DeepSpeed
              has no such option: "n/a")
+  nvme+sdb   nvme with deepspeed_cpp's ``step_during_backward``: each sub-group is stepped (and
+             swapped) inside backward once its buckets are reduced (DeepSpeed: "n/a")
   param      offload_param cpu + offload_optimizer cpu at stage 3 (``--param-row``): parameter
              shards in host memory between uses, fetched ahead of use by the stage-3 prefetcher
+  nvme+pnvme offload_param nvme + offload_optimizer nvme at stage 3 (``--param-row``):
+             ZeRO-Infinity, parameter shards in swap files too
 
 Columns (per config; times are the median over ``--steps`` timed steps after ``--warmup``, each
 step from barrier to barrier and as slow as its slowest rank):
@@ -117,7 +121,7 @@ def ds_config(spec: dict) -> dict:
     elif where == "cpu+dpu":
         zero["offload_optimizer"] = {"device": "cpu", "delayed_param_update": True,
                                      "delayed_param_update_warmup_steps": 1}  # fmt: skip
-    elif where == "nvme":
+    elif where.startswith("nvme"):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": spec["folder"],
                                      "pipeline_read": True, "pipeline_write": True,
                                      "buffer_count": spec["buffer_count"]}  # fmt: skip
@@ -125,6 +129,10 @@ def ds_config(spec: dict) -> dict:
             zero["offload_optimizer"]["buffer_count"] = spec["ds_buffer_count"]
     if where == "param":
         zero["offload_param"] = {"device": "cpu"}
+    elif where == "nvme+pnvme":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": spec["folder"]}
+    elif where == "nvme+sdb":
+        zero["offload_optimizer"]["step_during_backward"] = True
     config = {
         "train_micro_batch_size_per_gpu": spec["micro_batch"],
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
@@ -344,17 +352,20 @@ def run_fio(folder: str, jobs: int, size: int) -> dict[str, float] | None:
 def planned_rows(args) -> list[tuple[int, str, tuple[str, ...]]]:
     """(stage, where, implementations that run it)."""
     rows = [(2, "mem", (OURS, DS)), (2, "cpu", (OURS, DS)), (2, "nvme", (OURS,)),
-            (2, "cpu+dpu", (OURS,)), (3, "mem", (OURS, DS)), (3, "cpu", (OURS, DS))]  # fmt: skip
+            (2, "nvme+sdb", (OURS,)), (2, "cpu+dpu", (OURS,)), (3, "mem", (OURS, DS)),
+            (3, "cpu", (OURS, DS))]  # fmt: skip
     if 3 in args.stages:
         rows += [(3, "cpu+dpu", (OURS,))]
-    rows += [(3, "nvme", (OURS, DS))]
+    rows += [(3, "nvme", (OURS, DS)), (3, "nvme+sdb", (OURS,))]
     if args.param_row:
-        rows += [(3, "param", (OURS, DS))]
+        rows += [(3, "param", (OURS, DS)), (3, "nvme+pnvme", (OURS, DS))]
+    if args.rows:  # the targets need each stage's mem (and cpu for "hidden") rows
+        rows = [row for row in rows if row[1] in set(args.rows) | {"mem", "cpu"}]
     return rows
 
 
 def not_run_by(impl: str, stage: int, where: str) -> str:
-    if impl == DS and where == "cpu+dpu":
+    if impl == DS and where in ("cpu+dpu", "nvme+sdb"):
         return "n/a"
     if impl == DS and where == "nvme" and stage < 3:
         return "n/a"
@@ -399,6 +410,7 @@ def main() -> None:
                         help="a Python with DeepSpeed installed ('' skips DeepSpeed)")  # fmt: skip
     parser.add_argument("--param-row", action="store_true",
                         help="also the stage-3 offload_param cpu row")  # fmt: skip
+    parser.add_argument("--rows", nargs="+", help="only these configs (and mem, cpu), e.g. nvme")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per config")
     args = parser.parse_args()
     if args.worker:
@@ -534,12 +546,12 @@ def print_tables(args, results, notes, fio, rows, n_params, layers, cpu, fs) -> 
         rates = fio.get(procs)
         print(f"optimizer state per rank (fp32 masters + exp_avg + exp_avg_sq): "
               f"{mib(state_per_rank)} MiB")  # fmt: skip
-        for stage in (2, 3):
-            nvme = results.get((procs, stage, "nvme", OURS))
+        for stage, where in ((2, "nvme"), (3, "nvme"), (2, "nvme+sdb"), (3, "nvme+sdb")):
+            nvme = results.get((procs, stage, where, OURS))
             if nvme is None:
                 continue
             gbs = nvme["pure_swap_io"] / nvme["pure_swap_s"] / 1e9
-            print(f"pure swap z{stage} x{procs}: {nvme['swap_bytes'] / 2**20:.0f} MiB per rank "
+            print(f"pure swap z{stage} {where} x{procs}: {nvme['swap_bytes'] / 2**20:.0f} MiB/rank "
                   f"(read + write, {nvme['sub_groups']} sub-groups) in {nvme['pure_swap_s']:.3f} "
                   f"s = {gbs:.2f} GB/s all ranks"
                   + (f"; fio {procs} job(s) on the same folder: write {rates['write']:.2f}, read "
@@ -547,12 +559,12 @@ def print_tables(args, results, notes, fio, rows, n_params, layers, cpu, fs) -> 
             memory = results.get((procs, stage, "mem", OURS))
             if memory is not None:
                 bound = 1.2 * max(memory["step"], nvme["pure_swap_s"])
-                targets.append((f"(1) z{stage} x{procs} nvme step {nvme['step']:.3f} s <= 1.2 x "
+                targets.append((f"(1) z{stage} x{procs} {where} step {nvme['step']:.3f} s <= 1.2 x "
                                 f"max(mem {memory['step']:.3f}, pure I/O "
                                 f"{nvme['pure_swap_s']:.3f}) = {bound:.3f} s",
                                 nvme["step"] <= bound))  # fmt: skip
                 limit = memory["peak_rss"] - 0.8 * state_per_rank
-                targets.append((f"(2) z{stage} x{procs} nvme RSS {mib(nvme['peak_rss'])} MiB <= "
+                targets.append((f"(2) z{stage} x{procs} {where} RSS {mib(nvme['peak_rss'])} MiB <= "
                                 f"mem {mib(memory['peak_rss'])} - 0.8 x {mib(state_per_rank)} = "
                                 f"{mib(limit)} MiB", nvme["peak_rss"] <= limit))  # fmt: skip
         for stage, where, _ in rows:
