@@ -263,3 +263,31 @@ def test_says_clearly_when_the_cuda_op_cannot_be_had(tmp_path):
     )
     assert f"CUDA_HOME={tmp_path} is not a CUDA toolkit" in result.stdout
     assert "DS_BUILD_FUSED_ADAM=1" in result.stdout
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_config_adam_on_cuda_parameters_picks_fused_adam_when_the_op_can_run(
+    monkeypatch, available
+):
+    """The ds_config's Adam for CUDA parameters: our FusedAdam when the op can run (as DeepSpeed
+    picks its FusedAdam), else torch's fused AdamW. Only the device decides, so the choice is
+    checked here with the availability answer set both ways."""
+    from deepspeed_cpp.runtime import config_optimizer
+
+    monkeypatch.setattr(config_optimizer, "fused_adam_available", lambda: (available, "test"))
+    factory = config_optimizer.config_optimizer_factory(
+        "Adam", {"lr": 1e-2, "weight_decay": 0.1}, torch.device("cuda", 0)
+    )
+    model = _model()
+    optimizer = factory([{"params": list(model.parameters())}])
+    if available:
+        assert type(optimizer) is FusedAdam and optimizer.adam_w_mode
+    else:
+        assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"]
+    reference = copy.deepcopy(model).double()
+    expected = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    batches = _batches(5)
+    _train(model, optimizer, batches)
+    _train(reference, expected, [(x.double(), y.double()) for x, y in batches])
+    for ours, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-6)

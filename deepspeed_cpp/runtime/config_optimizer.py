@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..optim import DeepSpeedCPUAdam
+from ..ops.fused_adam import fused_adam_available
+from ..optim import DeepSpeedCPUAdam, FusedAdam
 
 
 def config_optimizer_factory(
@@ -15,8 +16,9 @@ def config_optimizer_factory(
     """A function building the configured optimizer over param groups (of fp32 master shards).
 
     Adam/AdamW: DeepSpeed's ``adam_w_mode`` (default true: "Adam" with weight decay is AdamW)
-    and ``torch_adam`` are honoured. On CPU the step runs in ``cpu_adam``; on CUDA in torch's
-    fused AdamW until our fused op lands. SGD is torch's.
+    and ``torch_adam`` are honoured. On CPU the step runs in ``cpu_adam``; on CUDA in our
+    ``FusedAdam`` (the multi-tensor op, as DeepSpeed picks its FusedAdam there) when the op can
+    run, else in torch's fused Adam/AdamW. SGD is torch's.
     """
     kind = optimizer_type.lower()
     params = dict(params)
@@ -33,6 +35,10 @@ def config_optimizer_factory(
         if device.type == "cpu" and not torch_adam:
             return lambda groups: DeepSpeedCPUAdam(
                 groups, adamw_mode=adamw_mode, bias_correction=bias_correction, **hyper
+            )
+        if device.type == "cuda" and not torch_adam and fused_adam_available()[0]:
+            return lambda groups: FusedAdam(
+                groups, adam_w_mode=adamw_mode, bias_correction=bias_correction, **hyper
             )
         if not bias_correction:
             raise ValueError(
