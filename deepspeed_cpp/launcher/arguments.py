@@ -51,11 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
-        "--num_gpus", "--num_procs", "--num_accelerators", dest="num_procs", type=int,
-        default=None, metavar="N",
+        "--num_gpus",
+        "--num_procs",
+        "--num_accelerators",
+        dest="num_procs",
+        type=int,
+        default=None,
+        metavar="N",
         help="processes (workers) on this node; default: the accelerator's device count "
         "(GPUs on CUDA, 1 on the CPU)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--num_nodes", type=int, default=1, metavar="N", help="number of nodes (default 1)"
     )
@@ -63,36 +68,50 @@ def build_parser() -> argparse.ArgumentParser:
         "--node_rank", type=int, default=0, metavar="R", help="this node's rank (default 0)"
     )
     parser.add_argument(
-        "--master_addr", default="127.0.0.1", metavar="HOST",
+        "--master_addr",
+        default="127.0.0.1",
+        metavar="HOST",
         help="address of node 0, where the rendezvous store runs (default 127.0.0.1)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--master_port", type=int, default=TORCH_DISTRIBUTED_DEFAULT_PORT, metavar="PORT",
+        "--master_port",
+        type=int,
+        default=TORCH_DISTRIBUTED_DEFAULT_PORT,
+        metavar="PORT",
         help=f"free port on node 0 (default {TORCH_DISTRIBUTED_DEFAULT_PORT})",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--hostfile", default=None, metavar="PATH",
+        "--hostfile",
+        default=None,
+        metavar="PATH",
         help="DeepSpeed hostfile ('hostname slots=N' lines); read for information only: the "
         "launcher prints the hosts and the command each must run",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--module", "-m", action="store_true",
+        "--module",
+        "-m",
+        action="store_true",
         help="run user_script as a Python module (python -m user_script)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--no_python", action="store_true",
+        "--no_python",
+        action="store_true",
         help="user_script is an executable, not a Python script",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--no_local_rank", action="store_true",
+        "--no_local_rank",
+        action="store_true",
         help="do not pass --local_rank=N to the script (it reads LOCAL_RANK instead)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--alias-deepspeed", "--alias_deepspeed", dest="alias_deepspeed", action="store_true",
+        "--alias-deepspeed",
+        "--alias_deepspeed",
+        dest="alias_deepspeed",
+        action="store_true",
         help="inside every worker, make `import deepspeed` (and importlib.metadata's 'deepspeed') "
         "resolve to deepspeed_cpp, for scripts that cannot change a line; refused when a real "
         "deepspeed is importable (deepspeed_cpp.compat)",
-    )  # fmt: skip
+    )
     for flag, (takes_value, _) in UNSUPPORTED_FLAGS.items():
         if takes_value:
             parser.add_argument(flag, default=None, help=argparse.SUPPRESS)

@@ -60,8 +60,9 @@ def read_hostfile(path: str | Path) -> list[HostSlots]:
     return hosts
 
 
-def describe_hostfile(path: str | Path, hosts: list[HostSlots], num_nodes: int,
-                      procs_per_node: int, master_port: int) -> list[str]:  # fmt: skip
+def describe_hostfile(
+    path: str | Path, hosts: list[HostSlots], num_nodes: int, procs_per_node: int, master_port: int
+) -> list[str]:
     """Lines telling the user what the hostfile asks for and how to run it with torchrun."""
     listed = ", ".join(f"{h.host} (slots={h.slots})" for h in hosts)
     lines = [f"hostfile {str(path)!r}: {len(hosts)} host(s): {listed}"]

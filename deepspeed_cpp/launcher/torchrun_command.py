@@ -24,13 +24,19 @@ def build_torchrun_command(args: argparse.Namespace, python: str = sys.executabl
         mode = "python"
     local_rank_arg = "no_local_rank" if args.no_local_rank else "local_rank"
     return [
-        python, "-m", "torch.distributed.run",
+        python,
+        "-m",
+        "torch.distributed.run",
         f"--nproc_per_node={args.num_procs}",
         f"--nnodes={args.num_nodes}",
         f"--node_rank={args.node_rank}",
         f"--master_addr={args.master_addr}",
         f"--master_port={args.master_port}",
         "--no_python",
-        python, str(TRAMPOLINE), mode, local_rank_arg,
-        args.user_script, *args.user_args,
-    ]  # fmt: skip
+        python,
+        str(TRAMPOLINE),
+        mode,
+        local_rank_arg,
+        args.user_script,
+        *args.user_args,
+    ]

@@ -47,8 +47,13 @@ class ExpertLayer:
         return range(self.ep_rank * self.num_local, (self.ep_rank + 1) * self.num_local)
 
     def to_json(self) -> dict:
-        return {"layer": self.index, "module": self.module_name, "num_experts": self.num_experts,
-                "ep_size": self.ep_size, "group_name": self.group_name}  # fmt: skip
+        return {
+            "layer": self.index,
+            "module": self.module_name,
+            "num_experts": self.num_experts,
+            "ep_size": self.ep_size,
+            "group_name": self.group_name,
+        }
 
 
 def expert_layers(module: torch.nn.Module) -> list[ExpertLayer]:
@@ -59,8 +64,11 @@ def expert_layers(module: torch.nn.Module) -> list[ExpertLayer]:
             ep_rank = 0
             if sub.ep_size > 1:
                 ep_rank = groups._get_expert_parallel_rank(sub.expert_group_name)
-            found.append(ExpertLayer(len(found), name, sub.num_experts, sub.ep_size, ep_rank,
-                                     sub.expert_group_name))  # fmt: skip
+            found.append(
+                ExpertLayer(
+                    len(found), name, sub.num_experts, sub.ep_size, ep_rank, sub.expert_group_name
+                )
+            )
     return found
 
 

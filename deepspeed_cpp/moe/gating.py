@@ -120,8 +120,9 @@ class TopKGate(nn.Module):
             priority = torch.rand(tokens, device=logits.device)
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         capacity = capacity_for(tokens, experts, factor, self.min_capacity, k)
-        routing = moe_gating(logits, k, capacity if self.drop_tokens else -1,
-                             noise=noise, priority=priority)  # fmt: skip
+        routing = moe_gating(
+            logits, k, capacity if self.drop_tokens else -1, noise=noise, priority=priority
+        )
         exp_counts = routing.slot_counts.sum(0)
         if not self.drop_tokens:
             # Nothing is dropped: the buffer holds the busiest expert's tokens, the same on every

@@ -23,8 +23,14 @@ from .gating import TopKGate, check_noisy_gate_policy
 class MOELayer(nn.Module):
     """Gate -> dispatch -> all-to-all -> local experts -> all-to-all -> combine."""
 
-    def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int,
-                 num_local_experts: int):  # fmt: skip
+    def __init__(
+        self,
+        gate: TopKGate,
+        experts: Experts,
+        ep_group_name: str,
+        ep_size: int,
+        num_local_experts: int,
+    ):
         super().__init__()
         self.gate = gate
         self.experts = experts
@@ -142,14 +148,28 @@ class MoE(nn.Module):
         self.k = k
         logger.info(
             "deepspeed_cpp MoE: num_experts=%d, ep_size=%d, num_local_experts=%d, k=%d",
-            num_experts, ep_size, self.num_local_experts, k,
-        )  # fmt: skip
+            num_experts,
+            ep_size,
+            self.num_local_experts,
+            k,
+        )
         experts = Experts(expert, self.num_local_experts, self.expert_group_name)
-        gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor,
-                        min_capacity, noisy_gate_policy, drop_tokens, use_rts, None,
-                        top2_2nd_expert_sampling)  # fmt: skip
-        self.deepspeed_moe = MOELayer(gate, experts, self.expert_group_name, ep_size,
-                                      self.num_local_experts)  # fmt: skip
+        gate = TopKGate(
+            hidden_size,
+            num_experts,
+            k,
+            capacity_factor,
+            eval_capacity_factor,
+            min_capacity,
+            noisy_gate_policy,
+            drop_tokens,
+            use_rts,
+            None,
+            top2_2nd_expert_sampling,
+        )
+        self.deepspeed_moe = MOELayer(
+            gate, experts, self.expert_group_name, ep_size, self.num_local_experts
+        )
         if use_residual:
             self.mlp = expert
             # The learnt weights of the MoE output and the dense expert's, softmax-normalised.

@@ -118,8 +118,11 @@ class AsyncIOHandle:
         engine: str = "auto",
     ) -> None:
         load_aio()
-        for name, value in (("block_size", block_size), ("queue_depth", queue_depth),
-                            ("intra_op_parallelism", intra_op_parallelism)):  # fmt: skip
+        for name, value in (
+            ("block_size", block_size),
+            ("queue_depth", queue_depth),
+            ("intra_op_parallelism", intra_op_parallelism),
+        ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"AsyncIOHandle: {name} must be an int, got {value!r}")
         if engine not in ("auto", *ENGINES):
@@ -128,9 +131,13 @@ class AsyncIOHandle:
                 f"auto, {', '.join(ENGINES)}"
             )
         self._handle = torch.classes.deepspeed_cpp.AsyncIOHandle(
-            block_size, queue_depth, bool(single_submit), bool(overlap_events),
-            intra_op_parallelism, engine,
-        )  # fmt: skip
+            block_size,
+            queue_depth,
+            bool(single_submit),
+            bool(overlap_events),
+            intra_op_parallelism,
+            engine,
+        )
         # Requests to verify at the next wait(): (tensor, filename, file_offset).
         self._to_validate: list[tuple[torch.Tensor, str, int]] = []
 

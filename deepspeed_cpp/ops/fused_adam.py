@@ -49,11 +49,25 @@ def load_fused_adam_host_emulation() -> None:
     _fake.load()
 
 
-def _fake_fused_adam(params, grads, exp_avgs, exp_avg_sqs, *hyper_params, lr_tensor=None,
-                     state_steps=None, inv_grad_scale=None, found_inf=None) -> None:  # fmt: skip
+def _fake_fused_adam(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    *hyper_params,
+    lr_tensor=None,
+    state_steps=None,
+    inv_grad_scale=None,
+    found_inf=None,
+) -> None:
     # The meta implementation: nothing is returned, so only the one-device rule is checked here.
-    lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs,
-             "state_steps": state_steps or []}  # fmt: skip
+    lists = {
+        "params": params,
+        "grads": grads,
+        "exp_avgs": exp_avgs,
+        "exp_avg_sqs": exp_avg_sqs,
+        "state_steps": state_steps or [],
+    }
     named = [(f"{label}[{i}]", t) for label, ts in lists.items() for i, t in enumerate(ts)]
     scalars = {"lr_tensor": lr_tensor, "inv_grad_scale": inv_grad_scale, "found_inf": found_inf}
     named += [(name, t) for name, t in scalars.items() if t is not None]
@@ -120,8 +134,20 @@ def fused_adam(
                 f"deepspeed_cpp.optim.FusedAdam calls for you)"
             )
     torch.ops.deepspeed_cpp.fused_adam.default(
-        params, list(grads), list(exp_avgs), list(exp_avg_sqs), step, lr, beta1, beta2, eps,
-        weight_decay, bias_correction, adamw_mode, lr_tensor=lr_tensor,
+        params,
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        step,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        bias_correction,
+        adamw_mode,
+        lr_tensor=lr_tensor,
         state_steps=None if state_steps is None else list(state_steps),
-        inv_grad_scale=inv_grad_scale, found_inf=found_inf,
-    )  # fmt: skip
+        inv_grad_scale=inv_grad_scale,
+        found_inf=found_inf,
+    )

@@ -78,8 +78,14 @@ def plan_buckets(
     bucket_groups = [0] * sizes.numel()
     for param, bucket in enumerate(param_bucket):
         bucket_groups[bucket] = int(groups[param])
-    return BucketPlan(param_bucket, slots[:, 1].tolist(), list(numels), sizes.tolist(),
-                      bucket_groups, int(world_size))  # fmt: skip
+    return BucketPlan(
+        param_bucket,
+        slots[:, 1].tolist(),
+        list(numels),
+        sizes.tolist(),
+        bucket_groups,
+        int(world_size),
+    )
 
 
 def flatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int]):
@@ -113,9 +119,15 @@ def make_gradient_reducer(
     if not _op.ready:
         load_zero()
     return torch.classes.deepspeed_cpp.GradientReducer(
-        group.group_name, plan.param_bucket, plan.param_offset, plan.param_numel,
-        plan.bucket_sizes, scatter, scatter_method, str(device),
-    )  # fmt: skip
+        group.group_name,
+        plan.param_bucket,
+        plan.param_offset,
+        plan.param_numel,
+        plan.bucket_sizes,
+        scatter,
+        scatter_method,
+        str(device),
+    )
 
 
 def make_fetch_schedule(

@@ -30,9 +30,13 @@ class DeepSpeedCPUAdagrad(CPUOptimizerBase):
     ):
         if amsgrad:
             raise ValueError("DeepSpeedCPUAdagrad does not implement amsgrad=True")
-        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
-                            ("lr_decay", lr_decay),
-                            ("initial_accumulator_value", initial_accumulator_value)):  # fmt: skip
+        for name, value in (
+            ("lr", lr),
+            ("eps", eps),
+            ("weight_decay", weight_decay),
+            ("lr_decay", lr_decay),
+            ("initial_accumulator_value", initial_accumulator_value),
+        ):
             if not value >= 0.0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
         defaults = dict(

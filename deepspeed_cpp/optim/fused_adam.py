@@ -179,10 +179,18 @@ class FusedAdam(torch.optim.Optimizer):
             found_inf = torch.as_tensor(found_inf, dtype=torch.float32, device=device).reshape(1)
         torch._foreach_add_(steps, 1)
         fused_adam(
-            params, grads, exp_avgs, exp_avg_sqs, step=1, lr=float(lr), lr_tensor=lr_tensor,
-            state_steps=[s.reshape(1) for s in steps], inv_grad_scale=inv_grad_scale,
-            found_inf=found_inf, **hyper,
-        )  # fmt: skip
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            step=1,
+            lr=float(lr),
+            lr_tensor=lr_tensor,
+            state_steps=[s.reshape(1) for s in steps],
+            inv_grad_scale=inv_grad_scale,
+            found_inf=found_inf,
+            **hyper,
+        )
         if found_inf is not None:
             # A skipped step does not count (as in torch's fused optimizers).
             torch._foreach_sub_(steps, [found_inf.reshape(())] * len(steps))
@@ -190,9 +198,14 @@ class FusedAdam(torch.optim.Optimizer):
     def _step_cpu(self, group, step, batch) -> None:
         params, grads, exp_avgs, exp_avg_sqs, _ = batch
         cpu_adam_step_multi(
-            params, grads, exp_avgs, exp_avg_sqs, step=step, lr=float(group["lr"]),
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            step=step,
+            lr=float(group["lr"]),
             **_hyper_parameters(group),
-        )  # fmt: skip
+        )
 
     def load_state_dict(self, state_dict) -> None:
         """Loads our own state dicts and those of torch.optim.Adam / AdamW."""
@@ -219,8 +232,9 @@ def _check_param(param: torch.Tensor, group: dict, group_index: int, param_index
     if param.device.type not in ("cuda", "cpu"):
         raise ValueError(f"FusedAdam needs CUDA or CPU parameters; {where} is on {param.device}")
     if group["capturable"] and param.device.type != "cuda":
-        raise ValueError(f"FusedAdam(capturable=True) needs CUDA parameters; {where} is on "
-                         f"{param.device}")  # fmt: skip
+        raise ValueError(
+            f"FusedAdam(capturable=True) needs CUDA parameters; {where} is on {param.device}"
+        )
     allowed = _CUDA_DTYPES if param.device.type == "cuda" else (torch.float32,)
     if param.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)

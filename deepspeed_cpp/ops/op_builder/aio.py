@@ -12,11 +12,14 @@ from .builder import OpBuilder
 # Each optional engine: the header and library it needs, a call that must link, and the Debian
 # package that provides them.
 _OPTIONAL_ENGINES = {
-    "io_uring": ("liburing.h", "uring", "struct io_uring ring; io_uring_queue_init(1, &ring, 0)",
-                 "liburing-dev"),
-    "libaio": ("libaio.h", "aio", "io_context_t context = 0; io_setup(1, &context)",
-               "libaio-dev"),
-}  # fmt: skip
+    "io_uring": (
+        "liburing.h",
+        "uring",
+        "struct io_uring ring; io_uring_queue_init(1, &ring, 0)",
+        "liburing-dev",
+    ),
+    "libaio": ("libaio.h", "aio", "io_context_t context = 0; io_setup(1, &context)", "libaio-dev"),
+}
 
 
 @functools.cache
@@ -57,8 +60,10 @@ class AsyncIOBuilder(OpBuilder):
         support = {}
         for engine, (header, library, call, package) in _OPTIONAL_ENGINES.items():
             ok, why = _links(header, library, call)
-            support[engine] = (ok, "" if ok else f"{header}/-l{library} unusable ({why}); "
-                                                 f"install {package}")  # fmt: skip
+            support[engine] = (
+                ok,
+                "" if ok else f"{header}/-l{library} unusable ({why}); install {package}",
+            )
         support["threads"] = (True, "")
         return support
 

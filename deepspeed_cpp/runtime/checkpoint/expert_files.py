@@ -35,8 +35,10 @@ def moe_metadata(layers: list[ExpertLayer]) -> dict | None:
     """The metadata's ``"moe"`` entry (None for a model without MoE layers)."""
     if not layers:
         return None
-    return {"ep_size": max(layer.ep_size for layer in layers),
-            "layers": [layer.to_json() for layer in layers]}  # fmt: skip
+    return {
+        "ep_size": max(layer.ep_size for layer in layers),
+        "layers": [layer.to_json() for layer in layers],
+    }
 
 
 def without_experts(state_dict: dict, layers: list[ExpertLayer]) -> dict:

@@ -50,10 +50,11 @@ def _set_layouts(zero, names_of) -> list[tuple[str, int, ZeroLayout]]:
         files = [optimizer_shard_file(rank) for rank in ranks]
         own = ZeroLayout.from_optimizer(member, names_of, files.__getitem__)
         buckets = tuple(
-            BucketRecord(b.size, origins[b.group],
-                         tuple(replace(s, rank=ranks[s.rank]) for s in b.slices))
+            BucketRecord(
+                b.size, origins[b.group], tuple(replace(s, rank=ranks[s.rank]) for s in b.slices)
+            )
             for b in own.buckets
-        )  # fmt: skip
+        )
         params = tuple(replace(p, group=origins[p.group]) for p in own.params)
         parts.append((key, ranks[0], ZeroLayout(own.stage, dist.get_world_size(), params, buckets)))
     return parts

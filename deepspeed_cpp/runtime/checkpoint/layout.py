@@ -93,10 +93,13 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> dict:
         hints = []
         for suffix, meaning in (
             (STAGING_SUFFIX, "a save of this tag that did not finish"),
-            (DISPLACED_SUFFIX, "the previous checkpoint of this tag, displaced by a re-save "
-             "that stopped between two renames; the next save renames it back, or rename it "
-             "back by hand to use it"),
-        ):  # fmt: skip
+            (
+                DISPLACED_SUFFIX,
+                "the previous checkpoint of this tag, displaced by a re-save "
+                "that stopped between two renames; the next save renames it back, or rename it "
+                "back by hand to use it",
+            ),
+        ):
             sibling = directory.with_name(directory.name + suffix)
             if sibling.exists():
                 hints.append(f"{sibling} exists: {meaning}")

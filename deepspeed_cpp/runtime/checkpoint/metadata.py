@@ -166,15 +166,25 @@ class ZeroLayout:
                 low, high = max(s.start, p.offset), min(s.start + s.size, p.offset + p.numel)
                 if low < high:
                     owners.append(
-                        {"rank": s.rank, "file": s.file,
-                         "param_range": [low - p.offset, high - p.offset],
-                         "slice_range": [low - s.start, high - s.start]}
-                    )  # fmt: skip
+                        {
+                            "rank": s.rank,
+                            "file": s.file,
+                            "param_range": [low - p.offset, high - p.offset],
+                            "slice_range": [low - s.start, high - s.start],
+                        }
+                    )
             params.append(
-                {"names": list(p.names), "shape": list(p.shape), "dtype": p.dtype,
-                 "numel": p.numel, "group": p.group, "bucket": p.bucket, "offset": p.offset,
-                 "owners": owners}
-            )  # fmt: skip
+                {
+                    "names": list(p.names),
+                    "shape": list(p.shape),
+                    "dtype": p.dtype,
+                    "numel": p.numel,
+                    "group": p.group,
+                    "bucket": p.bucket,
+                    "offset": p.offset,
+                    "owners": owners,
+                }
+            )
         return {
             "stage": self.stage,
             "world_size": self.world_size,
@@ -185,10 +195,16 @@ class ZeroLayout:
     @classmethod
     def from_json(cls, data: dict) -> ZeroLayout:
         params = tuple(
-            ParamRecord(tuple(p["names"]), tuple(p["shape"]), p["dtype"], p["group"],
-                        p["bucket"], p["offset"])
+            ParamRecord(
+                tuple(p["names"]),
+                tuple(p["shape"]),
+                p["dtype"],
+                p["group"],
+                p["bucket"],
+                p["offset"],
+            )
             for p in data["params"]
-        )  # fmt: skip
+        )
         buckets = tuple(
             BucketRecord(
                 b["size"],

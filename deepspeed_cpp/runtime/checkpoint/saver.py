@@ -161,9 +161,10 @@ def _write_rank_files(
         module = _module_payload(engine, dense, exclude_frozen)
         written.append(_file_entry(MODULE_FILE, "module states", 0, module, staging))
         written.append(
-            _file_entry(CLIENT_STATE_FILE, "client state", 0, {"client_state": client_state},
-                        staging)
-        )  # fmt: skip
+            _file_entry(
+                CLIENT_STATE_FILE, "client state", 0, {"client_state": client_state}, staging
+            )
+        )
     return written
 
 

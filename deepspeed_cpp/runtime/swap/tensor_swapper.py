@@ -50,8 +50,12 @@ class TensorSwapper:
         overlap_events: bool = True,
         engine: str = "auto",
     ) -> None:
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0 \
-                or chunk_bytes % _ALIGNMENT:  # fmt: skip
+        if (
+            isinstance(chunk_bytes, bool)
+            or not isinstance(chunk_bytes, int)
+            or chunk_bytes <= 0
+            or chunk_bytes % _ALIGNMENT
+        ):
             raise ValueError(
                 f"TensorSwapper: chunk_bytes must be a positive multiple of {_ALIGNMENT}, got "
                 f"{chunk_bytes!r}"

@@ -96,9 +96,14 @@ class ExpertParallelZeroStage:
     ):
         _refuse_offload_options(offload)
         param_groups = init_stage_fields(
-            self, optimizer, param_groups, stage=stage, group=group,
-            gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
-        )  # fmt: skip
+            self,
+            optimizer,
+            param_groups,
+            stage=stage,
+            group=group,
+            gradient_clipping=gradient_clipping,
+            loss_scaler=loss_scaler,
+        )
 
         # Per set: the part of each user group in it, and which user group each part came from.
         split: dict[str, tuple[list[dict], list[int]]] = {}

@@ -97,9 +97,14 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} handles stages {self.STAGES}, got {stage}")
         param_groups = init_stage_fields(
-            self, optimizer, param_groups, stage=stage, group=group,
-            gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
-        )  # fmt: skip
+            self,
+            optimizer,
+            param_groups,
+            stage=stage,
+            group=group,
+            gradient_clipping=gradient_clipping,
+            loss_scaler=loss_scaler,
+        )
 
         owned_whole = stage == 0
         if offload is not None and owned_whole:
