@@ -11,7 +11,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from launch_helpers import free_port, launch_env
+from safetensors.torch import load_file
 
 from deepspeed_cpp.launcher.local_rank_trampoline import worker_command
 
@@ -113,7 +115,26 @@ METADATA_ROUND_TRIP = """
             "expected": compat.ALIAS_VERSION,
             "child": child.stdout.strip(),
         }))
+        # transformers' own ZeRO-3 construction stops with our message, not a bare AttributeError.
+        import torch.distributed
+        from transformers import AutoModelForCausalLM, GPT2Config
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig
+        keeper = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}})
+        try:
+            AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=8, n_head=2))
+            print(json.dumps("built"))
+        except AttributeError as error:
+            print(json.dumps(str(error)))
+        del keeper
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # the world of one zero.Init made
+        import accelerate.state
+        prepare_backend = accelerate.state.PartialState._prepare_backend
+        wrapped = hasattr(prepare_backend, "_deepspeed_cpp_original")
         compat.deactivate()
+        restored = accelerate.state.PartialState._prepare_backend
+        print(json.dumps({"wrapped": wrapped,
+                          "restored": restored is prepare_backend._deepspeed_cpp_original}))
         try:
             md.version("deepspeed")
             print("still answered")
@@ -141,7 +162,7 @@ def test_finder_resolves_submodules_and_unresolves(round_trip_lines):
 
 
 def test_metadata_is_answered_only_in_the_activated_process(round_trip_lines):
-    line, after = round_trip_lines[1:]
+    line, _, _, after = round_trip_lines[1:]
     report = json.loads(line)
     assert report["version"] == report["expected"]
     assert report["version"].startswith("0.19.8+deepspeed.cpp.")
@@ -150,6 +171,18 @@ def test_metadata_is_answered_only_in_the_activated_process(round_trip_lines):
     # A child of the activated process (same environment) does not see it: nothing on disk.
     assert report["child"] == "absent"
     assert after == "gone"
+
+
+def test_accelerate_backend_choice_is_wrapped_only_while_active(round_trip_lines):
+    # accelerate.state was imported after activate(): the finder wrapped its backend choice;
+    # deactivate() put accelerate's own back.
+    assert json.loads(round_trip_lines[3]) == {"wrapped": True, "restored": True}
+
+
+def test_transformers_zero3_construction_stops_with_a_clear_error(round_trip_lines):
+    message = json.loads(round_trip_lines[2])
+    assert "has no 'zero_wrapper_for_fp_tensor_constructor'" in message
+    assert "from_pretrained_zero3" in message and "Model(config)" in message
 
 
 def _fake_real_deepspeed(tmp_path: Path) -> Path:
@@ -261,45 +294,121 @@ def test_launcher_flag_reaches_every_worker(tmp_path):
     assert ranks[0]["weight"] == ranks[1]["weight"]
 
 
-def _script_arguments(script: Path, output_dir: Path) -> list[str]:
-    return [
-        str(script),
-        "--deepspeed", str(EXAMPLE / "ds_config.json"),
+def _unmodified_script(folder: Path) -> Path:
+    """The example script as Hugging Face users have it: transformers' Trainer."""
+    ours = (EXAMPLE / "train_tiny_gpt2.py").read_text()
+    assert OUR_IMPORT in ours
+    script = folder / "train_hf.py"
+    script.write_text(ours.replace(OUR_IMPORT, HF_IMPORT))
+    return script
+
+
+def _config_for_stage(folder: Path, stage: int) -> Path:
+    """The example's ds_config ("auto" everywhere the guide allows) at ZeRO ``stage``."""
+    config = json.loads((EXAMPLE / "ds_config.json").read_text())
+    zero = config["zero_optimization"]
+    zero["stage"] = stage
+    if stage < 3:
+        for key in [k for k in zero if k.startswith("stage3_")]:
+            del zero[key]
+    path = folder / f"ds_config_zero{stage}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _launch_alias_run(script: Path, config: Path, output_dir: Path) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "deepspeed_cpp.launcher", "--num_gpus", str(ALIAS_WORLD),
+        "--master_port", str(free_port()), "--alias-deepspeed", str(script),
+        "--deepspeed", str(config),
         "--output_dir", str(output_dir),
-        "--per_device_train_batch_size", "4",
-        "--max_steps", "2",
+        "--per_device_train_batch_size", str(ALIAS_MICRO),
+        "--max_steps", str(ALIAS_STEPS),
         "--learning_rate", "1e-3",
+        "--logging_steps", "1",
         "--save_strategy", "no",
         "--report_to", "none",
         "--disable_tqdm", "true",
         "--dataloader_pin_memory", "false",
     ]  # fmt: skip
+    return subprocess.Popen(
+        command,
+        env=launch_env(PYTHONPATH=str(REPO_ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=output_dir.parent,
+    )
 
 
-def test_unmodified_hf_trainer_script_gets_the_clear_message(tmp_path):
-    """transformers' own DeepSpeed path under the alias: refused, naming the one-line change.
+def _finish(run: subprocess.Popen) -> str:
+    try:
+        output, _ = run.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        output, _ = run.communicate()
+    assert run.returncode == 0, output[-8000:]
+    return output
 
-    (On this machine without a GPU accelerate would give each rank a world of one; see
-    deepspeed_cpp/compat/accelerate_guard.py for why the path is refused rather than mapped.)"""
+
+ALIAS_WORLD = 2
+ALIAS_MICRO = 4
+ALIAS_STEPS = 4
+
+
+def test_unmodified_hf_trainer_script_trains_on_our_engine(tmp_path):
+    """transformers' own Trainer with ``--deepspeed`` under the alias, at ZeRO-2 and ZeRO-3 on 2
+    CPU ranks: accelerate's DeepSpeed mode drives deepspeed_cpp's engine (no DeepSpeed is
+    installed here, see the first test), and the losses and saved weights equal transformers'
+    Trainer in one process on the same global batch within 1e-5."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    ours = (EXAMPLE / "train_tiny_gpt2.py").read_text()
-    assert OUR_IMPORT in ours
-    script = tmp_path / "train_hf.py"
-    script.write_text(ours.replace(OUR_IMPORT, HF_IMPORT))  # the script as HF users have it
-    # Started as the launcher's --alias-deepspeed starts each worker (that the launcher does so
-    # is tested above), in one process: the refusal comes before any collective, in any world.
-    run = subprocess.run(
-        [sys.executable, "-m", "deepspeed_cpp.compat",
-         *_script_arguments(script, tmp_path / "out")],
-        env=launch_env(PYTHONPATH=str(REPO_ROOT)),
-        capture_output=True, text=True, timeout=400, cwd=tmp_path,
-    )  # fmt: skip
-    assert run.returncode != 0
-    output = run.stdout + run.stderr
-    assert "deepspeed_cpp.initialize was called by accelerate's DeepSpeed integration" in output
-    assert f"change `{HF_IMPORT}` to `{OUR_IMPORT}`" in output
-    assert not (tmp_path / "out" / "summary.json").exists()
+    from hf_trainer_jobs import run_trainer
+
+    from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    script = _unmodified_script(tmp_path)
+    outputs = {stage: tmp_path / f"zero{stage}" for stage in (2, 3)}
+    # Both launches (2 ranks each) start together, and the reference trains in this process
+    # meanwhile: on 2 cores most of each run is interpreters importing torch and transformers.
+    runs = {
+        stage: _launch_alias_run(script, _config_for_stage(tmp_path, stage), out)
+        for stage, out in outputs.items()
+    }
+    try:
+        reference = run_trainer(
+            {
+                "output_dir": str(tmp_path / "reference"),
+                "deepspeed": None,
+                "micro": ALIAS_MICRO * ALIAS_WORLD,
+                "max_steps": ALIAS_STEPS,
+            }
+        )
+        for run in runs.values():
+            _finish(run)
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.terminate()
+                run.wait(timeout=60)
+    assert len(reference["losses"]) == ALIAS_STEPS
+    for stage, out in outputs.items():
+        summary = json.loads((out / "summary.json").read_text())
+        # accelerate counted both ranks (it would count one each without the alias's gloo).
+        assert summary["world_size"] == ALIAS_WORLD, stage
+        assert summary["losses"] == pytest.approx(reference["losses"], abs=1e-5, rel=0), stage
+    # save_model() at ZeRO-2: accelerate's state dict (clone_tensors_for_torch_save), whole.
+    saved = load_file(str(outputs[2] / "model.safetensors"))
+    assert "transformer.wte.weight" in saved
+    for name, value in saved.items():
+        torch.testing.assert_close(value, reference["weights"][name], atol=1e-5, rtol=0)
+    # At ZeRO-3 (stage3_gather_16bit_weights_on_model_save false) transformers saves the
+    # engine's checkpoint instead: ours, which zero_to_fp32 consolidates.
+    assert not (outputs[3] / "model.safetensors").exists()
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(outputs[3])
+    assert set(consolidated) >= set(saved)
+    for name, value in consolidated.items():
+        torch.testing.assert_close(value, reference["weights"][name], atol=1e-5, rtol=0)
 
 
 def test_names_transformers_and_accelerate_read_from_deepspeed_modules():
@@ -319,3 +428,34 @@ def test_names_transformers_and_accelerate_read_from_deepspeed_modules():
     for bad in (0, float("nan"), -float("inf"), True):
         with pytest.raises(DeepSpeedConfigError, match="an integer >= 1 or infinity"):
             DeepSpeedConfig.parse({"steps_per_print": bad})
+    # transformers' save_model reads engine.config as DeepSpeed's dict.
+    config = DeepSpeedConfig.parse({"zero_optimization": {"stage": 3}, "gradient_clipping": 0.5})
+    assert config.get("zero_optimization", {}).get("stage") == 3
+    assert config.get("gradient_clipping") == 0.5
+    assert config.get("optimizer", "absent") == "absent"
+    config.get("zero_optimization")["stage"] = 1  # a copy: the config is not changed
+    assert config.get("zero_optimization")["stage"] == 3
+
+
+def test_clone_tensors_for_torch_save_copies_views_and_keeps_ties():
+    from collections import OrderedDict
+
+    from deepspeed_cpp.checkpoint.utils import clone_tensors_for_torch_save
+
+    flat = torch.randn(3 * 7 + 5)  # a ZeRO bucket: parameters are views of it
+    weight, bias = flat[:21].view(3, 7), flat[21:]
+    tied = torch.nn.Parameter(torch.randn(4, 2))
+    state = OrderedDict(
+        [("w", weight), ("b", bias), ("emb", tied), ("head", tied), ("n", 3), ("t", (bias, "x"))]
+    )
+    copied = clone_tensors_for_torch_save(state)
+    assert type(copied) is OrderedDict and list(copied) == list(state)
+    for name in ("w", "b", "emb"):
+        assert torch.equal(copied[name], state[name])
+        assert copied[name].untyped_storage().nbytes() == copied[name].nbytes  # its own storage
+        assert not copied[name].requires_grad
+    assert copied["w"].data_ptr() != weight.data_ptr()
+    assert copied["head"] is copied["emb"], "tied names stay one tensor"
+    assert copied["n"] == 3 and copied["t"][1] == "x" and copied["t"][0] is copied["b"]
+    flat.add_(1.0)
+    assert not torch.equal(copied["w"], weight), "independent of the model's tensors"

@@ -8,7 +8,16 @@ script.py``, which activates it in every worker) makes, inside this one process:
   ``sys.meta_path``; a submodule deepspeed_cpp does not have raises ``ModuleNotFoundError`` naming
   the deepspeed_cpp module it looked for;
 - ``importlib.metadata.version("deepspeed")`` / ``distribution("deepspeed")`` answer with
-  ``ALIAS_VERSION`` (a metadata finder on the same object).
+  ``ALIAS_VERSION`` (a metadata finder on the same object);
+- accelerate's DeepSpeed mode, which transformers' ``Trainer`` takes for ``--deepspeed``, gets a
+  gloo process group of the launcher's world size on a machine without a GPU, where it would
+  otherwise count a world of one (``accelerate_cpu_backend.py``).
+
+An unmodified Hugging Face script (``from transformers import Trainer, TrainingArguments``,
+``--deepspeed ds_config.json``) then trains on deepspeed_cpp's engine: accelerate calls
+``deepspeed.initialize`` and drives the engine through the DeepSpeed names it reads, which
+deepspeed_cpp has under the same module paths (``deepspeed.checkpoint.utils``,
+``deepspeed.runtime.lr_schedules``, ``deepspeed.ops.adam``, the engine's methods).
 
 Nothing is written to disk: other processes, pip and site-packages never see a ``deepspeed``
 distribution. Activation is refused when a real ``deepspeed`` is importable (or already
@@ -27,6 +36,8 @@ import sys
 from pathlib import Path
 
 import deepspeed_cpp
+
+from . import accelerate_cpu_backend
 
 ALIAS_NAME = "deepspeed"
 TARGET_NAME = "deepspeed_cpp"
@@ -165,6 +176,7 @@ def activate() -> None:
         )
     _finder = DeepSpeedAliasFinder()
     sys.meta_path.insert(0, _finder)
+    accelerate_cpu_backend.install()
     # importlib caches "no such module" answers per path entry; ours is new.
     importlib.invalidate_caches()
 
@@ -177,6 +189,7 @@ def deactivate() -> None:
         return
     sys.meta_path.remove(_finder)
     _finder = None
+    accelerate_cpu_backend.uninstall()
     for name in [n for n in sys.modules if n == ALIAS_NAME or n.startswith(ALIAS_NAME + ".")]:
         if getattr(sys.modules[name], "__name__", "").startswith(TARGET_NAME):
             del sys.modules[name]

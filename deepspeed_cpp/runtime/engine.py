@@ -308,6 +308,7 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.is_gradient_accumulation_boundary():
             start = time.perf_counter()
             stepped = self.optimizer.step()
+            self.optimizer.overflow = not stepped
             if stepped:
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -347,6 +348,24 @@ class DeepSpeedEngine(torch.nn.Module):
         if self._zero_stage is None:
             return {} if rank0_only and self.global_rank != 0 else self.module.state_dict()
         return self._zero_stage.full_state_dict(self.module, rank0_only=rank0_only)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether ZeRO-3 gathers whole weights when the model is saved
+        (``stage3_gather_16bit_weights_on_model_save``); accelerate asks before it does."""
+        return bool(self.config.zero_optimization.gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """The whole model's state dict in its training dtype on rank 0 (``{}`` elsewhere), tied
+        names sharing one tensor; collective. DeepSpeed's name, which accelerate's
+        ``get_state_dict`` and transformers' ``save_model`` call under ZeRO-3."""
+        from .checkpoint.model_save import share_tied
+
+        state_dict = share_tied(self.module, self.full_module_state_dict(rank0_only=True))
+        if exclude_frozen_parameters:
+            for name, param in self.module.named_parameters(remove_duplicate=False):
+                if not param.requires_grad:
+                    state_dict.pop(name, None)
+        return state_dict
 
     def load_full_module_state(self, state_dict: dict) -> None:
         """Loads a full (consolidated) module state dict, partitioning it under ZeRO-3."""

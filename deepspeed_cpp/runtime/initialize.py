@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 from ..comm import init_distributed
 from ..comm.exit_grace import release_gil_at_exit
-from ..compat.accelerate_guard import refuse_accelerate_deepspeed_driver
 from .config import DeepSpeedConfig
 from .engine import DeepSpeedEngine
 
@@ -35,9 +34,6 @@ def initialize(
     ``args.deepspeed_config``. The process group is created if needed (torchrun's environment,
     or a world of one). ``mpu`` (model parallelism) and ``mesh_param`` are not supported yet.
     """
-    # Before anything else: accelerate's DeepSpeed mode would otherwise fail later with a
-    # misleading batch-size error (it counts a world of one on a machine without a GPU).
-    refuse_accelerate_deepspeed_driver()
     if mpu is not None or mesh_param is not None:
         raise NotImplementedError(
             "initialize(mpu=...) / mesh_param: model and sequence parallelism are not supported "

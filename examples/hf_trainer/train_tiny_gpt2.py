@@ -5,6 +5,12 @@
         --deepspeed ds_config.json --output_dir out
     torchrun --nproc_per_node 2 train_tiny_gpt2.py --deepspeed ds_config.json --output_dir out
 
+With transformers' import (the commented line) instead of ours, the script as Hugging Face users
+have it, the ``import deepspeed`` alias runs it on transformers' own DeepSpeed path:
+
+    python -m deepspeed_cpp.launcher --num_gpus 2 --alias-deepspeed train_tiny_gpt2.py \
+        --deepspeed ds_config.json --output_dir out
+
 A tiny GPT-2 built from a config and a seeded token data set (no downloads). The main process
 writes ``summary.json`` (losses, world size) into the output folder. The tests import
 ``tiny_gpt2`` and ``token_dataset`` from here, so the script and the tests train the same thing.

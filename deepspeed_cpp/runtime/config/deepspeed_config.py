@@ -275,6 +275,16 @@ class DeepSpeedConfig(ConfigSection):
     def is_finalized(self) -> bool:
         return self._world_size is not None
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """A top-level section or value of the config as given (a copy), dict-style.
+
+        DeepSpeed's ``engine.config`` is the config dict itself, and code written for it reads
+        it that way (transformers' ``Trainer.save_model`` asks
+        ``engine.config.get("zero_optimization", {}).get("stage")``)."""
+        if key not in self._raw:
+            return default
+        return copy.deepcopy(self._raw[key])
+
 
 _WARNED_KEYS: set[str] = set()
 """Keys warned about in this process: a script that builds several engines (or a config that

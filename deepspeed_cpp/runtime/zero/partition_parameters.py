@@ -477,3 +477,25 @@ def _init_settings(config) -> tuple[int, torch.dtype | None]:
     elif (config.get("bf16") or config.get("bfloat16") or {}).get("enabled") is True:
         dtype = torch.bfloat16
     return threshold, dtype
+
+
+# Names private to DeepSpeed's version of this module that transformers' own ZeRO-3 model
+# construction (``from_pretrained``/``from_config`` while a stage-3 config is alive) reads and
+# swaps around ``zero.Init``: DeepSpeed's Init re-types tensor constructors, ours does not, and
+# transformers' construction path on top of ours is not verified. A clear stop instead of a bare
+# AttributeError (reached under the ``import deepspeed`` alias).
+_DEEPSPEED_PRIVATE_NAMES = frozenset(
+    {"zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange"}
+)
+
+
+def __getattr__(name: str):
+    if name in _DEEPSPEED_PRIVATE_NAMES:
+        raise AttributeError(
+            f"deepspeed_cpp's zero.Init has no {name!r} (DeepSpeed's private patching of tensor "
+            "constructors, which transformers' from_pretrained/from_config reach for under "
+            "ZeRO-3): build the model with its class, Model(config), which the engine "
+            "partitions, or load it with deepspeed_cpp.hf.from_pretrained_zero3(model_class, "
+            "path)"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

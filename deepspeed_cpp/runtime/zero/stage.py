@@ -39,6 +39,7 @@ class ZeroStage(Protocol):
     optimizer: torch.optim.Optimizer
     skipped_steps: int
     global_grad_norm: float | None
+    overflow: bool  # the last step was skipped (fp16 overflow); set by the engine
 
     @property
     def param_groups(self) -> list[dict]: ...

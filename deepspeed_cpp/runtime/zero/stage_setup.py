@@ -37,6 +37,9 @@ def init_stage_fields(
     stage_object.loss_scaler = loss_scaler
     stage_object.global_grad_norm = None
     stage_object.skipped_steps = 0
+    # Whether the last step was skipped for an fp16 overflow (the engine sets it after each
+    # step): DeepSpeed's name on its ZeRO optimizers, which accelerate reads to tell the Trainer.
+    stage_object.overflow = False
     return param_groups
 
 
