@@ -351,7 +351,20 @@ def save_16bit_job(directory: str, stage: int, dtype: str, seed: int, gather_on_
     finally:
         logging.getLogger("deepspeed_cpp").removeHandler(handler)
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    return outcomes, weights(engine), counter.most, warnings, engine.module.state_dict()
+    # What accelerate's get_state_dict calls under ZeRO-3 (DeepSpeed's names), collective.
+    consolidated = (
+        engine.zero_gather_16bit_weights_on_model_save(),
+        engine._zero3_consolidated_16bit_state_dict(),
+        engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True),
+    )
+    return (
+        outcomes,
+        weights(engine),
+        counter.most,
+        warnings,
+        engine.module.state_dict(),
+        consolidated,
+    )
 
 
 @pytest.mark.parametrize("stage, dtype", [(3, "bf16"), (3, "fp32"), (2, "fp16"), (0, "bf16")])
@@ -361,9 +374,15 @@ def test_save_16bit_model_writes_the_whole_model_from_rank0(pools, tmp_path, sta
     seed = int(torch.randint(0, 2**30, (1,)))
     results = pools(2).run(save_16bit_job, str(tmp_path), stage, dtype, seed, True)
     gathered = results[0][1]
-    for outcomes, _, most, warnings, _ in results:
+    for outcomes, _, most, warnings, _, _ in results:
         assert outcomes == [True, True, True] and not warnings
         assert most <= 1  # ZeRO-3: one parameter whole at a time on every rank
+    flag, whole, without_frozen = results[0][5]
+    assert flag is True and list(whole) == list(gathered)
+    _assert_same(whole, gathered, "_zero3_consolidated_16bit_state_dict")
+    assert whole["head2.weight"] is whole["head.weight"], "tied names share one tensor"
+    assert set(without_frozen) == set(gathered) - {"frozen.weight", "frozen.bias"}
+    assert results[1][5] == (True, {}, {}), "only rank 0 holds the consolidated state"
     from_torch = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
     from_safetensors = load_file(tmp_path / "model.safetensors")
     trainable = torch.load(tmp_path / "trainable.bin", weights_only=True)
@@ -395,8 +414,9 @@ def test_save_16bit_model_writes_the_whole_model_from_rank0(pools, tmp_path, sta
 def test_save_16bit_model_without_gathering_saves_nothing(pools, tmp_path):
     seed = int(torch.randint(0, 2**30, (1,)))
     results = pools(2).run(save_16bit_job, str(tmp_path), 3, "bf16", seed, None)
-    for rank, (outcomes, _, most, warnings, _) in enumerate(results):
+    for rank, (outcomes, _, most, warnings, _, consolidated) in enumerate(results):
         assert outcomes == [False, False, False] and most == 0
+        assert consolidated[0] is False  # accelerate then has transformers save a checkpoint
         if rank == 0:
             assert len(warnings) == 3
             assert "stage3_gather_16bit_weights_on_model_save is false" in warnings[0]

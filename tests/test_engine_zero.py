@@ -130,7 +130,7 @@ def train_job(
             engine.step()
         snapshots.append(
             {"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
-             "loss_scale": engine.get_loss_scale()}
+             "loss_scale": engine.get_loss_scale(), "overflow": engine.optimizer.overflow}
         )  # fmt: skip
     return {
         "snapshots": snapshots,
@@ -318,6 +318,9 @@ def test_fp16_overflow_skips_exactly_one_step_on_all_ranks(pool2):
         for name, tensor in before["params"].items():
             assert torch.equal(tensor, during["params"][name]), f"{name} changed on overflow"
         assert during["loss_scale"] == before["loss_scale"] / 2
+        # DeepSpeed's optimizer.overflow (accelerate reports the skipped step from it).
+        overflows = [snapshot["overflow"] for snapshot in result["snapshots"]]
+        assert overflows == [step == overflow_step for step in range(steps)]
         after = result["snapshots"][overflow_step + 1]
         assert any(not torch.equal(after["params"][n], t) for n, t in during["params"].items())
     assert (

@@ -160,7 +160,7 @@ def fp16_job(stage: int, seed: int, steps: int, overflow_step: int):
     model = h.make_model(seed)
     engine, _, _, _ = deepspeed.initialize(model=model, config=config)
     rank, world = dist.get_rank(), dist.get_world_size()
-    history = []
+    history, overflows = [], []
     for step, micro_batches in enumerate(h.global_batches(seed, steps, 1, world)):
         x, y = micro_batches[0]
         handle = None
@@ -172,7 +172,8 @@ def fp16_job(stage: int, seed: int, steps: int, overflow_step: int):
         if handle is not None:
             handle.remove()
         history.append((engine.get_loss_scale(), h.full_params(engine)))
-    return {"history": history, "skipped": engine.skipped_steps}
+        overflows.append(engine.optimizer.overflow)
+    return {"history": history, "skipped": engine.skipped_steps, "overflows": overflows}
 
 
 def test_fp16_at_stage3_equals_stage2_and_skips_the_overflowing_step(pool2):
@@ -181,6 +182,8 @@ def test_fp16_at_stage3_equals_stage2_and_skips_the_overflowing_step(pool2):
     zero3 = pool2.run(fp16_job, 3, seed, steps, overflow_step)
     for two, three in zip(zero2, zero3):
         assert three["skipped"] == two["skipped"] == 1
+        expected_overflows = [step == overflow_step for step in range(steps)]
+        assert three["overflows"] == two["overflows"] == expected_overflows
         scales = [scale for scale, _ in three["history"]]
         assert scales == [scale for scale, _ in two["history"]]
         assert scales[overflow_step] == scales[overflow_step - 1] / 2
