@@ -304,13 +304,16 @@ def _unmodified_script(folder: Path) -> Path:
 
 
 def _config_for_stage(folder: Path, stage: int) -> Path:
-    """The example's ds_config ("auto" everywhere the guide allows) at ZeRO ``stage``."""
+    """The example's ds_config ("auto" everywhere the guide allows) at ZeRO ``stage``; at stage
+    2 with the optimizer offloaded to the host, where accelerate swaps the Trainer's AdamW for
+    ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (ours) on the same param groups."""
     config = json.loads((EXAMPLE / "ds_config.json").read_text())
     zero = config["zero_optimization"]
     zero["stage"] = stage
     if stage < 3:
         for key in [k for k in zero if k.startswith("stage3_")]:
             del zero[key]
+        zero["offload_optimizer"] = {"device": "cpu"}
     path = folder / f"ds_config_zero{stage}.json"
     path.write_text(json.dumps(config))
     return path
@@ -357,10 +360,10 @@ ALIAS_STEPS = 4
 
 
 def test_unmodified_hf_trainer_script_trains_on_our_engine(tmp_path):
-    """transformers' own Trainer with ``--deepspeed`` under the alias, at ZeRO-2 and ZeRO-3 on 2
-    CPU ranks: accelerate's DeepSpeed mode drives deepspeed_cpp's engine (no DeepSpeed is
-    installed here, see the first test), and the losses and saved weights equal transformers'
-    Trainer in one process on the same global batch within 1e-5."""
+    """transformers' own Trainer with ``--deepspeed`` under the alias, at ZeRO-2 (optimizer
+    offloaded) and ZeRO-3 on 2 CPU ranks: accelerate's DeepSpeed mode drives deepspeed_cpp's
+    engine (no DeepSpeed is installed here, see the first test), and the losses and saved weights
+    equal transformers' Trainer in one process on the same global batch within 1e-5."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from hf_trainer_jobs import run_trainer
