@@ -303,9 +303,9 @@ def _unmodified_script(folder: Path) -> Path:
     return script
 
 
-def _config_for_stage(folder: Path, stage: int) -> Path:
-    """The example's ds_config ("auto" everywhere the guide allows) at ZeRO ``stage``; at stage
-    2 with the optimizer offloaded to the host, where accelerate swaps the Trainer's AdamW for
+def _config(folder: Path, stage: int, offload: bool) -> Path:
+    """The example's ds_config ("auto" everywhere the guide allows) at ZeRO ``stage``; with
+    ``offload`` the optimizer lives on the host, where accelerate swaps the Trainer's AdamW for
     ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (ours) on the same param groups."""
     config = json.loads((EXAMPLE / "ds_config.json").read_text())
     zero = config["zero_optimization"]
@@ -313,19 +313,29 @@ def _config_for_stage(folder: Path, stage: int) -> Path:
     if stage < 3:
         for key in [k for k in zero if k.startswith("stage3_")]:
             del zero[key]
+    if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    path = folder / f"ds_config_zero{stage}.json"
+    path = folder / f"ds_config_zero{stage}{'_offload' if offload else ''}.json"
     path.write_text(json.dumps(config))
     return path
 
 
-def _launch_alias_run(script: Path, config: Path, output_dir: Path) -> subprocess.Popen:
+def _start_alias_run(script: Path, config: Path, output_dir: Path, world: int) -> subprocess.Popen:
+    """The script under our launcher with ``--alias-deepspeed`` (``world`` ranks), or with no
+    launcher at all (``world`` 1: ``python -m deepspeed_cpp.compat``, which is
+    ``deepspeed_cpp.compat.activate()`` before the script, as in a notebook)."""
+    if world == 1:
+        start = [sys.executable, "-m", "deepspeed_cpp.compat"]
+    else:
+        start = [
+            sys.executable, "-m", "deepspeed_cpp.launcher", "--num_gpus", str(world),
+            "--master_port", str(free_port()), "--alias-deepspeed",
+        ]  # fmt: skip
     command = [
-        sys.executable, "-m", "deepspeed_cpp.launcher", "--num_gpus", str(ALIAS_WORLD),
-        "--master_port", str(free_port()), "--alias-deepspeed", str(script),
+        *start, str(script),
         "--deepspeed", str(config),
         "--output_dir", str(output_dir),
-        "--per_device_train_batch_size", str(ALIAS_MICRO),
+        "--per_device_train_batch_size", str(ALIAS_GLOBAL_BATCH // world),
         "--max_steps", str(ALIAS_STEPS),
         "--learning_rate", "1e-3",
         "--logging_steps", "1",
@@ -354,16 +364,22 @@ def _finish(run: subprocess.Popen) -> str:
     return output
 
 
-ALIAS_WORLD = 2
-ALIAS_MICRO = 4
+ALIAS_GLOBAL_BATCH = 8
 ALIAS_STEPS = 4
+# name: (ZeRO stage, optimizer offloaded, processes)
+ALIAS_RUNS = {
+    "zero2_offload": (2, True, 2),
+    "zero3": (3, False, 2),
+    "zero2_one_process": (2, False, 1),
+}
 
 
 def test_unmodified_hf_trainer_script_trains_on_our_engine(tmp_path):
-    """transformers' own Trainer with ``--deepspeed`` under the alias, at ZeRO-2 (optimizer
-    offloaded) and ZeRO-3 on 2 CPU ranks: accelerate's DeepSpeed mode drives deepspeed_cpp's
-    engine (no DeepSpeed is installed here, see the first test), and the losses and saved weights
-    equal transformers' Trainer in one process on the same global batch within 1e-5."""
+    """transformers' own Trainer with ``--deepspeed`` under the alias: at ZeRO-2 (optimizer
+    offloaded) and ZeRO-3 on 2 CPU ranks under the launcher, and at ZeRO-2 in one process without
+    a launcher. accelerate's DeepSpeed mode drives deepspeed_cpp's engine (no DeepSpeed is
+    installed here, see the first test), and the losses and saved weights equal transformers'
+    Trainer in one process on the same global batch within 1e-5."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from hf_trainer_jobs import run_trainer
@@ -371,19 +387,19 @@ def test_unmodified_hf_trainer_script_trains_on_our_engine(tmp_path):
     from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     script = _unmodified_script(tmp_path)
-    outputs = {stage: tmp_path / f"zero{stage}" for stage in (2, 3)}
-    # Both launches (2 ranks each) start together, and the reference trains in this process
-    # meanwhile: on 2 cores most of each run is interpreters importing torch and transformers.
+    outputs = {name: tmp_path / name for name in ALIAS_RUNS}
+    # Every run starts at once, and the reference trains in this process meanwhile: on 2 cores
+    # most of each run is interpreters importing torch and transformers.
     runs = {
-        stage: _launch_alias_run(script, _config_for_stage(tmp_path, stage), out)
-        for stage, out in outputs.items()
+        name: _start_alias_run(script, _config(tmp_path, stage, offload), outputs[name], world)
+        for name, (stage, offload, world) in ALIAS_RUNS.items()
     }
     try:
         reference = run_trainer(
             {
                 "output_dir": str(tmp_path / "reference"),
                 "deepspeed": None,
-                "micro": ALIAS_MICRO * ALIAS_WORLD,
+                "micro": ALIAS_GLOBAL_BATCH,
                 "max_steps": ALIAS_STEPS,
             }
         )
@@ -395,23 +411,25 @@ def test_unmodified_hf_trainer_script_trains_on_our_engine(tmp_path):
                 run.terminate()
                 run.wait(timeout=60)
     assert len(reference["losses"]) == ALIAS_STEPS
-    for stage, out in outputs.items():
-        summary = json.loads((out / "summary.json").read_text())
-        # accelerate counted both ranks (it would count one each without the alias's gloo).
-        assert summary["world_size"] == ALIAS_WORLD, stage
-        assert summary["losses"] == pytest.approx(reference["losses"], abs=1e-5, rel=0), stage
+    for name, (_, _, world) in ALIAS_RUNS.items():
+        summary = json.loads((outputs[name] / "summary.json").read_text())
+        # Under the launcher accelerate counted both ranks (without the alias's gloo backend it
+        # would count one on each).
+        assert summary["world_size"] == world, name
+        assert summary["losses"] == pytest.approx(reference["losses"], abs=1e-5, rel=0), name
     # save_model() at ZeRO-2: accelerate's state dict (clone_tensors_for_torch_save), whole.
-    saved = load_file(str(outputs[2] / "model.safetensors"))
-    assert "transformer.wte.weight" in saved
-    for name, value in saved.items():
-        torch.testing.assert_close(value, reference["weights"][name], atol=1e-5, rtol=0)
+    for name in ("zero2_offload", "zero2_one_process"):
+        saved = load_file(str(outputs[name] / "model.safetensors"))
+        assert "transformer.wte.weight" in saved
+        for key, value in saved.items():
+            torch.testing.assert_close(value, reference["weights"][key], atol=1e-5, rtol=0)
     # At ZeRO-3 (stage3_gather_16bit_weights_on_model_save false) transformers saves the
     # engine's checkpoint instead: ours, which zero_to_fp32 consolidates.
-    assert not (outputs[3] / "model.safetensors").exists()
-    consolidated = get_fp32_state_dict_from_zero_checkpoint(outputs[3])
+    assert not (outputs["zero3"] / "model.safetensors").exists()
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(outputs["zero3"])
     assert set(consolidated) >= set(saved)
-    for name, value in consolidated.items():
-        torch.testing.assert_close(value, reference["weights"][name], atol=1e-5, rtol=0)
+    for key, value in consolidated.items():
+        torch.testing.assert_close(value, reference["weights"][key], atol=1e-5, rtol=0)
 
 
 def test_names_transformers_and_accelerate_read_from_deepspeed_modules():
