@@ -137,6 +137,9 @@ def extension_for(builder):
         compile_args["nvcc"] = builder.extra_cuda_cflags()
     return extension_class(
         name=f"deepspeed_cpp._ops.{builder.NAME}",
+        # A stable-ABI library touches neither Python's C API nor torch's C++ ABI: named
+        # <op>.abi3.so, it is the same file for every Python 3 and every torch it targets.
+        py_limited_api=builder.STABLE_ABI,
         sources=[f"csrc/{source}" for source in builder.sources()],
         include_dirs=[
             str(ROOT / "csrc"),
@@ -163,6 +166,16 @@ def package_version() -> str:
     return re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE).group(1)
 
 
+# The oldest Python an abi3 wheel names (cp311-abi3): the libraries use no Python API at all, so
+# the bound is the oldest Python the wheel was tested on, or the building one when older.
+ABI3_PYTHON = (3, 11)
+
+
+def abi3_python_tag() -> str:
+    major, minor = min(ABI3_PYTHON, tuple(sys.version_info[:2]))
+    return f"cp{major}{minor}"
+
+
 def setup_kwargs() -> dict:
     op_builder = load_op_builder()
     builders = ops_to_prebuild(op_builder)
@@ -170,8 +183,18 @@ def setup_kwargs() -> dict:
     if not builders:
         return kwargs
     # Pre-built ops load only under the torch they were compiled against: the wheel's local
-    # version says which (pip shows it; the loader checks build_info.json).
-    local = op_builder.build_info.wheel_local_version(op_builder.build_info.current_build_info())
+    # version says which (pip shows it; the loader checks build_info.json). A wheel of stable-ABI
+    # libraries only serves every torch from the targeted one on, and every Python 3 from
+    # ABI3_PYTHON on: its version and tags say that instead.
+    stable = [b.NAME for b in builders if b.STABLE_ABI]
+    min_torch = op_builder.builder.STABLE_ABI_MIN_TORCH
+    if len(stable) == len(builders):
+        local = op_builder.build_info.stable_abi_local_version(min_torch)
+        kwargs["options"] = {"bdist_wheel": {"py_limited_api": abi3_python_tag()}}
+    else:
+        local = op_builder.build_info.wheel_local_version(
+            op_builder.build_info.current_build_info()
+        )
     kwargs["version"] += f"+{local}"
     from torch.utils.cpp_extension import BuildExtension
 
@@ -196,7 +219,12 @@ def setup_kwargs() -> dict:
         def run(self):
             super().run()
             ops_dir = Path(self.get_ext_fullpath(self.extensions[0].name)).parent
-            info = {**op_builder.build_info.current_build_info(), "ops": [b.NAME for b in builders]}
+            info = {
+                **op_builder.build_info.current_build_info(),
+                "ops": [b.NAME for b in builders],
+                "stable_abi_ops": stable,
+                "stable_abi_min_torch": "{}.{}".format(*min_torch),
+            }
             (ops_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
     kwargs["ext_modules"] = [extension_for(b) for b in builders]

@@ -6,9 +6,11 @@
 //
 // This file is built into its own small library, loaded before any op family's library, so that
 // families can be built and loaded independently (each adds TORCH_LIBRARY_IMPL blocks only).
-#include <torch/library.h>
+// Schemas are plain strings, so the library uses PyTorch's stable C ABI: like the CPU optimizer
+// families, one build of it loads under every torch from the targeted version onwards.
+#include <torch/csrc/stable/library.h>
 
-TORCH_LIBRARY(deepspeed_cpp, m) {
+STABLE_TORCH_LIBRARY(deepspeed_cpp, m) {
   // csrc/cpu_adam, csrc/cpu_adagrad, csrc/cpu_lion: one optimizer step on CPU tensors, in place.
   // Storage: params float32/bfloat16/float16, grads float32/bfloat16/float16, state float32 or
   // bfloat16 (one dtype per argument, shared by a list). Optional keyword arguments:

@@ -21,7 +21,8 @@ import time
 import torch
 
 from .ops.op_builder import ALL_OPS, OpNotAvailableError
-from .ops.op_builder.builder import default_max_jobs, jit_cache_root
+from .ops.op_builder.build_info import read_build_info
+from .ops.op_builder.builder import BUILD_INFO_FILE, default_max_jobs, jit_cache_root
 
 _CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
                  "avx512_fp16", "amx_bf16", "asimd", "sve")  # fmt: skip
@@ -58,6 +59,10 @@ def op_status(builder) -> str:
         return f"cannot build here: {why}"
     prebuilt, stale = builder.find_prebuilt()
     if prebuilt is not None:
+        record = read_build_info(BUILD_INFO_FILE)
+        if builder.NAME in record.get("stable_abi_ops", []):
+            minimum = record.get("stable_abi_min_torch")
+            return f"pre-built ({prebuilt.name}, stable ABI: any torch >= {minimum})"
         return f"pre-built ({prebuilt.name})"
     not_prebuilt = f"pre-built library unusable ({stale})" if stale else "not pre-built"
     cached = builder.jit_build_dir() / f"{builder.jit_build_dir().name}.so"

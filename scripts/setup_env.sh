@@ -46,4 +46,11 @@ fi
   pytest pytest-timeout ruff clang-format build
 # The Hugging Face Trainer drop-in's tests (the `hf` extra, at the version they were written for).
 "$VENV/bin/python" -m pip install -q "transformers==5.24.0" "accelerate==1.15.0"
+# torch 2.13.0, CPU build: tests/test_stable_abi_wheel.py installs the stable-ABI wheel beside it
+# in a venv of its own. Kept in a wheel cache (~200 MB, once) so that the test needs no network.
+OTHER_TORCH_WHEELS=${DS_OTHER_TORCH_WHEELS:-.cache/other-torch}
+if ! compgen -G "$OTHER_TORCH_WHEELS/torch-2.13.0+cpu-*.whl" >/dev/null; then
+  "$VENV/bin/python" -m pip download -q --no-deps --only-binary=:all: -d "$OTHER_TORCH_WHEELS" \
+    "torch==2.13.0+cpu"
+fi
 MAX_JOBS=${MAX_JOBS:-2} "$VENV/bin/python" -m pip install -q --no-build-isolation -e .

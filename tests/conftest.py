@@ -58,3 +58,41 @@ def copy_tracked_tree(destination: Path) -> Path:
             (destination / name).parent.mkdir(parents=True, exist_ok=True)
             (destination / name).write_bytes((REPO_ROOT / name).read_bytes())
     return destination
+
+
+# The shared pre-built wheel: cpu_adam and the schema library, both on PyTorch's stable C ABI, so
+# the wheel is abi3 and serves every torch from 2.13 on. test_op_loading.py installs it next to
+# this torch; test_stable_abi_wheel.py into a venv with torch 2.13.0.
+PREBUILT_FLAGS = {"DS_BUILD_CPU_ADAM": "1"}
+PREBUILT_LIBRARIES = ["cpu_adam", "registry"]
+
+
+@pytest.fixture(scope="session")
+def prebuilt_cpu_adam_wheel(tmp_path_factory):
+    """One wheel with cpu_adam pre-built, built with `setup.py build_ext -j2 bdist_wheel` from a
+    clean copy: setuptools' -jN used to build extensions concurrently into one build folder, where
+    torch's build.ninja files overwrite each other (ld: cannot find .../cpu_isa.o)."""
+    import subprocess
+    import zipfile
+
+    root = tmp_path_factory.mktemp("prebuilt")
+    source = copy_tracked_tree(root / "source")
+    env = dict(os.environ, **PREBUILT_FLAGS)
+    built = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "-j2", "bdist_wheel", "-d", str(root / "dist")],
+        env=env,
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = (root / "dist").glob("deepspeed_cpp-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    libraries = sorted(
+        n.split("/")[-1].split(".")[0]
+        for n in names
+        if n.startswith("deepspeed_cpp/_ops/") and n.endswith(".so")
+    )
+    assert libraries == PREBUILT_LIBRARIES, names
+    return wheel

@@ -12,10 +12,16 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, copy_tracked_tree
+from conftest import REPO_ROOT
 
 from deepspeed_cpp.ops.op_builder import ALL_OPS, CPUAdamBuilder, builder
-from deepspeed_cpp.ops.op_builder.build_info import current_build_info, wheel_local_version
+from deepspeed_cpp.ops.op_builder.build_info import (
+    current_build_info,
+    mismatch,
+    stable_abi_local_version,
+    wheel_local_version,
+)
+from deepspeed_cpp.ops.op_builder.builder import STABLE_ABI_MIN_TORCH
 
 STEP_SCRIPT = """
 import torch
@@ -169,33 +175,18 @@ def test_zero_overrides_build_all(tmp_path):
     assert "deepspeed_cpp/csrc/cpu_adam/cpu_adam_kernel.cpp" in names
 
 
-# Two extensions (the schema registry and cpu_adam): enough for -j2 to build them at once, and
-# among the quickest ops to compile (every op's pre-built load goes through the same loader).
-PREBUILT = {"DS_BUILD_CPU_ADAM": "1"}
-PREBUILT_LIBRARIES = ["cpu_adam", "registry"]
-
-
 @pytest.fixture(scope="module")
-def prebuilt_site(tmp_path_factory):
-    """One wheel with cpu_adam pre-built, installed into a folder of its own. Built with
-    `setup.py build_ext -j2 bdist_wheel` from a clean copy: setuptools' -jN used to build
-    extensions concurrently into one build folder, where torch's build.ninja files overwrite each
-    other (ld: cannot find .../cpu_isa.o)."""
-    root = tmp_path_factory.mktemp("prebuilt")
-    source = copy_tracked_tree(root / "source")
-    built = _setup_py("build_ext", "-j2", "bdist_wheel", "-d", str(root / "dist"),
-                      env_overrides=PREBUILT, cwd=source, timeout=900)  # fmt: skip
-    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    (wheel,) = (root / "dist").glob("deepspeed_cpp-*.whl")
+def prebuilt_site(prebuilt_cpu_adam_wheel, tmp_path_factory):
+    """The shared cpu_adam wheel (conftest.py), installed into a folder of its own. Both its
+    libraries use the stable ABI, so the wheel is abi3 and names the oldest torch it serves."""
+    wheel = prebuilt_cpu_adam_wheel
+    local = stable_abi_local_version(STABLE_ABI_MIN_TORCH)  # torchabi2.13
+    assert wheel.name.startswith(f"deepspeed_cpp-0.1.0+{local}-cp311-abi3-linux_"), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
-    libraries = sorted(n.split("/")[-1].split(".")[0] for n in names
-                       if n.startswith("deepspeed_cpp/_ops/") and n.endswith(".so"))  # fmt: skip
-    assert libraries == PREBUILT_LIBRARIES
-    local = wheel_local_version(current_build_info())  # e.g. torch2.14.1.cu130
-    assert wheel.name.startswith(f"deepspeed_cpp-0.1.0+{local}-"), wheel.name
+    assert "deepspeed_cpp/_ops/cpu_adam.abi3.so" in names, names
     assert "deepspeed_cpp/_ops/build_info.json" in names
     assert "deepspeed_cpp/csrc/registration.cpp" in names
-    site = root / "site"
+    site = tmp_path_factory.mktemp("prebuilt_site") / "site"
     installed = _pip("install", "--no-deps", "--target", str(site), str(wheel), env_overrides={})
     assert installed.returncode == 0, installed.stderr
     return site
@@ -229,20 +220,51 @@ def test_prebuilt_wheel_needs_no_compiler(prebuilt_site, tmp_path):
     assert not (tmp_path / "empty-cache").exists()
     report = _run("from deepspeed_cpp.env_report import main; main()", no_compiler, cwd=tmp_path)
     assert report.returncode == 0, report.stderr
-    assert re.search(r"cpu_adam +: pre-built", report.stdout), report.stdout
+    assert re.search(
+        r"cpu_adam +: pre-built \(cpu_adam\.abi3\.so, stable ABI: any torch >= 2\.13\)",
+        report.stdout,
+    ), report.stdout
     assert "cpu isa level:" in report.stdout
 
 
 def test_wheel_records_what_it_was_built_against(prebuilt_site):
     info = json.loads((prebuilt_site / "deepspeed_cpp" / "_ops" / "build_info.json").read_text())
-    assert info == {**current_build_info(), "ops": ["registry", "cpu_adam"]}
-    local = wheel_local_version(info)
-    assert (prebuilt_site / f"deepspeed_cpp-0.1.0+{local}.dist-info").is_dir()
+    assert info == {
+        **current_build_info(),
+        "ops": ["registry", "cpu_adam"],
+        "stable_abi_ops": ["registry", "cpu_adam"],
+        "stable_abi_min_torch": "2.13",
+    }
+    assert (prebuilt_site / "deepspeed_cpp-0.1.0+torchabi2.13.dist-info").is_dir()
 
 
-def _site_copy(prebuilt_site, tmp_path, **recorded):
+def test_only_libraries_on_the_regular_abi_need_the_same_torch():
+    """A record like the shared wheel's, plus the zero op (regular C++ ABI): under another torch
+    the stable-ABI libraries stay usable, the zero op is refused naming both versions."""
+    running = {**current_build_info(), "torch_version": "2.14.1+cu130", "cuda_version": "13.0"}
+    recorded = {
+        **running,
+        "torch_version": "2.13.0+cpu",
+        "cuda_version": None,
+        "stable_abi_ops": ["registry", "cpu_adam"],
+        "stable_abi_min_torch": "2.13",
+    }
+    assert mismatch(recorded, running, op="cpu_adam") == ""
+    assert mismatch(recorded, running, op="zero") == (
+        "built for torch 2.13.0+cpu, running torch 2.14.1+cu130; built for CUDA None, "
+        "running CUDA 13.0"
+    )
+    older = {**running, "torch_version": "2.12.1+cpu"}
+    assert mismatch(recorded, older, op="registry") == (
+        "built for torch >= 2.13 (stable ABI), running torch 2.12.1+cpu"
+    )
+    other_machine = {**recorded, "machine": "aarch64" if running["machine"] != "aarch64" else "x"}
+    assert mismatch(other_machine, running, op="cpu_adam").startswith("built for CPU architecture ")
+
+
+def _site_copy(prebuilt_site, tmp_path, folder="site", **recorded):
     """A copy of the installed wheel, its build record changed to `recorded`."""
-    site = tmp_path / "site"
+    site = tmp_path / folder
     shutil.copytree(prebuilt_site, site, ignore=shutil.ignore_patterns("__pycache__"))
     record = site / "deepspeed_cpp" / "_ops" / "build_info.json"
     record.write_text(json.dumps({**json.loads(record.read_text()), **recorded}))
@@ -262,15 +284,28 @@ def test_prebuilt_for_another_torch_falls_back_to_jit_or_names_both_versions(
 ):
     import torch
 
+    # Built with another torch and CUDA: the stable-ABI libraries load all the same, no compiler.
     other = "2.13.0+cpu"
-    site = _site_copy(prebuilt_site, tmp_path, torch_version=other, cuda_version=None)
+    built_elsewhere = _site_copy(
+        prebuilt_site, tmp_path, "elsewhere", torch_version=other, cuda_version=None
+    )
+    env = _no_compiler(built_elsewhere, tmp_path)
+    loaded = _run(STEP_SCRIPT + _LOADED_FROM, env, cwd=tmp_path)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    prebuilt = built_elsewhere / "deepspeed_cpp" / "_ops" / "cpu_adam.abi3.so"
+    assert f"LOADED FROM {prebuilt}" in loaded.stdout
+    assert "just in time" not in loaded.stderr
+
+    # Targeting a torch newer than the running one: refused, naming both versions.
+    newer = "2.99"
+    site = _site_copy(prebuilt_site, tmp_path, stable_abi_min_torch=newer)
     env = _no_compiler(site, tmp_path)
     refused = _run(STEP_SCRIPT, env, cwd=tmp_path)
     assert refused.returncode == 1, refused.stderr[-3000:]
     assert (
-        f"built for torch {other}, running torch {torch.__version__}; built for CUDA None, "
-        f"running CUDA {torch.version.cuda}; and it cannot be compiled just in time for torch "
-        f"{torch.__version__} here: no C++ compiler" in refused.stderr
+        f"built for torch >= {newer} (stable ABI), running torch {torch.__version__}; and it "
+        f"cannot be compiled just in time for torch {torch.__version__} here: no C++ compiler"
+        in refused.stderr
     )
     assert f"a wheel whose version ends in +{wheel_local_version(current_build_info())}" in (
         refused.stderr
@@ -290,7 +325,7 @@ def test_prebuilt_for_another_torch_falls_back_to_jit_or_names_both_versions(
     fallback = _run(STEP_SCRIPT + _LOADED_FROM, env, cwd=tmp_path)
     assert fallback.returncode == 0, fallback.stderr[-3000:]
     assert f"LOADED FROM {env['DS_CPP_EXTENSIONS_DIR']}" in fallback.stdout
-    assert f"cannot be used: built for torch {other}" in fallback.stderr
+    assert f"cannot be used: built for torch >= {newer}" in fallback.stderr
     assert "using a just-in-time build instead" in fallback.stderr
     report = _run("from deepspeed_cpp.env_report import main; main()", env, cwd=tmp_path)
     assert report.returncode == 0, report.stderr

@@ -5,12 +5,18 @@ and gives the wheel a local version naming the torch it needs (``0.1.0+torch2.14
 library compiled against one torch calls that torch's C++ symbols, so under another torch it
 would fail to load with an undefined-symbol traceback, or load and misbehave; the loader compares
 the record with the running torch first (see ``mismatch``).
+
+Libraries built against PyTorch's stable C ABI (``OpBuilder.STABLE_ABI``) are the exception: they
+call only the C shim, so the record lists them under ``stable_abi_ops`` with the oldest torch
+they serve (``stable_abi_min_torch``), and any torch from that one on may load them. A wheel of
+nothing but such libraries says so in its version: ``0.1.0+torchabi2.13``.
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -43,6 +49,20 @@ def wheel_local_version(info: dict) -> str:
     return f"torch{torch_release}.{accelerator}"
 
 
+def stable_abi_local_version(min_torch: tuple[int, int]) -> str:
+    """The local version label of a wheel whose libraries all use the stable ABI:
+    ``torchabi2.13`` (any torch from 2.13 on)."""
+    return "torchabi{}.{}".format(*min_torch)
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string: "2.14.1+cu130" -> (2, 14)."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"cannot read a torch version from {version!r}")
+    return int(found.group(1)), int(found.group(2))
+
+
 def read_build_info(path: Path) -> dict:
     """The record beside pre-built libraries; {} when it is missing or unreadable (older
     wheels, hand-copied libraries): such libraries are treated as built for an unknown torch."""
@@ -53,14 +73,38 @@ def read_build_info(path: Path) -> dict:
     return info if isinstance(info, dict) else {}
 
 
-def mismatch(recorded: dict, running: dict | None = None) -> str:
-    """'' when libraries built as `recorded` can load here; else what differs, both sides named:
-    "built for torch 2.13.0+cpu, running torch 2.14.1+cu130"."""
+def mismatch(recorded: dict, running: dict | None = None, op: str | None = None) -> str:
+    """'' when `op`'s library built as `recorded` can load here; else what differs, both sides
+    named: "built for torch 2.13.0+cpu, running torch 2.14.1+cu130"."""
     running = running if running is not None else current_build_info()
     if not recorded:
         return f"no build record (build_info.json), running torch {running['torch_version']}"
+    if op is not None and op in recorded.get("stable_abi_ops", []):
+        return _stable_abi_mismatch(recorded, running)
     differences = []
     for key, label in _MUST_MATCH.items():
         if key in recorded and recorded[key] != running[key]:
             differences.append(f"built for {label} {recorded[key]}, running {label} {running[key]}")
+    return "; ".join(differences)
+
+
+def _stable_abi_mismatch(recorded: dict, running: dict) -> str:
+    """A stable-ABI library needs the CPU architecture it was compiled for and a torch at least
+    as new as the one it targets; the torch it was built with and CUDA do not matter."""
+    differences = []
+    if recorded.get("machine", running["machine"]) != running["machine"]:
+        differences.append(
+            f"built for CPU architecture {recorded['machine']}, running {running['machine']}"
+        )
+    try:
+        needed = torch_release(str(recorded["stable_abi_min_torch"]))
+    except (KeyError, ValueError):
+        differences.append("its build record names no valid stable_abi_min_torch")
+    else:
+        if torch_release(str(running["torch_version"])) < needed:
+            differences.append(
+                "built for torch >= {}.{} (stable ABI), running torch {}".format(
+                    *needed, running["torch_version"]
+                )
+            )
     return "; ".join(differences)

@@ -41,6 +41,13 @@ BUILD_INFO_FILE = PREBUILT_DIR / "build_info.json"
 # -fno-math-errno lets sqrtf vectorise. No -march: one binary runs on every CPU of its arch.
 BASE_CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
 
+# The oldest torch whose stable C ABI the STABLE_ABI families are built for: their headers' newer
+# APIs are compiled out (TORCH_TARGET_VERSION), so one build loads under this torch and later ones.
+STABLE_ABI_MIN_TORCH = (2, 13)
+STABLE_ABI_CXX_FLAGS = [
+    "-DTORCH_TARGET_VERSION=0x{:02x}{:02x}000000000000".format(*STABLE_ABI_MIN_TORCH)
+]
+
 # Loaded libraries, by op name, for this process.
 _loaded: dict[str, Path] = {}
 
@@ -95,6 +102,11 @@ class OpBuilder:
     NAME: ClassVar[str] = ""
     # Every family but the schema library itself needs the schemas loaded first.
     NEEDS_REGISTRY: ClassVar[bool] = True
+    # Whether the family uses only PyTorch's stable C ABI (torch/csrc/stable): then a pre-built
+    # library serves every torch from STABLE_ABI_MIN_TORCH on, not only the one it was built with.
+    # Families holding torch::CustomClassHolder objects or c10d process groups cannot: those are
+    # C++ types with no stable form.
+    STABLE_ABI: ClassVar[bool] = False
 
     # --- what subclasses describe -------------------------------------------------------------
     def sources(self) -> list[str]:
@@ -105,7 +117,7 @@ class OpBuilder:
         return []
 
     def extra_cflags(self) -> list[str]:
-        return list(BASE_CXX_FLAGS)
+        return BASE_CXX_FLAGS + (STABLE_ABI_CXX_FLAGS if self.STABLE_ABI else [])
 
     def extra_ldflags(self) -> list[str]:
         return []
@@ -166,7 +178,7 @@ class OpBuilder:
         matches = sorted(PREBUILT_DIR.glob(f"{self.NAME}.*so"))
         if not matches:
             return None, ""
-        differs = mismatch(read_build_info(BUILD_INFO_FILE))
+        differs = mismatch(read_build_info(BUILD_INFO_FILE), op=self.NAME)
         if differs:
             return None, f"the pre-built {matches[0]} cannot be used: {differs}"
         return matches[0], ""

@@ -16,7 +16,10 @@ _SHARED_SOURCES = [
 
 class CPUOptimizerBuilder(OpBuilder):
     """A CPU optimizer family: csrc/<NAME>/ with its op, its kernel entry and its per-element step,
-    compiled with the shared per-ISA loops of csrc/cpu_optim/."""
+    compiled with the shared per-ISA loops of csrc/cpu_optim/. Its glue uses only PyTorch's stable
+    C ABI (csrc/cpu_optim/cpu_optimizer_glue.h)."""
+
+    STABLE_ABI = True
 
     def sources(self) -> list[str]:
         family = self.NAME

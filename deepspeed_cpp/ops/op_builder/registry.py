@@ -6,6 +6,7 @@ class RegistryBuilder(OpBuilder):
 
     NAME = "registry"
     NEEDS_REGISTRY = False
+    STABLE_ABI = True
 
     def sources(self) -> list[str]:
         return ["registration.cpp"]
