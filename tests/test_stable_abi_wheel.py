@@ -9,9 +9,11 @@ pip's configured indexes; when neither has it the test fails saying so, it never
 """
 
 import os
+import re
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,26 @@ def test_cpu_adam_and_a_zero2_step_pass_under_torch_2_13(other_torch_venv, tmp_p
     assert ran.returncode == 0, ran.stdout[-5000:] + ran.stderr[-3000:]
     assert " failed" not in ran.stdout and " skipped" not in ran.stdout, ran.stdout[-3000:]
     assert " passed" in ran.stdout, ran.stdout[-3000:]
+
+
+# What a library may take from torch to load under another torch: the stable ABI's C functions.
+# C++ symbols of torch (c10::, at::, torch::) change with every release. The few std:: functions
+# newer than the oldest libstdc++ around (std::__throw_bad_array_new_length, ...) are found in
+# libstdc++ or in libc10, which exports its own copies.
+_C_SHIM = re.compile(r"^(aoti_torch_|torch_)\w+$")
+_CXX_STD = re.compile(r"^_Z(N[KOR]*)?St")
+
+
+def test_libraries_call_torch_only_through_its_c_shim(prebuilt_cpu_adam_wheel, tmp_path):
+    with zipfile.ZipFile(prebuilt_cpu_adam_wheel) as wheel:
+        names = [n for n in wheel.namelist() if n.endswith(".so")]
+        wheel.extractall(tmp_path, members=names)
+    for name in names:
+        listed = _run(["nm", "-D", "--undefined-only", tmp_path / name], cwd=tmp_path)
+        assert listed.returncode == 0, listed.stderr
+        symbols = [line.split()[-1] for line in listed.stdout.splitlines() if line.strip()]
+        # Versioned ones (pow@GLIBC_2.29) come from the C and C++ runtimes, weak ones are unused.
+        unversioned = [s for s in symbols if "@" not in s and not s.startswith(("_ITM_", "__gmon"))]
+        foreign = [s for s in unversioned if not _C_SHIM.match(s) and not _CXX_STD.match(s)]
+        assert not foreign, f"{name} needs torch C++ symbols, not the stable ABI: {foreign}"
+        assert any(_C_SHIM.match(s) for s in unversioned), f"{name} registers nothing? {symbols}"
