@@ -28,20 +28,28 @@ def _batches(n=20):
 def test_training_matches_torch_optimizer_in_float64(adamw_mode):
     ours = _model()
     reference = copy.deepcopy(ours).double()
+    torch_float32 = copy.deepcopy(ours)
     hp = dict(lr=1e-2, betas=(0.9, 0.98), eps=1e-7, weight_decay=0.05)
     optimizer = DeepSpeedCPUAdam(ours.parameters(), adamw_mode=adamw_mode, **hp)
     torch_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     reference_optimizer = torch_cls(reference.parameters(), foreach=False, **hp)
+    torch_float32_optimizer = torch_cls(torch_float32.parameters(), foreach=False, **hp)
     for x, y in _batches():
-        # Same float32 gradients to both, so only the update arithmetic differs.
+        # Same float32 gradients to all three, so only the update arithmetic differs.
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(ours(x), y).backward()
-        for p, q in zip(ours.parameters(), reference.parameters()):
-            q.grad = p.grad.double()
+        for p, q, r in zip(ours.parameters(), reference.parameters(), torch_float32.parameters()):
+            q.grad, r.grad = p.grad.double(), p.grad.clone()
         optimizer.step()
         reference_optimizer.step()
-    for p, q in zip(ours.parameters(), reference.parameters()):
-        assert (p.double() - q).abs().max() <= 2e-6 * q.abs().max()
+        torch_float32_optimizer.step()
+    # Within 2e-6 of the float64 result, or no further from it than torch's own float32 Adam:
+    # with L2 weight decay (adamw_mode=False) a gradient that nearly cancels its decay term
+    # (grad ~ -weight_decay * param) keeps only a few float32 bits, and with eps above it the
+    # step moves by a good fraction of lr in float32 whoever computes it.
+    for p, q, r in zip(ours.parameters(), reference.parameters(), torch_float32.parameters()):
+        float32_error = (r.double() - q).abs().max()
+        assert (p.double() - q).abs().max() <= max(2e-6 * q.abs().max(), 1.5 * float32_error)
 
 
 def test_param_groups_with_their_own_hyper_parameters():
