@@ -93,11 +93,35 @@ def regression_dataset(samples: int = 64, seed: int = 11) -> list[dict]:
     return [{"input_x": xi, "labels": yi} for xi, yi in zip(x, y)]
 
 
+class RegressionOutOfMemoryAbove(ScalarRegression):
+    """ScalarRegression whose forward fails as a GPU does when a batch of more than ``LIMIT``
+    samples does not fit: torch.OutOfMemoryError with CUDA's message, which is what
+    accelerate's batch-size finder recognises. Records the batch sizes it was given."""
+
+    LIMIT = 4
+
+    def __init__(self):
+        super().__init__()
+        self.batch_sizes_tried = []
+
+    def forward(self, input_x, labels=None):
+        size = input_x.shape[0]
+        if not self.batch_sizes_tried or self.batch_sizes_tried[-1] != size:
+            self.batch_sizes_tried.append(size)
+        if size > self.LIMIT:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {size * 512} MiB. GPU 0 has a total "
+                "capacity of 79.19 GiB of which 20.00 MiB is free."
+            )
+        return super().forward(input_x, labels)
+
+
 MODELS = {
     "gpt2": (tiny_gpt2, token_dataset),
     "t5": (tiny_t5, token_dataset),
     "llama": (tiny_llama, token_dataset),
     "regression": (ScalarRegression, regression_dataset),
+    "regression_oom": (RegressionOutOfMemoryAbove, regression_dataset),
 }
 
 
@@ -108,7 +132,9 @@ def run_trainer(spec: dict) -> dict:
     spec: output_dir, deepspeed (a ds_config dict, or None for transformers' own Trainer),
     model (a key of MODELS; "gpt2" by default), micro (per-device batch), accumulation,
     max_steps, save_steps (0: no checkpoints), save_at (steps to save at besides save_steps),
-    resume (None, True or a path), optim_args (extra TrainingArguments).
+    resume (None, True or a path), optim_args (extra TrainingArguments), trains (how many
+    train() calls, 1 by default; "calls" then holds each call's log), new_trainer_each_train
+    (each call after the first on a new Trainer holding the trained model).
     """
     import transformers
 
@@ -178,16 +204,25 @@ def run_trainer(spec: dict) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
         optimizers = (optimizer, schedule)
-    trainer = trainer_class(
-        model=model,
-        args=args,
-        optimizers=optimizers,
-        train_dataset=build_dataset(),
-        eval_dataset=build_dataset(seed=3)[:16] if evaluate else None,
-        callbacks=[_SaveAt(save_at)] if save_at else None,
-    )
-    trainer.train(resume_from_checkpoint=spec.get("resume"))
-    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+
+    def new_trainer():
+        return trainer_class(
+            model=model,
+            args=args,
+            optimizers=optimizers,
+            train_dataset=build_dataset(),
+            eval_dataset=build_dataset(seed=3)[:16] if evaluate else None,
+            callbacks=[_SaveAt(save_at)] if save_at else None,
+        )
+
+    trainer = new_trainer()
+    calls = []
+    for call in range(spec.get("trains", 1)):
+        if call and spec.get("new_trainer_each_train"):
+            trainer = new_trainer()
+        trainer.train(resume_from_checkpoint=spec.get("resume"))
+        calls.append([entry for entry in trainer.state.log_history if "loss" in entry])
+    history = calls[-1]
     if evaluate:
         result_evaluation = {
             "eval_losses": [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e],
@@ -204,6 +239,9 @@ def run_trainer(spec: dict) -> dict:
         "epoch": trainer.state.epoch,
         # Every per-step log entry whole (loss, grad_norm, learning_rate, epoch, step).
         "log_history": history,
+        "calls": calls,
+        "train_batch_size": trainer.state.train_batch_size,
+        "batch_sizes_tried": list(getattr(model, "batch_sizes_tried", [])),
     }
     if evaluate:
         result.update(result_evaluation)
@@ -214,6 +252,7 @@ def run_trainer(spec: dict) -> dict:
         result["skipped_steps"] = engine.skipped_steps
         result["last_lr"] = trainer.lr_scheduler.get_last_lr()
         result["step_was_skipped"] = trainer.accelerator.optimizer_step_was_skipped
+        result["engine_micro_batch"] = engine.train_micro_batch_size_per_gpu()
         state = engine.full_module_state_dict(rank0_only=True)
     else:
         state = trainer.model.state_dict()
@@ -330,4 +369,90 @@ def load_pretrained_partitioned(folder: str) -> dict:
         "training": model.training,
         "state": state,
         "errors": errors,
+    }
+
+
+# The two trials of the hyper-parameter search: a learning rate and a per-device batch each.
+SEARCH_CHOICES = {0: (2e-3, 2), 1: (5e-4, 4)}
+
+
+def hyperparameter_search_trials(spec: dict) -> dict:
+    """``trainer.hyperparameter_search`` (optuna, a grid over SEARCH_CHOICES, so every run tries
+    the same two trials in the same order) with tiny_gpt2 from a model_init; per trial: the
+    values it set, its logged losses and learning rates, its objective (the eval loss) and, with
+    our engine, what the trial's engine was built with.
+
+    spec: output_dir, deepspeed (or None for transformers' own Trainer), batch_scale (the
+    per-device batch is the trial's times this: 2 for the one-process reference of 2 ranks).
+    """
+    import optuna
+    import transformers
+
+    from deepspeed_cpp import hf
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    use_engine = spec.get("deepspeed") is not None
+    if use_engine:
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    scale = spec.get("batch_scale", 1)
+    arguments_class = hf.TrainingArguments if use_engine else transformers.TrainingArguments
+    args = arguments_class(
+        output_dir=spec["output_dir"],
+        per_device_train_batch_size=8,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        seed=42,
+        **({"deepspeed": spec["deepspeed"]} if use_engine else {}),
+    )
+    trainer_class = hf.Trainer if use_engine else transformers.Trainer
+    trials = []
+
+    def hp_space(trial):
+        learning_rate, batch = SEARCH_CHOICES[trial.suggest_categorical("choice", [0, 1])]
+        return {"learning_rate": learning_rate, "per_device_train_batch_size": batch * scale}
+
+    def record_objective(metrics: dict) -> float:
+        # Called once a trial has trained and been evaluated, its engine still alive.
+        history = [entry for entry in trainer.state.log_history if "loss" in entry]
+        record = {
+            "learning_rate": trainer.args.learning_rate,
+            "per_device_train_batch_size": trainer.args.per_device_train_batch_size,
+            "losses": [entry["loss"] for entry in history],
+            "learning_rates": [entry["learning_rate"] for entry in history],
+            "eval_loss": metrics["eval_loss"],
+        }
+        engine = getattr(trainer.accelerator, "engine", None)
+        if engine is not None:
+            record["engine_micro_batch"] = engine.train_micro_batch_size_per_gpu()
+            record["engine_optimizer"] = type(engine.optimizer.optimizer).__name__
+            record["engine_config_lr"] = trainer.args.deepspeed_cpp_config["optimizer"]["params"][
+                "lr"
+            ]
+        trials.append(record)
+        return metrics["eval_loss"]
+
+    trainer = trainer_class(
+        model_init=lambda: tiny_gpt2(),  # model_init takes no argument or the trial
+        args=args,
+        train_dataset=token_dataset(),
+        eval_dataset=token_dataset(seed=3)[:16],
+    )
+    best = trainer.hyperparameter_search(
+        hp_space=hp_space,
+        compute_objective=record_objective,
+        n_trials=2,
+        direction="minimize",
+        backend="optuna",
+        sampler=optuna.samplers.GridSampler({"choice": [0, 1]}, seed=0),
+    )
+    # Only rank 0 runs the study (the others follow its trials): they get no best run.
+    return {
+        "trials": trials,
+        "best_objective": best.objective if best is not None else None,
+        "best_params": best.hyperparameters if best is not None else None,
     }

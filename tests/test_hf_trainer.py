@@ -13,7 +13,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from hf_trainer_jobs import (  # noqa: E402
+    SEARCH_CHOICES,
     accelerate_world_without_our_fix,
+    hyperparameter_search_trials,
     load_pretrained_partitioned,
     partitioned_from_config_statistics,
     run_trainer,
@@ -428,3 +430,109 @@ def test_accelerate_alone_sees_a_world_of_one_and_ours_sees_two(pool2):
     # The pitfall, reproduced: transformers' own arguments on 2 CPU ranks. Ours see the world of
     # two in every run above (test_zero_stage_losses_equal_one_process_reference checks it).
     assert pool2.run(accelerate_world_without_our_fix) == [1, 1]
+
+
+def _assert_same_calls(ours: dict, theirs: dict, tolerance: float) -> None:
+    """Each train() call's logged losses and learning rates, then the final weights."""
+    assert len(ours["calls"]) == len(theirs["calls"]) > 1
+    for call, (mine, reference) in enumerate(zip(ours["calls"], theirs["calls"]), start=1):
+        assert [e["step"] for e in mine] == [e["step"] for e in reference], f"call {call}"
+        for a, b in zip(mine, reference):
+            assert abs(a["loss"] - b["loss"]) <= tolerance, f"call {call}: {a} vs {b}"
+            assert a["learning_rate"] == pytest.approx(b["learning_rate"], rel=1e-12)
+    for name, value in theirs["weights"].items():
+        torch.testing.assert_close(ours["weights"][name], value, atol=tolerance, rtol=0)
+
+
+def test_a_second_train_call_trains_on_with_a_fresh_engine(pool2, tmp_path):
+    # transformers initialises DeepSpeed afresh on every train(): the second call trains the
+    # model's current weights with a new optimizer and schedule. The reference is what a user
+    # gets from transformers' own Trainer that way: a new Trainer holding the trained model.
+    spec = {"max_steps": 4, "micro": MICRO, "trains": 2}
+    theirs = run_trainer(
+        dict(
+            spec,
+            output_dir=str(tmp_path / "theirs"),
+            deepspeed=None,
+            micro=MICRO * WORLD,
+            new_trainer_each_train=True,
+        )
+    )
+    first_losses = [entry["loss"] for entry in theirs["calls"][0]]
+    assert theirs["calls"][1][0]["loss"] < first_losses[0], "the second call starts trained"
+    for stage in (2, 3):
+        output_dir = str(tmp_path / f"zero{stage}")
+        ours = pool2.run(
+            run_trainer, dict(spec, output_dir=output_dir, deepspeed=_auto_config(stage))
+        )
+        assert ours[0]["zero_stage"] == stage
+        assert ours[1]["calls"] == ours[0]["calls"], "every rank logs the same"
+        _assert_same_calls(ours[0], theirs, tolerance=1e-5)
+
+
+def test_a_second_train_call_with_the_callers_optimizer_is_refused(pool2, tmp_path):
+    spec = {"own_optimizer": True, "max_steps": 1, "trains": 2, "output_dir": str(tmp_path)}
+    with pytest.raises(
+        RuntimeError, match=r"train\(\) again after an engine trained with the optim"
+    ):
+        pool2.run(run_trainer, dict(spec, deepspeed=_auto_config(1)))
+
+
+def test_auto_find_batch_size_rebuilds_the_engine_for_the_batch_that_fits(pool2, tmp_path):
+    # The model runs "out of memory" above 4 samples a rank: accelerate's finder lowers the
+    # batch from 8 (to 0.9 of it from accelerate 1.9 on, by half before) until it fits; each try
+    # builds an engine for its batch. The reference trains at the batch that fits from the start.
+    config = _auto_config(2)
+    config["zero_optimization"]["reduce_bucket_size"] = 1000
+    spec = {"max_steps": 5, "learning_rate": 0.1}
+    ours = pool2.run(
+        run_trainer,
+        dict(
+            spec,
+            model="regression_oom",
+            output_dir=str(tmp_path / "ours"),
+            micro=8,
+            deepspeed=config,
+            optim_args={"auto_find_batch_size": True},
+        ),
+    )
+    theirs = run_trainer(
+        dict(spec, model="regression", output_dir=str(tmp_path / "theirs"), deepspeed=None, micro=8)
+    )
+    for rank, result in enumerate(ours):
+        tried = result["batch_sizes_tried"]
+        assert tried[0] == 8 and tried[-1] == 4 and all(size > 4 for size in tried[:-1]), rank
+        assert result["train_batch_size"] == 4 and result["engine_micro_batch"] == 4, rank
+    assert [entry["step"] for entry in ours[0]["log_history"]] == [1, 2, 3, 4, 5]
+    _assert_same_training(ours[0], theirs, tolerance=1e-6)
+
+
+def test_hyperparameter_search_builds_each_trials_engine_from_its_values(pool2, tmp_path):
+    # optuna on rank 0, the trial's values broadcast to rank 1 (transformers' DDP search). The
+    # config's optimizer takes its lr from the trial ("auto"), and the batch sizes too.
+    optimizer = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
+    config = _auto_config(2, optimizer=optimizer)
+    ours = pool2.run(
+        hyperparameter_search_trials, {"output_dir": str(tmp_path / "ours"), "deepspeed": config}
+    )
+    theirs = hyperparameter_search_trials(
+        {"output_dir": str(tmp_path / "theirs"), "deepspeed": None, "batch_scale": WORLD}
+    )
+    trials = ours[0]["trials"]
+    assert ours[1]["trials"] == trials, "rank 1 trains rank 0's trials"
+    assert len(trials) == len(theirs["trials"]) == 2
+    assert {(t["learning_rate"], t["per_device_train_batch_size"]) for t in trials} == set(
+        SEARCH_CHOICES.values()
+    )
+    for mine, reference in zip(trials, theirs["trials"]):
+        assert mine["engine_optimizer"] == "DeepSpeedCPUAdam"
+        assert mine["engine_config_lr"] == mine["learning_rate"] == reference["learning_rate"]
+        assert mine["engine_micro_batch"] == mine["per_device_train_batch_size"]
+        assert (
+            mine["per_device_train_batch_size"] * WORLD == reference["per_device_train_batch_size"]
+        )
+        assert mine["learning_rates"] == pytest.approx(reference["learning_rates"], rel=1e-12)
+        assert mine["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert mine["eval_loss"] == pytest.approx(reference["eval_loss"], abs=1e-5)
+    assert ours[0]["best_objective"] == pytest.approx(theirs["best_objective"], abs=1e-5)
+    assert ours[0]["best_params"] == theirs["best_params"]

@@ -30,12 +30,21 @@ import os
 
 import transformers
 
+from deepspeed_cpp import DeepSpeedEngine
+
 from .accelerator import EngineAccelerator, EngineOptimizer, EnginePlan, EngineScheduler
 from .config_filling import fill_from_model_and_steps
 
 
 class _EngineTrainerMixin:
     """The Trainer methods that differ when deepspeed_cpp's engine trains."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # What Trainer(optimizers=...) brought: once an engine trained, self.optimizer and
+        # self.lr_scheduler are views of the engine's, and a later train() must tell them apart.
+        self._caller_optimizers = (self.optimizer, self.lr_scheduler)
+        self._config_for_found_batch = None
 
     @property
     def deepspeed_cpp_enabled(self) -> bool:
@@ -52,6 +61,11 @@ class _EngineTrainerMixin:
         return accelerator_args
 
     def create_accelerator_and_postprocess(self) -> None:
+        # Hyper-parameter search makes a new accelerator for each trial: the engine of the one it
+        # replaces is destroyed first (its hooks, its stage-3 process groups).
+        previous = getattr(self, "accelerator", None)
+        if isinstance(previous, EngineAccelerator) and previous.engine is not None:
+            previous.free_memory()
         super().create_accelerator_and_postprocess()
         if not self.deepspeed_cpp_enabled:
             return
@@ -67,12 +81,55 @@ class _EngineTrainerMixin:
     # --- what the engine is built from --------------------------------------------------------
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         if self.deepspeed_cpp_enabled:
+            self._forget_previous_engine()
             self._plan_engine(max_steps)
         return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
+    def _forget_previous_engine(self) -> None:
+        """Before an engine is built again: a second ``train()`` on this Trainer, or
+        ``auto_find_batch_size``'s next try. The accelerator destroyed the last engine
+        (``free_memory``); as transformers does when it initialises DeepSpeed again, the new one
+        trains the model's current weights with a fresh optimizer and schedule."""
+        if isinstance(self.model_wrapped, DeepSpeedEngine):
+            # Else transformers takes the old engine for a wrapper it must not wrap again.
+            self.model_wrapped = self.model
+        if isinstance(self.optimizer, EngineOptimizer):
+            caller_optimizer, caller_schedule = self._caller_optimizers
+            if caller_optimizer is not None:
+                raise ValueError(
+                    "train() again after an engine trained with the optimizer passed in "
+                    "Trainer(optimizers=...): the engine took its parameter groups over (ZeRO "
+                    "keeps shards of them), so it cannot start another engine; expected a new "
+                    "Trainer with a new optimizer, or Trainer(optimizer_cls_and_kwargs=...) so "
+                    "that each train() builds its own"
+                )
+            self.optimizer = None
+            self.lr_scheduler = caller_schedule
+            self._created_lr_scheduler = False
+
+    def _update_auto_batch_size(self, batch_size: int) -> None:
+        super()._update_auto_batch_size(batch_size)
+        if self.deepspeed_cpp_enabled:
+            # The config's batch keys follow the batch auto_find_batch_size settled on (the
+            # arguments keep the batch the user asked for).
+            per_device = batch_size // max(1, self.args.n_gpu)
+            self._config_for_found_batch = self.args.refill_deepspeed_cpp_config(per_device)
+
+    def _hp_search_setup(self, trial) -> None:
+        super()._hp_search_setup(trial)  # sets the trial's values on the arguments
+        if self.deepspeed_cpp_enabled and self.hp_search_backend is not None and trial is not None:
+            # "auto" keys (the optimizer's lr, the batch sizes, ...) take the trial's values; the
+            # engine is built from this config when the trial trains.
+            self.args.deepspeed_cpp_config = self.args.refill_deepspeed_cpp_config()
+            self._config_for_found_batch = None
+
+    def _engine_config(self) -> dict:
+        found = self._config_for_found_batch
+        return found if found is not None else self.args.deepspeed_cpp_config
+
     def _plan_engine(self, num_training_steps: int) -> None:
         config = fill_from_model_and_steps(
-            self.args.deepspeed_cpp_config,
+            self._engine_config(),
             self.model,
             num_training_steps,
             self.args.get_warmup_steps(num_training_steps),

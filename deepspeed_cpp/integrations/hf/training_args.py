@@ -38,6 +38,32 @@ class _EngineArgumentsMixin:
             # Kept alive with the arguments: is_deepspeed_zero3_enabled() answers from it.
             self.deepspeed_cpp_hf_config = HfDeepSpeedConfig(self.deepspeed_cpp_config)
 
+    def refill_deepspeed_cpp_config(self, per_device_train_batch_size: int | None = None) -> dict:
+        """The ds_config filled afresh from the arguments as they are now: hyper-parameter search
+        sets a trial's values on the arguments, and the config's ``"auto"`` keys must follow.
+        ``per_device_train_batch_size``: the batch ``auto_find_batch_size`` settled on, which
+        the arguments do not hold (the Trainer keeps it); the config's batch keys then have to
+        be ``"auto"`` (or left out), as a fixed number could not follow it."""
+        raw = DeepSpeedConfig.parse(self.deepspeed).raw
+        if per_device_train_batch_size is None:
+            return fill_from_arguments(raw, self, self.world_size)
+        if per_device_train_batch_size != self.per_device_train_batch_size:
+            sized_by_batch = ("train_micro_batch_size_per_gpu", "train_batch_size")
+            fixed = [f"{k!r} = {raw[k]!r}" for k in sized_by_batch if raw.get(k, "auto") != "auto"]
+            if fixed:
+                raise ValueError(
+                    "auto_find_batch_size lowered the per-device batch to "
+                    f"{per_device_train_batch_size} after an out-of-memory error, but the "
+                    f'ds_config fixes {", ".join(fixed)}: expected "auto" (or no such key) so '
+                    "that the engine is rebuilt for the new batch size"
+                )
+        given = self.per_device_train_batch_size
+        self.per_device_train_batch_size = per_device_train_batch_size
+        try:
+            return fill_from_arguments(raw, self, self.world_size)
+        finally:
+            self.per_device_train_batch_size = given
+
     @contextlib.contextmanager
     def _deepspeed_hidden(self):
         given, self.deepspeed = self.deepspeed, None
