@@ -45,7 +45,14 @@ fi
 "$VENV/bin/python" -m pip install -q ninja numpy "pydantic>=2" matplotlib safetensors hypothesis \
   pytest pytest-timeout ruff clang-format build
 # The Hugging Face Trainer drop-in's tests (the `hf` extra, at the version they were written for).
-"$VENV/bin/python" -m pip install -q "transformers==5.24.0" "accelerate==1.15.0"
+"$VENV/bin/python" -m pip install -q "transformers==5.24.0" "accelerate==1.15.0" "optuna>=4"
+# The lowest of the `hf` range beside them (scripts/hf_lowest.txt), refreshed when the pins change.
+lowest="$VENV/hf-lowest"
+if ! cmp -s scripts/hf_lowest.txt "$lowest/pins.txt"; then
+  rm -rf "$lowest"
+  "$VENV/bin/python" -m pip install -q --no-deps --target "$lowest" -r scripts/hf_lowest.txt
+  cp scripts/hf_lowest.txt "$lowest/pins.txt"
+fi
 # torch 2.13.0, CPU build: tests/test_stable_abi_wheel.py installs the stable-ABI wheel beside it
 # in a venv of its own. Kept in a wheel cache (~200 MB, once) so that the test needs no network.
 OTHER_TORCH_WHEELS=${DS_OTHER_TORCH_WHEELS:-.cache/other-torch}

@@ -9,3 +9,9 @@ VENV=${VENV:-.venv}
 find csrc -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' |
   xargs "$VENV/bin/clang-format" --dry-run --Werror
 "$VENV/bin/python" -m pytest -q -ra "$@"
+# The lowest supported transformers/accelerate (scripts/hf_lowest.txt, installed by setup_env.sh):
+# the config rules and one 2-rank ZeRO-2 training against transformers' own Trainer.
+DS_CPP_HF_EXPECT_VERSIONS="$(grep -E '^(transformers|accelerate)==' scripts/hf_lowest.txt | xargs)" \
+  PYTHONPATH="$VENV/hf-lowest${PYTHONPATH:+:$PYTHONPATH}" \
+  "$VENV/bin/python" -m pytest -q -ra -p no:cacheprovider tests/test_hf_config_filling.py \
+  "tests/test_hf_trainer.py::test_zero_stage_losses_equal_one_process_reference[2-False]"

@@ -1,6 +1,7 @@
 """The Hugging Face guide's "auto" rules and mismatch error (deepspeed_cpp.hf), no processes."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -257,6 +258,51 @@ def test_seq2seq_arguments_take_deepspeed_too(tmp_path):
     assert args.deepspeed_cpp_config["train_batch_size"] == 8
 
 
+def test_config_filled_again_for_a_trials_values_and_a_found_batch(tmp_path):
+    from deepspeed_cpp.hf import TrainingArguments
+
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+    }
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=3,
+        learning_rate=1e-3,
+        deepspeed=config,
+    )
+    # A hyper-parameter trial sets its values on the arguments.
+    args.learning_rate = 4e-4
+    refilled = args.refill_deepspeed_cpp_config()
+    assert refilled["optimizer"]["params"]["lr"] == 4e-4
+    assert args.deepspeed_cpp_config["optimizer"]["params"]["lr"] == 1e-3, "a new dict"
+    # auto_find_batch_size's batch: the arguments keep the user's.
+    found = args.refill_deepspeed_cpp_config(per_device_train_batch_size=5)
+    assert found["train_micro_batch_size_per_gpu"] == 5
+    assert found["train_batch_size"] == 5 * 3
+    assert args.per_device_train_batch_size == 8
+
+
+def test_a_found_batch_with_fixed_batch_keys_names_them(tmp_path):
+    from deepspeed_cpp.hf import TrainingArguments
+
+    config = {"train_micro_batch_size_per_gpu": 8, "train_batch_size": 8}
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, deepspeed=config
+    )
+    same = args.refill_deepspeed_cpp_config(per_device_train_batch_size=8)
+    assert same["train_micro_batch_size_per_gpu"] == same["train_batch_size"] == 8
+    with pytest.raises(ValueError) as caught:
+        args.refill_deepspeed_cpp_config(per_device_train_batch_size=7)
+    message = str(caught.value)
+    assert "lowered the per-device batch to 7" in message
+    assert "'train_micro_batch_size_per_gpu' = 8" in message and "'train_batch_size' = 8" in message
+    assert 'expected "auto"' in message
+
+
 def test_without_deepspeed_the_arguments_are_transformers_own(tmp_path):
     from deepspeed_cpp.hf import TrainingArguments
 
@@ -322,3 +368,47 @@ def test_training_arguments_keep_their_config_alive(tmp_path):
     )
     assert hf.is_deepspeed_zero3_enabled()
     assert hf.deepspeed_config() == args.deepspeed_cpp_config
+
+
+# --- the supported range ---------------------------------------------------------------------
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:3])
+
+
+def test_supported_range_is_declared_alike_and_its_lowest_end_is_the_tested_one():
+    import tomllib
+
+    from deepspeed_cpp.integrations.hf import SUPPORTED
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    declared = [
+        entry
+        for entry in extras["optional-dependencies"]["hf"]
+        if entry.startswith(("transformers", "accelerate"))
+    ]
+    assert sorted(declared) == sorted(
+        f"{name}>={lowest},<{below}" for name, (lowest, below) in SUPPORTED.items()
+    )
+    pins = {}
+    for line in (REPO_ROOT / "scripts" / "hf_lowest.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[name] = version
+    for name, (lowest, _) in SUPPORTED.items():
+        assert pins[name] == lowest, f"scripts/hf_lowest.txt pins {name} {pins[name]}"
+
+
+def test_the_imported_versions_are_in_the_range_and_the_ones_asked_for():
+    # scripts/test.sh runs this module again with the lowest versions first on PYTHONPATH and
+    # names them in DS_CPP_HF_EXPECT_VERSIONS: that run must really import them.
+    import accelerate
+    import transformers
+
+    from deepspeed_cpp.integrations.hf import SUPPORTED
+
+    imported = {"transformers": transformers.__version__, "accelerate": accelerate.__version__}
+    for name, (lowest, below) in SUPPORTED.items():
+        assert _version(lowest) <= _version(imported[name]) < _version(below), (name, imported)
+    for pin in os.environ.get("DS_CPP_HF_EXPECT_VERSIONS", "").split():
+        name, version = pin.split("==")
+        assert imported[name] == version, f"{name} {imported[name]} imported, {version} expected"

@@ -448,7 +448,7 @@ def test_a_second_train_call_trains_on_with_a_fresh_engine(pool2, tmp_path):
     # transformers initialises DeepSpeed afresh on every train(): the second call trains the
     # model's current weights with a new optimizer and schedule. The reference is what a user
     # gets from transformers' own Trainer that way: a new Trainer holding the trained model.
-    spec = {"max_steps": 4, "micro": MICRO, "trains": 2}
+    spec = {"max_steps": 3, "micro": MICRO, "trains": 2}
     theirs = run_trainer(
         dict(
             spec,
