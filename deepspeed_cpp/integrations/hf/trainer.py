@@ -16,6 +16,11 @@ config has                        engine trains with
 neither                           the Trainer's optimizer and schedule
 ================================  ==========================================================
 
+Every ``train()`` builds a new engine from the config as it is then: a second call on the same
+Trainer (the model's current weights, a fresh optimizer and schedule, as transformers initialises
+DeepSpeed again), each try of ``auto_find_batch_size`` (the batch keys refilled for the batch
+tried) and each hyper-parameter trial (the config refilled from the trial's arguments).
+
 Checkpoints: ``checkpoint-N/`` holds what transformers writes (``model.safetensors`` with the
 whole model, gathered under ZeRO-3; ``trainer_state.json``, ``config.json``, ...) and the
 engine's own ``global_stepN/`` and ``latest``, which ``resume_from_checkpoint`` restores.
