@@ -481,30 +481,38 @@ def test_a_second_train_call_with_the_callers_optimizer_is_refused(pool2, tmp_pa
 def test_auto_find_batch_size_rebuilds_the_engine_for_the_batch_that_fits(pool2, tmp_path):
     # The model runs "out of memory" above 4 samples a rank: accelerate's finder lowers the
     # batch from 8 (to 0.9 of it from accelerate 1.9 on, by half before) until it fits; each try
-    # builds an engine for its batch. The reference trains at the batch that fits from the start.
-    config = _auto_config(2)
-    config["zero_optimization"]["reduce_bucket_size"] = 1000
+    # builds an engine for its batch (at ZeRO-3 the failed forward has gathered parameters). The
+    # reference trains at the batch that fits from the start.
     spec = {"max_steps": 5, "learning_rate": 0.1}
-    ours = pool2.run(
-        run_trainer,
-        dict(
-            spec,
-            model="regression_oom",
-            output_dir=str(tmp_path / "ours"),
-            micro=8,
-            deepspeed=config,
-            optim_args={"auto_find_batch_size": True},
-        ),
-    )
     theirs = run_trainer(
         dict(spec, model="regression", output_dir=str(tmp_path / "theirs"), deepspeed=None, micro=8)
     )
-    for rank, result in enumerate(ours):
-        tried = result["batch_sizes_tried"]
-        assert tried[0] == 8 and tried[-1] == 4 and all(size > 4 for size in tried[:-1]), rank
-        assert result["train_batch_size"] == 4 and result["engine_micro_batch"] == 4, rank
-    assert [entry["step"] for entry in ours[0]["log_history"]] == [1, 2, 3, 4, 5]
-    _assert_same_training(ours[0], theirs, tolerance=1e-6)
+    for stage in (2, 3):
+        config = _auto_config(stage)
+        config["zero_optimization"].update(
+            reduce_bucket_size=1000,
+            stage3_prefetch_bucket_size=1000,
+            stage3_param_persistence_threshold=0,
+        )
+        ours = pool2.run(
+            run_trainer,
+            dict(
+                spec,
+                model="regression_oom",
+                output_dir=str(tmp_path / f"zero{stage}"),
+                micro=8,
+                deepspeed=config,
+                optim_args={"auto_find_batch_size": True},
+            ),
+        )
+        for rank, result in enumerate(ours):
+            tried = result["batch_sizes_tried"]
+            assert tried[0] == 8 and tried[-1] == 4, (stage, rank, tried)
+            assert all(size > 4 for size in tried[:-1]), (stage, rank, tried)
+            assert result["train_batch_size"] == result["engine_micro_batch"] == 4, (stage, rank)
+        assert ours[0]["zero_stage"] == stage
+        assert [entry["step"] for entry in ours[0]["log_history"]] == [1, 2, 3, 4, 5]
+        _assert_same_training(ours[0], theirs, tolerance=1e-6)
 
 
 def test_hyperparameter_search_builds_each_trials_engine_from_its_values(pool2, tmp_path):
