@@ -45,7 +45,7 @@ fi
 "$VENV/bin/python" -m pip install -q ninja numpy "pydantic>=2" matplotlib safetensors hypothesis \
   pytest pytest-timeout ruff clang-format build
 # The Hugging Face Trainer drop-in's tests (the `hf` extra, at the version they were written for).
-"$VENV/bin/python" -m pip install -q "transformers==5.24.0" "accelerate==1.15.0" "optuna>=4"
+"$VENV/bin/python" -m pip install -q "transformers==5.24.0" "accelerate==1.15.0" "optuna==5.0.0"
 # The lowest of the `hf` range beside them (scripts/hf_lowest.txt), refreshed when the pins change.
 lowest="$VENV/hf-lowest"
 if ! cmp -s scripts/hf_lowest.txt "$lowest/pins.txt"; then
