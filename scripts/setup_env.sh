@@ -44,7 +44,8 @@ fi
 "$VENV/bin/python" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
 "$VENV/bin/python" -m pip install -q ninja numpy "pydantic>=2" matplotlib safetensors hypothesis \
   pytest pytest-timeout ruff clang-format build
-# The Hugging Face Trainer drop-in's tests (the `hf` extra, at the version they were written for).
+# The Hugging Face Trainer drop-in's tests: the highest of the `hf` extra's range, and optuna for
+# the hyper-parameter search test.
 "$VENV/bin/python" -m pip install -q "transformers==5.24.0" "accelerate==1.15.0" "optuna==5.0.0"
 # The lowest of the `hf` range beside them (scripts/hf_lowest.txt), refreshed when the pins change.
 lowest="$VENV/hf-lowest"
