@@ -13,9 +13,11 @@ from .distributed import (
     init_distributed,
     is_initialized,
 )
+from .rendezvous import RendezvousError
 
 __all__ = [
     "CollectiveTimeoutError",
+    "RendezvousError",
     "barrier",
     "get_local_rank",
     "get_rank",

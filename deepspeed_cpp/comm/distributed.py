@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..utils.logging import logger
 from .collective_errors import named_collective, set_configured_timeout
+from .rendezvous import init_process_group_named
 
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -61,8 +62,11 @@ def init_distributed(
     ``timeout`` bounds every collective (a ``timedelta``, or seconds); without it, DeepSpeed's
     ``DEEPSPEED_TIMEOUT`` environment variable (minutes), else torch's default. A rank that does
     not answer within it makes the others raise ``CollectiveTimeoutError`` naming the
-    collective and the silent rank (``collective_errors.py``). DeepSpeed has no ds_config key
-    for it (its ``comms_config`` holds only ``comms_logger``), so neither do we.
+    collective and the silent rank (``collective_errors.py``). It bounds the rendezvous too: a
+    rank that never arrives, or a wrong MASTER_ADDR/MASTER_PORT, makes the others raise
+    ``RendezvousError`` naming the store and the missing ranks (``rendezvous.py``). DeepSpeed
+    has no ds_config key for it (its ``comms_config`` holds only ``comms_logger``), so neither
+    do we.
     """
     if dist.is_initialized():
         return
@@ -94,11 +98,8 @@ def init_distributed(
         from ..accelerator import get_accelerator
 
         dist_backend = get_accelerator().communication_backend_name()
-    kwargs = {"backend": dist_backend, "init_method": init_method or "env://"}
     timeout = _resolve_timeout(timeout)
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    dist.init_process_group(**kwargs)
+    init_process_group_named(dist_backend, init_method or "env://", timeout)
     set_configured_timeout(timeout)
     if verbose and dist.get_rank() == 0:
         logger.info(
