@@ -388,53 +388,6 @@ def test_a_vanished_nvme_folder_is_named_and_the_checkpoint_survives(pool2, tmp_
             assert torch.equal(reloaded[name], value), name
 
 
-def _save_job(parent):
-    from zero3_helpers import full_params, global_batches
-
-    import deepspeed_cpp
-
-    folder = os.path.join(str(parent), "nvme2")
-    os.makedirs(folder, exist_ok=True)
-    engine, *_ = deepspeed_cpp.initialize(
-        model=make_model(SEED), config=_config(2, "fp32", _nvme(folder))
-    )
-    _run_steps(engine, global_batches(SEED, 2, 2, 2), dist.get_rank())
-    engine.save_checkpoint(os.path.join(str(parent), "ckpt"), tag="two_ranks")
-    saved = full_params(engine)
-    engine.destroy()
-    return saved
-
-
-def _reshard_job(parent, offloaded):
-    from zero3_helpers import full_params, global_batches
-
-    import deepspeed_cpp
-
-    folder = os.path.join(str(parent), "nvme3")
-    os.makedirs(folder, exist_ok=True)
-    offload = _nvme(folder) if offloaded else None
-    engine, *_ = deepspeed_cpp.initialize(
-        model=make_model(SEED + 1), config=_config(2, "fp32", offload)
-    )
-    engine.load_checkpoint(os.path.join(str(parent), "ckpt"), tag="two_ranks")
-    loaded = full_params(engine)
-    _run_steps(engine, global_batches(SEED + 2, 1, 2, 3), dist.get_rank())
-    stepped = full_params(engine)
-    engine.destroy()
-    return loaded, stepped
-
-
-def test_an_offloaded_checkpoint_reshards_from_two_ranks_to_three(pool2, pool3, tmp_path):
-    saved = pool2.run(_save_job, tmp_path)[0]
-    offloaded = pool3.run(_reshard_job, tmp_path, True)
-    in_memory = pool3.run(_reshard_job, tmp_path, False)
-    for (loaded, stepped), (_, in_memory_step) in zip(offloaded, in_memory):
-        for name, value in saved.items():
-            assert torch.equal(loaded[name], value), name
-            # Optimizer state resharded too: the next step equals the in-memory engine's.
-            assert torch.equal(stepped[name], in_memory_step[name]), name
-
-
 # --- step_during_backward (deepspeed_cpp's extension) ------------------------------------------
 
 

@@ -37,6 +37,7 @@ DIGEST_KEY = "sha256"
 METADATA_DIGEST_KEY = "metadata_sha256"
 """The key of the metadata's own digest (over the canonical JSON of everything else in it)."""
 _CHUNK = 1 << 20
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 
 
 class HashingWriter:
@@ -79,6 +80,11 @@ def check_mapped_file(path: Path, expected: str | None, role: str = "checkpoint 
                 try:
                     for start in range(0, size, _CHUNK):
                         digest.update(view[start : start + _CHUNK])
+                        if _DONTNEED is not None:
+                            # Hashed pages leave this process's resident set (they stay in the
+                            # page cache for the load's own map): hashing a large shard must
+                            # not raise the load's memory high-water mark by its size.
+                            mapped.madvise(_DONTNEED, start, min(_CHUNK, size - start))
                 finally:
                     view.release()
     if digest.hexdigest() != expected:

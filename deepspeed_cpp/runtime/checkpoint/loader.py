@@ -1,9 +1,11 @@
 """``engine.load_checkpoint``: checks a checkpoint against the engine, then restores it.
 
 Everything is read and checked before anything is written, so a refused checkpoint leaves the
-engine as it was. Every rank reads the module-states file and the parts of the shard files its
-own slices need (through the saved layout: the checkpoint may come from another world size or
-another ZeRO stage, see ``reshard.py``), and the ranks agree that all of them succeeded.
+engine as it was (slices re-cut for NVMe swap files are checked against the files first and
+copied from them while they are applied, one sub-group at a time, see ``reshard.py``). Every
+rank reads the module-states file and the parts of the shard files its own slices need (through
+the saved layout: the checkpoint may come from another world size or another ZeRO stage, see
+``reshard.py``), and the ranks agree that all of them succeeded.
 
 Cross-stage loading: stages 0-3 keep the same fp32 masters and element-wise optimizer state,
 only cut differently (at stage 3 each partitioned parameter is a bucket of its own), so a
@@ -125,6 +127,11 @@ class _Plan:
     masters: list | None = None
     states: list | None = None
     rng: dict | None = None
+    reader: ShardReader | None = None  # closed once the plan is applied (or refused)
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
 
 
 def _rng_states(engine, directory: Path, metadata: dict, reader: ShardReader) -> dict | None:
@@ -142,10 +149,9 @@ def _rng_states(engine, directory: Path, metadata: dict, reader: ShardReader) ->
     return None
 
 
-def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
+def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None:
     metadata = read_checked_metadata(directory)
     digests = file_digests(metadata)
-    plan = _Plan()
     layers = expert_layers(engine.module)
     check_experts_match(metadata, layers)
     plan.module_payload = load_mapped(
@@ -164,7 +170,7 @@ def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
     )
     zero = engine.optimizer
     if options["module_only"]:
-        return plan
+        return
     if zero is not None:
         if metadata["zero_layout"] is None:
             raise CheckpointMismatchError(
@@ -176,16 +182,15 @@ def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
         check_layouts_match(saved, current, lambda name: local_name(name, layers) is None)
         if options["optimizer_states"]:
             _check_optimizer_matches(metadata, zero)
-        # One reader for the slices and this rank's RNG states: each file is hashed once.
+        # One reader for the slices and this rank's RNG states: each file is hashed once. It
+        # stays open until the plan is applied: slices re-cut for NVMe swap files are read then.
         reader = ShardReader(directory, saved, digests)
-        try:
-            kinds = metadata["optimizer"]["state_kinds"] if options["optimizer_states"] else {}
-            plan.masters, plan.states = Resharder(reader, current, kinds).slices_for(
-                zero.owned_ranges(), with_state=options["optimizer_states"], mapped=_in_swap(zero)
-            )
-            plan.rng = _rng_states(engine, directory, metadata, reader)
-        finally:
-            reader.close()
+        plan.reader = reader
+        kinds = metadata["optimizer"]["state_kinds"] if options["optimizer_states"] else {}
+        plan.masters, plan.states = Resharder(reader, current, kinds).slices_for(
+            zero.owned_ranges(), with_state=options["optimizer_states"], mapped=_in_swap(zero)
+        )
+        plan.rng = _rng_states(engine, directory, metadata, reader)
         if saved.stage != current.stage or saved.world_size != current.world_size:
             if engine.global_rank == 0:
                 logger.info(
@@ -205,7 +210,6 @@ def _read_and_check(engine, directory: Path, options: dict) -> _Plan:
         bool(metadata.get(NEEDS_PICKLE_KEY, False)),
         options["allow_pickle"],
     )
-    return plan
 
 
 def _in_swap(zero) -> frozenset[int]:
@@ -293,15 +297,24 @@ def load_checkpoint(
         "allow_pickle": allow_pickle,
     }
     plans: list[_Plan] = []  # this rank's; only success flags travel between ranks
-    agree_on(
-        lambda: plans.append(_read_and_check(engine, directory, options)),
-        group=engine.group,
-        what=f"loading checkpoint {directory}",
-        error_type=IncompleteCheckpointError,
-        keep_local_error=True,
-    )
-    plan = plans[0]
-    _apply(engine, plan, options)
+
+    def read_and_check() -> None:
+        plans.append(_Plan())
+        _read_and_check(engine, directory, options, plans[0])
+
+    try:
+        agree_on(
+            read_and_check,
+            group=engine.group,
+            what=f"loading checkpoint {directory}",
+            error_type=IncompleteCheckpointError,
+            keep_local_error=True,
+        )
+        plan = plans[0]
+        _apply(engine, plan, options)
+    finally:
+        if plans:
+            plans[0].close()
     if engine.global_rank == 0:
         logger.info("deepspeed_cpp: loaded checkpoint %s", directory)
     return str(directory), plan.client_state

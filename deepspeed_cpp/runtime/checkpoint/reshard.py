@@ -8,6 +8,10 @@ element-wise optimizer state (``exp_avg``, ``exp_avg_sq``, momentum buffers...) 
 way, and training continues exactly as it would have without the stop. Padding is zero in the
 masters and in the state, as it is during training.
 
+With NVMe offload (``mapped`` buckets) a re-cut slice is not built here: it is a
+``GatheredSlice``, checked now against the files and read later, while its sub-group is resident
+in the swap buffers, so that the rank's state is never in host memory at once.
+
 When a new bucket has the same parameters at the same offsets as the saved one and the saved
 files hold exactly the slice this rank owns (same world size and stage kind), the slice is
 copied whole, which also carries state that is not element-wise.
@@ -19,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..zero.offload.deferred_tensor import PendingValues
 from .errors import CheckpointMismatchError
 from .metadata import ShardSlice, ZeroLayout
 from .shard_reader import MASTER, ShardReader
@@ -69,11 +74,18 @@ class Resharder:
     def _saved_record(self, name: str):
         return self._saved_by_name[name]
 
-    def _gather(self, key: str, bucket: int, start: int, size: int) -> torch.Tensor:
-        members = self.target.members(bucket)
-        first = self._saved_record(members[0].name)
-        dtype = torch.float32 if key == MASTER else self.reader.dtype(key, first.bucket)
-        out = torch.zeros(size, dtype=dtype)
+    def _dtype(self, key: str, bucket: int) -> torch.dtype:
+        if key == MASTER:
+            return torch.float32
+        first = self._saved_record(self.target.members(bucket)[0].name)
+        return self.reader.dtype(key, first.bucket)
+
+    def read_slice(
+        self, key: str, bucket: int, start: int, size: int, out: torch.Tensor | None
+    ) -> None:
+        """Fills ``out`` (zeroed: padding stays zero) with ``key``'s values for the elements
+        ``[start, start + size)`` of the target ``bucket``; ``out`` None: only checks that the
+        files hold them (``ShardReader.read``)."""
         for piece in self.target.pieces(bucket, start, start + size):
             saved = self._saved_record(piece.param.name)
             low = piece.bucket_start - start
@@ -83,9 +95,17 @@ class Resharder:
                 saved.bucket,
                 saved.offset + piece.param_start,
                 saved.offset + piece.param_stop,
-                out[low:high],
+                None if out is None else out[low:high],
             )
+
+    def _gather(self, key: str, bucket: int, start: int, size: int) -> torch.Tensor:
+        out = torch.zeros(size, dtype=self._dtype(key, bucket))
+        self.read_slice(key, bucket, start, size, out)
         return out
+
+    def _pending(self, key: str, bucket: int, start: int, size: int) -> GatheredSlice:
+        self.read_slice(key, bucket, start, size, None)
+        return GatheredSlice(self, key, bucket, start, size, self._dtype(key, bucket))
 
     def _scalar(self, key: str, bucket: int):
         members = self.target.members(bucket)
@@ -106,11 +126,12 @@ class Resharder:
                 )
         return _copy(value)
 
-    def _state(self, bucket: int, start: int, size: int) -> dict:
+    def _state(self, bucket: int, start: int, size: int, pending: bool) -> dict:
         state = {}
+        gather = self._pending if pending else self._gather
         for key, kind in self.state_kinds.items():
             if kind == ELEMENTWISE:
-                state[key] = self._gather(key, bucket, start, size)
+                state[key] = gather(key, bucket, start, size)
             elif kind == SCALAR:
                 state[key] = self._scalar(key, bucket)
             else:
@@ -131,9 +152,10 @@ class Resharder:
     ) -> tuple[list[torch.Tensor], list[dict] | None]:
         """For every bucket of the target plan, the master values of the owned slice
         ``(start, size)`` and (``with_state``) the optimizer state for it. A bucket in
-        ``mapped`` saved whole gets the views of the memory-mapped shard file, not copies: its
-        state goes to NVMe swap files, copied there one sub-group at a time, so the rank's
-        state never sits in host memory at once (the mapped pages are clean page cache)."""
+        ``mapped`` saved whole gets the views of the memory-mapped shard file, not copies, and
+        one re-cut gets ``GatheredSlice``s: its state goes to NVMe swap files, copied there one
+        sub-group at a time, so the rank's state never sits in host memory at once (the
+        mapped pages are clean page cache, given back as they are copied)."""
         masters: list[torch.Tensor] = []
         states: list[dict] | None = [] if with_state else None
         for bucket, (start, size) in enumerate(owned):
@@ -145,7 +167,33 @@ class Resharder:
                 if states is not None:
                     states.append({k: copy(v) for k, v in entry["state"].items()})
                 continue
-            masters.append(self._gather(MASTER, bucket, start, size))
+            pending = bucket in mapped
+            gather = self._pending if pending else self._gather
+            masters.append(gather(MASTER, bucket, start, size))
             if states is not None:
-                states.append(self._state(bucket, start, size))
+                states.append(self._state(bucket, start, size, pending))
+        if mapped:
+            self.reader.release_pages()  # what checking and the scalars' reads mapped
         return masters, states
+
+
+class GatheredSlice(PendingValues):
+    """One re-cut slice (``key`` of the target ``bucket``, elements ``[start, start + numel)``),
+    checked against the files when made and read from them by ``read_into``: the
+    ``Resharder``'s reader must stay open until then."""
+
+    def __init__(
+        self, resharder: Resharder, key: str, bucket: int, start: int, numel: int, dtype
+    ) -> None:
+        self._resharder, self.key, self.bucket, self.start = resharder, key, bucket, start
+        self.numel, self.dtype = numel, dtype
+
+    def read_into(self, out: torch.Tensor) -> None:
+        if out.dtype != self.dtype or out.shape != self.shape:
+            raise ValueError(
+                f"GatheredSlice of bucket {self.bucket} '{self.key}' is {self.dtype} x "
+                f"{self.numel}; the destination is {out.dtype} x {tuple(out.shape)}"
+            )
+        out.zero_()  # padding between and after the parameters is zero, as in training
+        self._resharder.read_slice(self.key, self.bucket, self.start, self.numel, out)
+        self._resharder.reader.release_pages()

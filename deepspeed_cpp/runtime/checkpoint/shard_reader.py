@@ -18,6 +18,7 @@ import torch
 
 from .digests import check_mapped_file
 from .errors import IncompleteCheckpointError
+from .mapped_pages import MappedFile
 from .metadata import ShardSlice, ZeroLayout
 
 MASTER = "master"
@@ -50,6 +51,7 @@ class ShardReader:
         self.layout = layout
         self.digests = digests
         self._files: dict[str, dict] = {}
+        self._maps: dict[str, MappedFile] = {}
 
     def file(self, name: str) -> dict:
         """The loaded file ``name`` (checked against its digest when first opened)."""
@@ -57,6 +59,7 @@ class ShardReader:
             self._files[name] = load_mapped(
                 self.directory / name, self.digests.get(name), "shard file"
             )
+            self._maps[name] = MappedFile(self.directory / name)
         return self._files[name]
 
     def entry(self, piece: ShardSlice, bucket: int) -> dict:
@@ -90,16 +93,19 @@ class ShardReader:
         """A per-bucket value of the optimizer state (identical in every slice of the bucket)."""
         return self._value(self.layout.buckets[bucket].slices[0], bucket, key)
 
-    def read(self, key: str, bucket: int, start: int, stop: int, out: torch.Tensor) -> None:
-        """Copies elements ``[start, stop)`` of ``bucket``'s ``key`` into ``out``."""
+    def read(self, key: str, bucket: int, start: int, stop: int, out: torch.Tensor | None) -> None:
+        """Copies elements ``[start, stop)`` of ``bucket``'s ``key`` into ``out`` and gives the
+        mapped pages it copied from back (``mapped_pages.py``); ``out`` None: only checks that
+        the files hold them all (a load checks everything before it writes anything)."""
         covered = 0
         for piece in self.layout.buckets[bucket].slices:
             low, high = max(start, piece.start), min(stop, piece.start + piece.size)
             if low < high:
                 values = self._value(piece, bucket, key)
-                out[low - start : high - start].copy_(
-                    values[low - piece.start : high - piece.start]
-                )
+                if out is not None:
+                    source = values[low - piece.start : high - piece.start]
+                    out[low - start : high - start].copy_(source)
+                    self._maps[piece.file].release(source)
                 covered += high - low
         if covered != stop - start:
             raise IncompleteCheckpointError(
@@ -107,6 +113,13 @@ class ShardReader:
                 f"of {self.directory} (found {covered} of {stop - start})"
             )
 
+    def release_pages(self) -> None:
+        """Gives back every page of the open files' maps (``mapped_pages.py``): they are read
+        again from the page cache if needed."""
+        for mapped in self._maps.values():
+            mapped.release_all()
+
     def close(self) -> None:
         """Drops the memory maps."""
         self._files.clear()
+        self._maps.clear()

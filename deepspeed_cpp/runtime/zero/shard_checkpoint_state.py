@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from .offload.deferred_tensor import DeferredTensor
+from .offload.deferred_tensor import DeferredTensor, PendingValues
 
 
 class ShardCheckpointState:
@@ -93,7 +93,10 @@ class ShardCheckpointState:
     def load_shard_state(self, masters: list[torch.Tensor], states: list[dict] | None) -> None:
         """Replaces every bucket's fp32 master slice with ``masters[b]`` and, when ``states`` is
         given, the optimizer state of that slice with ``states[b]``; pending gradients are
-        dropped. The model's parameters are not written (the caller loads them)."""
+        dropped. The model's parameters are not written (the caller loads them). A
+        ``PendingValues`` among them is read while its sub-group is resident: a master straight
+        into its swap buffer, a state tensor into a temporary the sub-group's write-back moves
+        there, so at most one sub-group's state is in memory beyond the buffers."""
         if self._backward_steps is not None:
             self._backward_steps.check_between_steps("loading a checkpoint")
         given_states = "no" if states is None else len(states)
@@ -120,7 +123,10 @@ class ShardCheckpointState:
             with self.home.resident(members), torch.no_grad():
                 for index in members:
                     master = self.masters[index]
-                    master.copy_(masters[index])
+                    if isinstance(masters[index], PendingValues):
+                        masters[index].read_into(master)
+                    else:
+                        master.copy_(masters[index])
                     if states is None:
                         continue
                     optimizer = self._optimizer_for(index)
@@ -132,7 +138,7 @@ class ShardCheckpointState:
                             key: value.to(master.device)
                             if torch.is_tensor(value) and (value.dim() > 0 or on_device[id(master)])
                             else value
-                            for key, value in states[index].items()
+                            for key, value in _read_pending(states[index]).items()
                         }
         if self._delayed is not None and states is not None:
             # The delayed update's warm-up goes on where the checkpoint's steps left it.
@@ -150,6 +156,13 @@ class ShardCheckpointState:
                     values = self._owned_slice_of_params(self.buckets[index], self.params[0].device)
                     master.copy_(values)
         self.zero_grad()
+
+
+def _read_pending(state: dict) -> dict:
+    return {
+        key: value.materialize() if isinstance(value, PendingValues) else value
+        for key, value in state.items()
+    }
 
 
 def _steps_taken(states: list[dict]) -> int:

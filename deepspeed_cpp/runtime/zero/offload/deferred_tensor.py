@@ -30,3 +30,26 @@ class DeferredTensor:
     @property
     def nbytes(self) -> int:
         return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+
+class PendingValues:
+    """A 1-D tensor a checkpoint load names before reading it: ``read_into(out)`` copies its
+    ``numel`` values of ``dtype`` into ``out`` when asked. A resharded load into NVMe swap
+    files hands these to ``ShardCheckpointState.load_shard_state``, which reads each one while
+    its sub-group is resident, so the rank's state is never in host memory at once
+    (``runtime/checkpoint/reshard.py``, ``GatheredSlice``)."""
+
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.numel,)
+
+    def read_into(self, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def materialize(self) -> torch.Tensor:
+        out = torch.empty(self.numel, dtype=self.dtype)
+        self.read_into(out)
+        return out
