@@ -1,6 +1,7 @@
 """Offload corner cases found in review: a load while a delayed step is pending, a partial
 offload with an optimizer that cannot step part of its tensors, a parameter offload that fails
-half-way, and NVMe read-ahead when parameters are released between forward and backward."""
+half-way, NVMe read-ahead when parameters are released between forward and backward, and an
+NVMe swap write past the file size limit (RLIMIT_FSIZE) in the middle of a step."""
 
 from __future__ import annotations
 
@@ -206,3 +207,85 @@ def test_a_resumed_delayed_update_run_continues_past_its_warm_up(pool2, tmp_path
     for saved_and_went_on, resumed in pool2.run(_delayed_resume_job, tmp_path):
         for name, value in saved_and_went_on.items():
             assert torch.equal(resumed[name], value), name
+
+
+def _file_size_limit_job(parent):
+    """An NVMe ZeRO-2 engine whose swap write hits RLIMIT_FSIZE in the middle of a step."""
+    import errno
+    import os
+    import resource
+
+    from test_streamed_save import _states
+
+    import deepspeed_cpp
+    from deepspeed_cpp.runtime.zero.offload import SwapFileError
+
+    rank, folder = dist.get_rank(), _folder(parent)
+    batches = global_batches(SEED, 2, 2, dist.get_world_size())
+
+    def engine_swapping_to(name):
+        nvme = os.path.join(folder, name)
+        os.makedirs(nvme, exist_ok=True)
+        offload = {"device": "nvme", "nvme_path": nvme}
+        config = _config(2, "fp32", offload)
+        return deepspeed_cpp.initialize(model=make_model(SEED), config=config)[0], nvme
+
+    engine, nvme = engine_swapping_to("nvme")
+    _run_steps(engine, batches[:1], rank)
+    engine.save_checkpoint(os.path.join(folder, "ckpt"), tag="step1")
+    saved_params, saved_states = full_params(engine), _states(engine)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    # Every rank owns slices of the same sizes (padded to the world size), so every rank's first
+    # sub-group write passes the limit at the same point of the step: no rank is left waiting.
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8192, hard))
+    try:
+        _run_steps(engine, batches[1:], rank)
+        failure = None
+    except SwapFileError as error:
+        failure = (str(error), error.errno, error.nbytes, error.filename)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    after = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    steps_after = engine.global_steps
+    engine.destroy()
+    fresh, _ = engine_swapping_to("nvme_after")
+    fresh.load_checkpoint(os.path.join(folder, "ckpt"), tag="step1")
+    loaded_params, loaded_states = full_params(fresh), _states(fresh)
+    _run_steps(fresh, batches[1:], rank)  # the step the limit cut short, done whole
+    stepped = {n: p.detach().clone() for n, p in fresh.module.named_parameters()}
+    fresh.destroy()
+    # Each element of the model is either what it was before the step or what the whole step
+    # makes it (the sub-groups stepped before the failed write copied their values out).
+    neither = sum(int(((after[n] != before[n]) & (after[n] != stepped[n])).sum()) for n in after)
+    changed = sum(int((after[n] != before[n]).sum()) for n in after)
+    return {
+        "failure": failure, "efbig": errno.EFBIG, "nvme": nvme, "neither": neither,
+        "changed": changed, "steps": (1, steps_after),
+        "saved": (saved_params, saved_states), "loaded": (loaded_params, loaded_states),
+    }  # fmt: skip
+
+
+def test_a_swap_write_past_the_file_size_limit_is_named_and_nothing_is_lost(pool2, tmp_path):
+    """RLIMIT_FSIZE below the swap files mid-training: the step raises a SwapFileError naming
+    the swap file, its bytes and EFBIG; every element of the model is its value before the step
+    or after the whole step (never anything else), the step is not counted; the last checkpoint
+    loads into a fresh NVMe engine with every parameter, master slice and optimizer state
+    bitwise as saved."""
+    for result in pool2.run(_file_size_limit_job, tmp_path):
+        assert result["failure"] is not None, "the step passed the file size limit"
+        message, code, nbytes, path = result["failure"]
+        assert code == result["efbig"] and "EFBIG (27): File too large" in message, message
+        assert path.startswith(result["nvme"]) and path in message, (path, message)
+        assert nbytes > 8192 and f"{nbytes} bytes" in message, message
+        assert result["neither"] == 0, result["changed"]
+        assert result["steps"][1] == result["steps"][0]  # the failed step is not counted
+        (saved_params, saved_states), (params, states) = result["saved"], result["loaded"]
+        for name, value in saved_params.items():
+            assert torch.equal(params[name], value), name
+        assert len(states) == len(saved_states)
+        for ours, theirs in zip(states, saved_states):
+            assert torch.equal(ours["master"], theirs["master"])
+            assert ours["state"].keys() == theirs["state"].keys()
+            for key, value in theirs["state"].items():
+                assert torch.equal(ours["state"][key], value), key
