@@ -1,17 +1,19 @@
-"""Rank 1 stops answering at several places; rank 0 must name each collective it waited in.
+"""One rank stops answering at several places; the others must name each collective they waited
+in and that rank.
 
-Run by test_collective_timeout.py as two processes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-set). Both keep one TCP store for the whole run and give every scenario a process group of its
+Run by test_collective_timeout.py as WORLD processes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+set). All keep one TCP store for the whole run and give every scenario a process group of its
 own (under a prefix of that store, so the failure reports of one scenario are not seen by the
-next). In a scenario rank 1 stalls at a chosen point (it sleeps until rank 0 is done) and then
-abandons the scenario; rank 0 runs the same code and records the error it got. Unlike SIGSTOP
-(test_collective_timeout.py's launcher test) the stalled rank's gloo threads still finish what
-was launched before the stall: the stall starts no new collective. Before the
+next). In a scenario the stalled rank stops at a chosen point (it waits until every other rank
+is done) and then abandons the scenario; the others run the same code and record the error they
+got. Unlike SIGSTOP (test_collective_timeout.py's launcher test) the stalled rank's gloo threads
+still finish what was launched before the stall: the stall starts no new collective. Before the
 stalled scenarios, one run without a stall loads every op, so that no scenario's collective
 waits on a rank that is still compiling.
 
-``python named_timeout_scenarios.py OUT TIMEOUT_S`` writes ``OUT/errors.json`` on rank 0:
-scenario -> the error's type and text ("no error" when nothing was raised).
+``python named_timeout_scenarios.py OUT TIMEOUT_S [STALLED_RANK [SCENARIO ...]]`` (stalled rank
+1 and every scenario by default) writes ``OUT/errors.json`` on rank 0: scenario -> healthy rank
+-> the error's type and text ("no error" when nothing was raised).
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ sys.path.insert(0, str(Path(__file__).parent))  # test_checkpoint's model, confi
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from moe_parallel_jobs import HIDDEN, make_expert  # noqa: E402
-from test_checkpoint import build_engine, config, global_batches, make_model, train  # noqa: E402
+from test_checkpoint import (  # noqa: E402
+    GLOBAL_BATCH,
+    build_engine,
+    config,
+    global_batches,
+    make_model,
+    train,
+)
 
 from deepspeed_cpp.comm.collective_errors import set_configured_timeout  # noqa: E402
 
@@ -37,34 +46,40 @@ class _Abandoned(Exception):
 
 
 class Scenario:
-    def __init__(self, base: dist.Store, name: str, timeout_s: float, stalled: bool = True):
+    def __init__(self, base: dist.Store, name: str, timeout_s: float, stalled_rank: int | None):
         self.base, self.name, self.rank = base, name, int(os.environ["RANK"])
-        self.stalled = stalled
+        self.world = int(os.environ["WORLD_SIZE"])
+        self.stalled_rank = stalled_rank  # None: nobody stalls
+        self.healthy = [r for r in range(self.world) if r != stalled_rank]
         self.timeout = timedelta(seconds=timeout_s)
 
     def __enter__(self):
         store = dist.PrefixStore(self.name, self.base)
-        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=2,
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world,
                                 timeout=self.timeout)  # fmt: skip
         set_configured_timeout(self.timeout)
         return self
 
     def stall(self, when: bool = True) -> None:
-        """On rank 1 (when ``when``): answer nothing until rank 0 has its error, then leave."""
-        if self.rank == 1 and when:
-            self.base.wait([f"{self.name}/rank0_done"], timedelta(seconds=120))
+        """On the stalled rank (when ``when``): answer nothing until every other rank has its
+        error, then leave."""
+        if self.rank == self.stalled_rank and when:
+            done = [f"{self.name}/done/{r}" for r in self.healthy]
+            self.base.wait(done, timedelta(seconds=120))
             raise _Abandoned
 
     def __exit__(self, kind, error, _traceback):
-        if self.rank == 0:
+        if self.rank != self.stalled_rank:
             outcome = "no error" if error is None else f"{kind.__name__}: {error}"
-            self.base.set(f"{self.name}/outcome", outcome)
-            self.base.set(f"{self.name}/rank0_done", "1")
+            self.base.set(f"{self.name}/outcome/{self.rank}", outcome)
+            self.base.set(f"{self.name}/done/{self.rank}", "1")
         self.base.set(f"{self.name}/left/{self.rank}", "1")
-        self.base.wait([f"{self.name}/left/{r}" for r in range(2)], timedelta(seconds=120))
+        left = [f"{self.name}/left/{r}" for r in range(self.world)]
+        self.base.wait(left, timedelta(seconds=120))
         dist.destroy_process_group()
-        # A stalled scenario ends in an error on both ranks (recorded above); any other fails.
-        return error is None or (self.stalled and isinstance(error, (_Abandoned, RuntimeError)))
+        # A stalled scenario ends in an error on every rank (recorded above); any other fails.
+        stalled = self.stalled_rank is not None
+        return error is None or (stalled and isinstance(error, (_Abandoned, RuntimeError)))
 
 
 def moe_forward(stall) -> None:
@@ -81,7 +96,11 @@ def moe_forward(stall) -> None:
 def zero3_gather(stall) -> None:
     import deepspeed_cpp
 
+    world = dist.get_world_size()
     settings = config(2, 3)
+    if world != 2:  # test_checkpoint's global batch, without accumulation (3 rows at 4 ranks)
+        settings.update(train_micro_batch_size_per_gpu=GLOBAL_BATCH // world,
+                        gradient_accumulation_steps=1)  # fmt: skip
     # Every parameter partitioned (none kept whole below the persistence threshold).
     settings["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, *_ = deepspeed_cpp.initialize(model=make_model(7), config=settings)
@@ -105,22 +124,23 @@ SCENARIOS = {
 }
 
 
-def main(out: Path, timeout_s: float) -> None:
+def main(out: Path, timeout_s: float, stalled_rank: int, names: list[str]) -> None:
     torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2,
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                          is_master=rank == 0, timeout=timedelta(seconds=300))  # fmt: skip
-    with Scenario(base, "warm_up", 300, stalled=False):  # loads the ops on both ranks
-        for run in SCENARIOS.values():
-            run(lambda when=False: None)
+    with Scenario(base, "warm_up", 300, stalled_rank=None):  # loads the ops on every rank
+        for name in names:
+            SCENARIOS[name](lambda when=False: None)
     outcomes = {}
-    for name, run in SCENARIOS.items():
-        with Scenario(base, name, timeout_s) as scenario:
-            run(scenario.stall)
-        outcomes[name] = base.get(f"{name}/outcome").decode()
+    for name in names:
+        with Scenario(base, name, timeout_s, stalled_rank) as scenario:
+            SCENARIOS[name](scenario.stall)
+        outcomes[name] = {r: base.get(f"{name}/outcome/{r}").decode() for r in scenario.healthy}
     if rank == 0:
         (out / "errors.json").write_text(json.dumps(outcomes, indent=1))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), float(sys.argv[2]))
+    stalled = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    main(Path(sys.argv[1]), float(sys.argv[2]), stalled, sys.argv[4:] or list(SCENARIOS))

@@ -56,18 +56,17 @@ def test_launcher_exits_nonzero_with_the_named_timeout(tmp_path):
     assert raised - stopped < TIMEOUT_S + MARGIN_S, (raised - stopped, output[-4000:])
 
 
-def test_each_engine_collective_is_named(tmp_path):
-    """Rank 1 stops answering in initialize(), before a ZeRO-3 parameter gather
-    (GatheredParameters) and in an expert-parallel MoE forward (all_to_all); rank 0's error names
-    each of those collectives."""
-    port, processes, timeout_s = free_port(), [], 4
-    for rank in range(2):
+def _run_scenarios(out: Path, world: int, timeout_s: float, *arguments: str) -> dict:
+    """Runs named_timeout_scenarios.py in ``world`` processes; its errors.json."""
+    port, processes = free_port(), []
+    for rank in range(world):
         env = launch_env()  # drops launcher variables: set this world's after it
-        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-        log = open(tmp_path / f"rank{rank}.log", "w")
+        log = open(out / f"rank{rank}.log", "w")
         processes.append(subprocess.Popen(
-            [PYTHON, SCENARIOS, str(tmp_path), str(timeout_s)], env=env, stdout=log, stderr=log,
+            [PYTHON, SCENARIOS, str(out), str(timeout_s), *arguments], env=env, stdout=log,
+            stderr=log,
         ))  # fmt: skip
     try:
         codes = [process.wait(timeout=400) for process in processes]
@@ -75,17 +74,40 @@ def test_each_engine_collective_is_named(tmp_path):
         for process in processes:
             process.kill()
             process.wait()
-    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(2))
-    assert codes == [0, 0], logs
-    errors = json.loads((tmp_path / "errors.json").read_text())
+    logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(world))
+    assert codes == [0] * world, logs
+    return json.loads((out / "errors.json").read_text())
+
+
+def test_each_engine_collective_is_named(tmp_path):
+    """Rank 1 stops answering in initialize(), before a ZeRO-3 parameter gather
+    (GatheredParameters) and in an expert-parallel MoE forward (all_to_all); rank 0's error names
+    each of those collectives."""
+    timeout_s = 4
+    errors = _run_scenarios(tmp_path, 2, timeout_s)
     expected = {
         "initialize": "broadcast of the initial weights in initialize() (tensor 0 of ",
         "zero3_gather": "all_gather (fetch) of ZeRO-3 parameter ",
         "moe_all_to_all": "all_to_all of MoE tokens (shape [",
     }
     for name, label in expected.items():
-        _assert_named(errors[name], timeout_s)
-        assert errors[name].startswith(f"CollectiveTimeoutError: {label}"), (name, errors[name])
+        error = errors[name]["0"]
+        _assert_named(error, timeout_s)
+        assert error.startswith(f"CollectiveTimeoutError: {label}"), (name, error)
+
+
+def test_four_ranks_name_the_one_stalled_in_a_zero3_gather(tmp_path):
+    """4 ranks, rank 2 stops answering before a ZeRO-3 parameter gather: each of the 3 healthy
+    ranks names the gather and rank 2 alone (each of them reported its own failure)."""
+    timeout_s = 6  # a grace of 1.5 s for the healthy ranks' reports, 4 processes on 2 cores
+    errors = _run_scenarios(tmp_path, 4, timeout_s, "2", "zero3_gather")["zero3_gather"]
+    assert sorted(errors) == ["0", "1", "3"], errors
+    for rank, error in errors.items():
+        assert error.startswith(
+            "CollectiveTimeoutError: all_gather (fetch) of ZeRO-3 parameter "
+        ), error
+        assert f"failed on rank {rank} of 4: rank(s) 2 did not answer" in error, error
+        assert f"within the timeout of {timeout_s:g} s" in error, error
 
 
 def test_timeout_from_argument_or_deepspeed_timeout(monkeypatch):
