@@ -218,6 +218,7 @@ def _file_size_limit_job(parent):
     from test_streamed_save import _states
 
     import deepspeed_cpp
+    from deepspeed_cpp.runtime.failed_step import FailedStepError
     from deepspeed_cpp.runtime.zero.offload import SwapFileError
 
     rank, folder = dist.get_rank(), _folder(parent)
@@ -248,6 +249,19 @@ def _file_size_limit_job(parent):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     after = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     steps_after = engine.global_steps
+    refusals = []  # the part-updated engine neither trains on nor saves
+    train_on = lambda: _run_steps(engine, batches[1:], rank)  # noqa: E731
+    save = lambda: engine.save_checkpoint(os.path.join(folder, "ckpt"), tag="mixed")  # noqa: E731
+    for call in (train_on, save):
+        try:
+            call()
+            refusals.append(None)
+        except FailedStepError as error:
+            refusals.append(str(error))
+    # A whole checkpoint load replaces everything the step touched: the same engine goes on.
+    engine.load_checkpoint(os.path.join(folder, "ckpt"), tag="step1")
+    _run_steps(engine, batches[1:], rank)
+    recovered = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     fresh, _ = engine_swapping_to("nvme_after")
     fresh.load_checkpoint(os.path.join(folder, "ckpt"), tag="step1")
@@ -261,7 +275,9 @@ def _file_size_limit_job(parent):
     changed = sum(int((after[n] != before[n]).sum()) for n in after)
     return {
         "failure": failure, "efbig": errno.EFBIG, "nvme": nvme, "neither": neither,
-        "changed": changed, "steps": (1, steps_after),
+        "changed": changed, "steps": (1, steps_after), "refusals": refusals,
+        "recovered_equal": all(torch.equal(recovered[n], stepped[n]) for n in stepped),
+        "mixed_saved": os.path.exists(os.path.join(folder, "ckpt", "mixed")),
         "saved": (saved_params, saved_states), "loaded": (loaded_params, loaded_states),
     }  # fmt: skip
 
@@ -269,7 +285,8 @@ def _file_size_limit_job(parent):
 def test_a_swap_write_past_the_file_size_limit_is_named_and_nothing_is_lost(pool2, tmp_path):
     """RLIMIT_FSIZE below the swap files mid-training: the step raises a SwapFileError naming
     the swap file, its bytes and EFBIG; every element of the model is its value before the step
-    or after the whole step (never anything else), the step is not counted; the last checkpoint
+    or after the whole step (never anything else), the step is not counted, and the engine
+    refuses to train on or save that mix until a checkpoint is loaded; the last checkpoint
     loads into a fresh NVMe engine with every parameter, master slice and optimizer state
     bitwise as saved."""
     for result in pool2.run(_file_size_limit_job, tmp_path):
@@ -280,6 +297,12 @@ def test_a_swap_write_past_the_file_size_limit_is_named_and_nothing_is_lost(pool
         assert nbytes > 8192 and f"{nbytes} bytes" in message, message
         assert result["neither"] == 0, result["changed"]
         assert result["steps"][1] == result["steps"][0]  # the failed step is not counted
+        for refusal, call in zip(result["refusals"], ("engine.forward", "engine.save_checkpoint")):
+            assert refusal is not None, f"{call} went on after the failed step"
+            assert refusal.startswith(call) and "global step 1 failed (SwapFileError" in refusal
+            assert "engine.load_checkpoint" in refusal, refusal
+        assert not result["mixed_saved"]
+        assert result["recovered_equal"]  # reloaded in place, the step done whole
         (saved_params, saved_states), (params, states) = result["saved"], result["loaded"]
         for name, value in saved_params.items():
             assert torch.equal(params[name], value), name

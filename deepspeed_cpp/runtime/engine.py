@@ -18,6 +18,7 @@ from ..utils.logging import logger
 from .config import DeepSpeedConfig
 from .config_optimizer import config_optimizer_factory
 from .dataloader import make_distributed_loader
+from .failed_step import FailedStepGuard
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
 from .zero.moe_stage import (
@@ -98,6 +99,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._timers: dict[str, float] = defaultdict(float)
+        self._failed_step = FailedStepGuard()
         self._last_log = (time.perf_counter(), 0)
 
         self.loss_scaler = make_loss_scaler(config.fp16) if self.fp16_enabled() else None
@@ -273,6 +275,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # --- the training step --------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        self._failed_step.check("engine.forward")
         start = time.perf_counter()
         if self.fp16_auto_cast():
             # fp16.auto_cast (DeepSpeed's): floating-point inputs, however nested, become fp16
@@ -286,6 +289,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """Backward of ``loss`` (scaled for fp16, divided by the accumulation steps)."""
         if self.optimizer is None:
             raise RuntimeError("engine.backward needs an optimizer (in the config or initialize)")
+        self._failed_step.check("engine.backward")
         start = time.perf_counter()
         scale = 1.0
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
@@ -305,9 +309,14 @@ class DeepSpeedEngine(torch.nn.Module):
         schedule; every call counts one micro-step."""
         if self.optimizer is None:
             raise RuntimeError("engine.step needs an optimizer (in the config or initialize)")
+        self._failed_step.check("engine.step")
         if self.is_gradient_accumulation_boundary():
             start = time.perf_counter()
-            stepped = self.optimizer.step()
+            try:
+                stepped = self.optimizer.step()
+            except BaseException as error:  # an interrupt part-way leaves the same mix
+                self._failed_step.record(self.global_steps, error)
+                raise
             self.optimizer.overflow = not stepped
             if stepped:
                 if self.lr_scheduler is not None:
@@ -424,6 +433,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         from .checkpoint import save_checkpoint
 
+        self._failed_step.check("engine.save_checkpoint")
         return save_checkpoint(
             self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, allow_pickle
         )
@@ -438,6 +448,7 @@ class DeepSpeedEngine(torch.nn.Module):
         Every rank must call it."""
         from .checkpoint.model_save import save_16bit_model
 
+        self._failed_step.check("engine.save_16bit_model")
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
@@ -469,7 +480,7 @@ class DeepSpeedEngine(torch.nn.Module):
             )
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(
+        loaded = load_checkpoint(
             self,
             load_dir,
             tag,
@@ -479,6 +490,9 @@ class DeepSpeedEngine(torch.nn.Module):
             load_module_only=load_module_only,
             allow_pickle=allow_pickle,
         )
+        if loaded[0] is not None and load_optimizer_states and not load_module_only:
+            self._failed_step.clear()  # every part a failed step could have touched is replaced
+        return loaded
 
     # --- what scripts ask the engine ----------------------------------------------------------
     def train(self, mode: bool = True):

@@ -119,6 +119,8 @@ class ShardCheckpointState:
             for g in optimizer.param_groups
             for p in g["params"]
         }
+        if states is not None:  # every master and state is replaced: nothing stored is read
+            self.home.discard_contents()
         for members in self.home.sub_groups:
             with self.home.resident(members), torch.no_grad():
                 for index in members:

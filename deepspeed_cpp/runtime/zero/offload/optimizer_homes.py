@@ -28,6 +28,7 @@ import torch
 
 from .host_heap import return_large_frees_to_the_kernel
 from .host_transfer import HostTransfer
+from .swap_errors import SwapFileError
 
 _EMPTY = torch.empty(0)
 _REGION_ALIGNMENT = 1024  # elements (4 KiB of fp32): every region starts O_DIRECT-aligned
@@ -72,6 +73,10 @@ class DeviceHome:
         """The sub-group's masters and state are valid inside; ``write_back=False``: they are
         only read (NVMe skips writing them back)."""
         yield
+
+    def discard_contents(self) -> None:
+        """A load is about to replace every master and state: what is stored need not be read
+        (NVMe: its swap files may have lost data to a failed write)."""
 
     def read_ahead_next_step(self) -> None:
         """Starts bringing in what the next step steps first (NVMe only)."""
@@ -353,6 +358,16 @@ class NvmeHome(DeviceHome):
         for slot in list(self._writes):
             self._writes.pop(slot).wait()
 
+    def discard_contents(self) -> None:
+        # Reads and writes in flight are waited for, failed ones included (their sub-groups are
+        # about to be replaced); no sub-group is then read back before it is written anew.
+        for tickets in (self._reads, self._writes):
+            for key in list(tickets):
+                with contextlib.suppress(SwapFileError):
+                    tickets.pop(key).wait()
+        self._slot_of.clear()
+        self._written = [False] * len(self.sub_groups)
+
     def read_ahead_next_step(self) -> None:
         """With ``pipeline_read``: the first sub-groups of the next step are read now, into
         the slots whose writes finish first, so the reads overlap the forward and backward in
@@ -417,6 +432,9 @@ class PartialHome:
 
     def read_ahead_next_step(self) -> None:
         self.inner.read_ahead_next_step()
+
+    def discard_contents(self) -> None:
+        self.inner.discard_contents()
 
     def state_outline(self, bucket: int):
         local = self._local.get(bucket)
