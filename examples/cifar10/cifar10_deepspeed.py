@@ -162,15 +162,22 @@ def evaluate(model_engine, testset, local_device, target_dtype, batch_size=250):
 
 
 def write_outputs(output_dir, metrics):
-    """metrics.json and a PNG of the loss curve and the per-epoch test accuracy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """metrics.json and, with matplotlib installed, a PNG of the loss curve and the per-epoch
+    test accuracy (the package does not depend on matplotlib: a wheel user may not have it)."""
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "metrics.json"), "w") as handle:
         json.dump(metrics, handle, indent=1)
+    try:
+        import matplotlib
+    except ImportError:
+        print(
+            f"matplotlib is not installed: {output_dir}/loss_curve.png not drawn "
+            f"(pip install matplotlib); wrote {output_dir}/metrics.json"
+        )
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(10, 4))
     steps, losses = zip(*metrics["loss_curve"]) if metrics["loss_curve"] else ((), ())
     loss_axis.plot(steps, losses)
@@ -183,6 +190,7 @@ def write_outputs(output_dir, metrics):
     figure.suptitle(f"{metrics['data']}\n{metrics['config']}", fontsize=8)
     figure.tight_layout()
     figure.savefig(os.path.join(output_dir, "loss_curve.png"), dpi=100)
+    print(f"wrote {os.path.join(output_dir, 'loss_curve.png')} and metrics.json")
     plt.close(figure)
 
 
@@ -281,7 +289,6 @@ def main(args):
                 "total_seconds": time.perf_counter() - started,
             },
         )
-        print(f"wrote {os.path.join(args.output_dir, 'loss_curve.png')} and metrics.json")
 
 
 if __name__ == "__main__":
