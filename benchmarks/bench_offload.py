@@ -17,12 +17,15 @@ Rows (``z<stage> <where>``):
   cpu        offload_optimizer device cpu: masters, moments, gradient copies in host memory
   nvme       offload_optimizer device nvme: masters and moments in swap files under the NVMe
              folder, brought in a sub-group at a time through buffer_count buffers (DeepSpeed
-             allows NVMe optimizer offload at stage 3 only: its stage-2 nvme row is "n/a")
+             allows NVMe optimizer offload at stage 3 only: its stage-2 nvme row is "n/a");
+             deepspeed_cpp steps each sub-group (and swaps it) inside backward once its buckets
+             are reduced (``step_during_backward``, on by default for NVMe where nothing
+             excludes it)
   cpu+dpu    cpu offload with deepspeed_cpp's delayed parameter update (warm-up 1 step): the
              Adam step runs in a background thread during the next forward/backward (DeepSpeed
              has no such option: "n/a")
-  nvme+sdb   nvme with deepspeed_cpp's ``step_during_backward``: each sub-group is stepped (and
-             swapped) inside backward once its buckets are reduced (DeepSpeed: "n/a")
+  nvme-sdb   nvme with ``step_during_backward: false``: every sub-group swapped and stepped in
+             engine.step(), DeepSpeed's schedule (DeepSpeed has no such key: "n/a")
   param      offload_param cpu + offload_optimizer cpu at stage 3 (``--param-row``): parameter
              shards in host memory between uses, fetched ahead of use by the stage-3 prefetcher
   nvme+pnvme offload_param nvme + offload_optimizer nvme at stage 3 (``--param-row``):
@@ -131,8 +134,8 @@ def ds_config(spec: dict) -> dict:
         zero["offload_param"] = {"device": "cpu"}
     elif where == "nvme+pnvme":
         zero["offload_param"] = {"device": "nvme", "nvme_path": spec["folder"]}
-    elif where == "nvme+sdb":
-        zero["offload_optimizer"]["step_during_backward"] = True
+    elif where == "nvme-sdb":
+        zero["offload_optimizer"]["step_during_backward"] = False
     config = {
         "train_micro_batch_size_per_gpu": spec["micro_batch"],
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
@@ -352,11 +355,11 @@ def run_fio(folder: str, jobs: int, size: int) -> dict[str, float] | None:
 def planned_rows(args) -> list[tuple[int, str, tuple[str, ...]]]:
     """(stage, where, implementations that run it)."""
     rows = [(2, "mem", (OURS, DS)), (2, "cpu", (OURS, DS)), (2, "nvme", (OURS,)),
-            (2, "nvme+sdb", (OURS,)), (2, "cpu+dpu", (OURS,)), (3, "mem", (OURS, DS)),
+            (2, "nvme-sdb", (OURS,)), (2, "cpu+dpu", (OURS,)), (3, "mem", (OURS, DS)),
             (3, "cpu", (OURS, DS))]  # fmt: skip
     if 3 in args.stages:
         rows += [(3, "cpu+dpu", (OURS,))]
-    rows += [(3, "nvme", (OURS, DS)), (3, "nvme+sdb", (OURS,))]
+    rows += [(3, "nvme", (OURS, DS)), (3, "nvme-sdb", (OURS,))]
     if args.param_row:
         rows += [(3, "param", (OURS, DS)), (3, "nvme+pnvme", (OURS, DS))]
     if args.rows:  # the targets need each stage's mem (and cpu for "hidden") rows
@@ -365,7 +368,7 @@ def planned_rows(args) -> list[tuple[int, str, tuple[str, ...]]]:
 
 
 def not_run_by(impl: str, stage: int, where: str) -> str:
-    if impl == DS and where in ("cpu+dpu", "nvme+sdb"):
+    if impl == DS and where in ("cpu+dpu", "nvme-sdb"):
         return "n/a"
     if impl == DS and where == "nvme" and stage < 3:
         return "n/a"
@@ -546,7 +549,7 @@ def print_tables(args, results, notes, fio, rows, n_params, layers, cpu, fs) -> 
         rates = fio.get(procs)
         print(f"optimizer state per rank (fp32 masters + exp_avg + exp_avg_sq): "
               f"{mib(state_per_rank)} MiB")  # fmt: skip
-        for stage, where in ((2, "nvme"), (3, "nvme"), (2, "nvme+sdb"), (3, "nvme+sdb")):
+        for stage, where in ((2, "nvme"), (3, "nvme"), (2, "nvme-sdb"), (3, "nvme-sdb")):
             nvme = results.get((procs, stage, where, OURS))
             if nvme is None:
                 continue

@@ -373,6 +373,27 @@ def test_cpu_offload_true_becomes_offload_optimizer_and_finalizes():
     assert config.finalize(1).zero_optimization.offload_optimizer.device == "cpu"
 
 
+@pytest.mark.parametrize(
+    "offload, extra, expected",
+    [
+        ({"device": "nvme", "nvme_path": "/x"}, {}, None),  # unset: wherever the engine can
+        ({"device": "nvme", "nvme_path": "/x"}, {"gradient_clipping": 1.0}, False),
+        ({"device": "nvme", "nvme_path": "/x"}, {"fp16": {"enabled": True}}, False),
+        ({"device": "nvme", "nvme_path": "/x", "ratio": 0.5}, {}, False),
+        ({"device": "cpu"}, {}, False),
+        ({"device": "cpu", "step_during_backward": True}, {}, True),
+        ({"device": "nvme", "nvme_path": "/x", "step_during_backward": False}, {}, False),
+    ],
+)
+def test_step_during_backward_defaults_to_on_for_nvme_where_nothing_excludes_it(
+    offload, extra, expected
+):
+    config = DeepSpeedConfig.load(
+        _with_batch(zero_optimization={"stage": 2, "offload_optimizer": offload}, **extra)
+    )
+    assert config.step_during_backward_setting() is expected
+
+
 def test_adamw_ignores_adam_w_mode_false_with_a_warning(ds_log):
     config = DeepSpeedConfig.parse(
         _with_batch(optimizer={"type": "adamw", "params": {"adam_w_mode": False}})

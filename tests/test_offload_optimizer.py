@@ -409,17 +409,20 @@ def _train_counting_early_steps(engine, steps, gas):
     rank, world = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(SEED + 1)
     dtype = next(engine.module.parameters()).dtype
-    early = []
+    early, norms = [], []
     for _ in range(steps * gas):
         x = torch.randn(3 * world, 29, generator=generator)[3 * rank : 3 * rank + 3]
         y = torch.randn(3 * world, 23, generator=generator)[3 * rank : 3 * rank + 3]
         loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
         engine.backward(loss)
         steps_during_backward = engine.optimizer._backward_steps
-        if steps_during_backward is not None and engine.is_gradient_accumulation_boundary():
+        boundary = engine.is_gradient_accumulation_boundary()
+        if steps_during_backward is not None and boundary:
             early.append(steps_during_backward.stepped_count)
         engine.step()
-    return full_params(engine), early
+        if boundary:
+            norms.append(engine.get_global_grad_norm())
+    return full_params(engine), early, norms
 
 
 def _step_during_backward_job(parent, stage, dtype, device, gas):
@@ -428,8 +431,11 @@ def _step_during_backward_job(parent, stage, dtype, device, gas):
     folder = _shared_folder(parent)
     base = {"device": "cpu"} if device == "cpu" else _nvme(folder)
     results = []
-    for early in (False, True):
+    # NVMe offload steps during backward when the key is unset (the default): tested so.
+    for early in (False, True if device == "cpu" else None):
         offload = {**base, "step_during_backward": early}
+        if early is None:
+            del offload["step_during_backward"]
         cfg = _config(stage, dtype, offload, gas=gas, clip=0.0, sub_group_size=300)
         cfg["zero_optimization"]["reduce_bucket_size"] = 200
         engine, *_ = deepspeed_cpp.initialize(model=_mlp(dtype), config=cfg)
@@ -447,7 +453,7 @@ def _step_during_backward_job(parent, stage, dtype, device, gas):
 def test_step_during_backward_is_bitwise_the_step_at_engine_step(
     pool2, tmp_path, stage, device, dtype, gas
 ):
-    for (at_step, _), _, (early, stepped), sub_groups in pool2.run(
+    for (at_step, _, norms), _, (early, stepped, early_norms), sub_groups in pool2.run(
         _step_during_backward_job, tmp_path, stage, dtype, device, gas
     ):
         # Some sub-groups were stepped inside backward, and not all (the reducer keeps the
@@ -455,6 +461,9 @@ def test_step_during_backward_is_bitwise_the_step_at_engine_step(
         assert len(stepped) == STEPS and all(0 < n < sub_groups for n in stepped), stepped
         for name, value in at_step.items():
             assert torch.equal(early[name], value), (name, stage, device, dtype)
+        # The early steps reuse the shard gradients' storage: the norms engine.step() reports
+        # were taken before (bitwise those of the step at engine.step()).
+        assert early_norms == norms and all(n > 0 for n in norms), (early_norms, norms)
 
 
 def _refusals_job(folder):
@@ -493,12 +502,32 @@ def _refusals_job(folder):
     engine.step()
     engine.save_checkpoint(folder, tag="after")  # fine once the step is done
     engine.destroy()
+    # A learning rate changed after some sub-groups were stepped with the old one.
+    cfg = _config(2, "fp32", early, gas=1, clip=0.0, sub_group_size=300)
+    cfg["zero_optimization"]["reduce_bucket_size"] = 200
+    engine, *_ = deepspeed_cpp.initialize(model=_mlp("fp32"), config=cfg)
+    engine.backward(torch.nn.functional.mse_loss(engine(torch.randn(3, 29)), torch.randn(3, 23)))
+    assert engine.optimizer._backward_steps.stepped_count > 0
+    engine.optimizer.param_groups[0]["lr"] *= 2
+    try:
+        engine.step()
+        found.append("no error")
+    except RuntimeError as error:
+        found.append(f"RuntimeError: {error}")
+    engine.destroy()
+    # Unset, it stays off without a word where something excludes it (clipping here).
+    nvme = _nvme(_shared_folder(folder))
+    engine, *_ = deepspeed_cpp.initialize(model=make_model(SEED), config=_config(2, "fp32", nvme))
+    found.append(engine.optimizer._backward_steps)
+    engine.destroy()
     return found
 
 
 def test_step_during_backward_refuses_what_needs_every_gradient_first(pool2, tmp_path):
     key = "zero_optimization.offload_optimizer.step_during_backward = true cannot be combined"
-    for clip, fp16, delayed, ratio, param, twice, save in pool2.run(_refusals_job, str(tmp_path)):
+    for clip, fp16, delayed, ratio, param, twice, save, lr, unset in pool2.run(
+        _refusals_job, str(tmp_path)
+    ):
         for message in (clip, fp16, delayed, ratio, param):
             assert message.startswith("DeepSpeedConfigError") and key in message, message
         assert "gradient_clipping = 1.0" in clip
@@ -508,6 +537,8 @@ def test_step_during_backward_refuses_what_needs_every_gradient_first(pool2, tmp
         assert 'offload_param.device = "cpu"' in param
         assert "backward() was called again before engine.step()" in twice, twice
         assert "saving a checkpoint between an accumulation boundary's backward" in save, save
+        assert "param_groups[0]['lr'] changed from 0.01 to 0.02 between backward" in lr, lr
+        assert unset is None
 
 
 def _step_during_backward_vanished_folder_job(parent):

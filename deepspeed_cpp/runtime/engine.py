@@ -163,7 +163,9 @@ class DeepSpeedEngine(torch.nn.Module):
                 "section too; keep one of them"
             )
         zero = self.config.zero_optimization
-        offload = OptimizerOffload.from_config(zero, self.config.aio)
+        offload = OptimizerOffload.from_config(
+            zero, self.config.aio, self.config.step_during_backward_setting()
+        )
         # Offloaded master shards are stepped on the host: the config optimizer is a CPU one.
         optimizer_device = self.device if offload is None else torch.device("cpu")
         if zero.stage == 3:

@@ -275,6 +275,17 @@ class DeepSpeedConfig(ConfigSection):
     def is_finalized(self) -> bool:
         return self._world_size is not None
 
+    def step_during_backward_setting(self) -> bool | None:
+        """``offload_optimizer.step_during_backward`` for the engine: the value set, or, unset,
+        None ("wherever the engine can") for NVMe offload that nothing in the config excludes,
+        False for anything else."""
+        part = self.zero_optimization.offload_optimizer
+        if part is None or part.step_during_backward is not None:
+            return None if part is None else part.step_during_backward
+        if part.device != "nvme" or _step_during_backward_problems(self):
+            return False
+        return None
+
     def get(self, key: str, default: Any = None) -> Any:
         """A top-level section or value of the config as given (a copy), dict-style.
 

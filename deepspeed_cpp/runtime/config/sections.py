@@ -78,12 +78,16 @@ class OffloadOptimizerConfig(_OffloadConfig):
     backward run on parameters one step stale."""
     delayed_param_update_warmup_steps: integer(0) = 10
     """Ordinary steps taken before the delayed parameter update starts."""
-    step_during_backward: boolean() = False
+    step_during_backward: boolean(optional=True) = None
     """deepspeed_cpp extension: at the accumulation boundary, step each optimizer sub-group
     during backward as soon as all its gradient buckets are reduced (so its NVMe reads and
     writes overlap the rest of backward); the updated parameters are still all-gathered in
     ``engine.step()``. Not with gradient clipping, fp16 loss scaling, the delayed parameter
-    update, ``ratio`` < 1 or ``offload_param``: those need every gradient before any step."""
+    update, ``ratio`` < 1, ``offload_param`` or expert-parallel MoE: those need every gradient
+    before any step. Unset: on for ``device: "nvme"`` wherever none of those is in use (the
+    swap I/O is what there is to hide; on a host with the "device" on its own cores a CPU
+    step would only compete with backward), off otherwise; ``true`` refuses the combinations
+    by name, ``false`` turns it off."""
     super_offload: boolean() = False
     convert_grad_on_cpu: boolean() = True
     cpuadam_cores_perc: number(0.0, 1.0) = 0.8

@@ -31,6 +31,7 @@ state dicts (``full_state_dict``, ``load_module_state``) name experts globally t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -94,7 +95,7 @@ class ExpertParallelZeroStage:
         reduce_scatter: bool = True,
         offload: OptimizerOffload | None = None,
     ):
-        _refuse_offload_options(offload)
+        offload = _checked_offload_options(offload)
         param_groups = init_stage_fields(
             self,
             optimizer,
@@ -335,16 +336,18 @@ class ExpertParallelZeroStage:
             member.refresh_masters_from_params()
 
 
-def _refuse_offload_options(offload: OptimizerOffload | None) -> None:
+def _checked_offload_options(offload: OptimizerOffload | None) -> OptimizerOffload | None:
+    """``offload`` without what expert sets cannot do: errors for what was asked for, and
+    ``step_during_backward`` off where it was only on by default."""
     if offload is None:
-        return
+        return None
     if offload.delayed_update_after is not None:
         raise ValueError(
             "zero_optimization.offload_optimizer.delayed_param_update = true with expert-parallel "
             "MoE layers (ep_size > 1) is not supported (it would run one background step per "
             "expert set on one optimizer); set delayed_param_update to false, or use ep_size=1"
         )
-    if offload.step_during_backward:
+    if offload.step_during_backward is True:
         raise ValueError(
             "zero_optimization.offload_optimizer.step_during_backward = true with expert-parallel "
             "MoE layers (ep_size > 1) is not supported (the sub-groups of every expert set would "
@@ -356,3 +359,4 @@ def _refuse_offload_options(offload: OptimizerOffload | None) -> None:
             f"MoE layers (ep_size > 1) is not supported; use ratio 1.0 (the whole optimizer "
             f"state offloaded), or ep_size=1"
         )
+    return dataclasses.replace(offload, step_during_backward=False)

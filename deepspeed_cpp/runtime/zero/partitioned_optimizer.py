@@ -391,7 +391,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
     def _global_norm(self) -> float:
         # One fused read of the shards (float32 norms, as torch's clip_grad_norm_), then the
         # partial sums of squares in float64 across shards and ranks.
-        norms = torch._foreach_norm(self.shard_grads)
+        norms = self._shard_grad_norms()
         squares = torch.stack(norms).double().pow(2).sum().reshape(1)
         total = self._sum_over_shards(squares, "all_reduce of the gradient norm")
         return math.sqrt(float(total.item()))

@@ -32,7 +32,7 @@ class BackwardSteps:
     """The sub-groups stepped in the current boundary backward and, per bucket, the tensor
     holding this rank's updated part of its parameters until ``engine.step()`` gathers it."""
 
-    def __init__(self, sub_groups: Sequence[Sequence[int]]) -> None:
+    def __init__(self, sub_groups: Sequence[Sequence[int]], optimizer) -> None:
         for group, members in enumerate(sub_groups):
             expected = list(range(members[0], members[0] + len(members)))
             if list(members) != expected or (group and members[0] != sub_groups[group - 1][-1] + 1):
@@ -41,6 +41,13 @@ class BackwardSteps:
                     f"consecutive buckets in order"
                 )
         self._last_bucket = [members[-1] for members in sub_groups]
+        self._optimizer = optimizer
+        # The hyper-parameters the first early step of this backward saw (lr, betas, ...): a
+        # change before engine.step() would have reached only some sub-groups.
+        self._hyper_parameters: list[dict] | None = None
+        # Per bucket stepped early, the norm of its shard gradient, taken before the step
+        # reused that gradient's storage.
+        self.shard_grad_norms: dict[int, torch.Tensor] = {}
         self._stepped: dict[int, Future] = {}  # sub-group -> its step on the worker
         self._worker: ThreadPoolExecutor | None = None
         self._next = 0  # the first sub-group not yet stepped in this backward
@@ -73,6 +80,8 @@ class BackwardSteps:
         on the worker; sub-groups run in the order they are submitted."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="deepspeed_cpp-sdb")
+        if self._hyper_parameters is None:
+            self._hyper_parameters = _hyper_parameters(self._optimizer.param_groups)
 
         def run() -> list[tuple[int, torch.Tensor]]:
             with torch.no_grad():  # grad mode is per thread
@@ -93,12 +102,30 @@ class BackwardSteps:
                 f"{KEY}: stepping optimizer sub-group {group} during backward failed: {error}"
             ) from error
 
+    def check_hyper_parameters(self, param_groups: Sequence[dict]) -> None:
+        """At ``engine.step()``: raises if a hyper-parameter changed after sub-groups were
+        stepped with its old value during backward (the step would mix both values)."""
+        if self._hyper_parameters is None:
+            return
+        for index, (then, now) in enumerate(
+            zip(self._hyper_parameters, _hyper_parameters(param_groups))
+        ):
+            for key in then.keys() | now.keys():
+                if not _same(then.get(key), now.get(key)):
+                    raise RuntimeError(
+                        f"{KEY}: param_groups[{index}][{key!r}] changed from {then.get(key)!r} "
+                        f"to {now.get(key)!r} between backward and engine.step(), after "
+                        f"{len(self._stepped)} optimizer sub-group(s) were stepped during "
+                        f"backward with the old value; change hyper-parameters before backward "
+                        f"(or after engine.step()), or set {KEY} to false"
+                    )
+
     def close(self) -> None:
         """Waits for the worker (its errors were for engine.step() to report) and stops it."""
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
-        self._stepped.clear()
+        self.end_step()
 
     def check_between_steps(self, what: str) -> None:
         """Raises if a boundary backward ran (and may have stepped sub-groups) but
@@ -116,4 +143,23 @@ class BackwardSteps:
 
     def end_step(self) -> None:
         self._stepped.clear()
+        self.shard_grad_norms.clear()
+        self._hyper_parameters = None
         self._awaiting_step = False
+
+
+def _hyper_parameters(param_groups: Sequence[dict]) -> list[dict]:
+    return [
+        {
+            k: v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in group.items()
+            if k != "params"
+        }
+        for group in param_groups
+    ]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b

@@ -28,12 +28,17 @@ class OptimizerOffload:
     aio_config: Any = None  # the config's ``aio`` section (None: its defaults)
     # deepspeed_cpp's delayed parameter update: None (off) or the number of ordinary steps first
     delayed_update_after: int | None = None
-    # deepspeed_cpp's extension: step each sub-group during backward once its buckets are reduced
-    step_during_backward: bool = False
+    # deepspeed_cpp's extension: step each sub-group during backward once its buckets are
+    # reduced. True: asked for (what excludes it is an error); None: wherever this optimizer
+    # can (the config's unset default for NVMe); False: off.
+    step_during_backward: bool | None = False
 
     @classmethod
-    def from_config(cls, zero, aio_config=None) -> OptimizerOffload | None:
-        """None when the config offloads nothing."""
+    def from_config(
+        cls, zero, aio_config=None, step_during_backward: bool | None = False
+    ) -> OptimizerOffload | None:
+        """None when the config offloads nothing; ``step_during_backward`` as resolved by
+        ``DeepSpeedConfig.step_during_backward_setting()``."""
         part = zero.offload_optimizer
         if part is None or part.device == "none" or part.ratio == 0.0:
             return None
@@ -50,7 +55,7 @@ class OptimizerOffload:
             delayed_update_after=(
                 part.delayed_param_update_warmup_steps if part.delayed_param_update else None
             ),
-            step_during_backward=part.step_during_backward,
+            step_during_backward=step_during_backward,
         )
 
     def make_home(

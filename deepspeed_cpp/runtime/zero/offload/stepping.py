@@ -53,8 +53,9 @@ class OffloadedStepping:
     def _make_backward_steps(self, offload: OptimizerOffload | None) -> BackwardSteps | None:
         """The bookkeeping of ``step_during_backward``, after checking that nothing this
         optimizer does at the step needs every gradient first (the config refuses the same
-        combinations by key; this covers optimizers built without one)."""
-        if offload is None or not offload.step_during_backward:
+        combinations by key; this covers optimizers built without one). Only on by default
+        (None), it stays off where something excludes it."""
+        if offload is None or offload.step_during_backward is False:
             return None
         conflicts = []
         if not self._step_per_bucket:
@@ -71,11 +72,13 @@ class OffloadedStepping:
             conflicts.append("offload_optimizer.delayed_param_update")
         if self._device_optimizer is not None:
             conflicts.append(f"offload_optimizer.ratio = {offload.ratio}")
+        if conflicts and offload.step_during_backward is None:
+            return None
         if conflicts:
             raise ValueError(
                 f"{STEP_DURING_BACKWARD} = true cannot be combined with {'; '.join(conflicts)}"
             )
-        return BackwardSteps(self.home.sub_groups)
+        return BackwardSteps(self.home.sub_groups, self.optimizer)
 
     def _step_reduced_sub_groups(self) -> None:
         """During a boundary backward: hands every sub-group whose buckets are all reduced to
@@ -83,7 +86,21 @@ class OffloadedStepping:
         early = self._backward_steps
         for group in early.ready(self.reducer.harvested()):
             members = self.home.sub_groups[group]
+            # The step reuses the shard gradients' storage for the updated parameters (see
+            # _staging_target): their norms for engine.step() are taken first, here, on the
+            # thread (and with the thread count) that takes every other one.
+            norms = torch._foreach_norm([self.shard_grads[index] for index in members])
+            early.shard_grad_norms.update(zip(members, norms))
             early.submit(group, lambda m=members: self._step_sub_group(m, into_staging=True))
+
+    def _shard_grad_norms(self) -> list[torch.Tensor]:
+        """The norm of each shard gradient, those stepped during backward as taken then."""
+        taken = self._backward_steps.shard_grad_norms if self._backward_steps is not None else {}
+        if not taken:
+            return torch._foreach_norm(self.shard_grads)
+        rest = [grad for index, grad in enumerate(self.shard_grads) if index not in taken]
+        computed = iter(torch._foreach_norm(rest) if rest else [])
+        return [taken[i] if i in taken else next(computed) for i in range(len(self.shard_grads))]
 
     def _make_device_optimizer(self, factory, param_groups, on_device, optimizer):
         """The optimizer of the buckets a partial offload (``ratio`` < 1) leaves on the device:
@@ -134,6 +151,8 @@ class OffloadedStepping:
             return
         early = self._backward_steps
         pending = []
+        if early is not None:
+            early.check_hyper_parameters(self.optimizer.param_groups)
         for group, members in enumerate(self.home.sub_groups):
             sources = early.take(group) if early is not None else None
             if sources is None:
@@ -180,9 +199,10 @@ class OffloadedStepping:
         step (DeepSpeed's ``fp16_param_groups``): this rank's part of each bf16/fp16 bucket."""
         if not hasattr(self.optimizer, "step_groups"):
             return {}
-        target = self._staging_target if into_staging else self._owned_device_target
         return {
-            index: target(self.buckets[index])
+            index: self._staging_target(index)
+            if into_staging
+            else self._owned_device_target(self.buckets[index])
             for index in members
             if self.buckets[index].gather_dtype in (torch.bfloat16, torch.float16)
         }
@@ -257,14 +277,19 @@ class OffloadedStepping:
         if not self.home.offloaded(index):
             return master
         bucket = self.buckets[index]
-        target = self._staging_target(bucket) if into_staging else self._owned_device_target(bucket)
+        target = self._staging_target(index) if into_staging else self._owned_device_target(bucket)
         self.home.transfer.to_device(master.detach(), target)
         return target
 
-    def _staging_target(self, bucket) -> torch.Tensor:
-        """A tensor of this rank's part of ``bucket`` in the parameters' dtype, apart from them."""
-        device = self.params[0].device
-        return torch.empty(bucket.owned_size, dtype=bucket.gather_dtype, device=device)
+    def _staging_target(self, index: int) -> torch.Tensor:
+        """Where a step during backward leaves this rank's updated part of bucket ``index``, in
+        the parameters' dtype, apart from them: the front of the bucket's float32 shard
+        gradient. Its values were copied to the host (and its norm taken) before the step; it
+        is overwritten by the next reduction, after engine.step() gathered from it. Its own
+        tensor would cost 2 or 4 bytes per owned element until engine.step()."""
+        bucket, grad = self.buckets[index], self.shard_grads[index]
+        itemsize = torch.empty(0, dtype=bucket.gather_dtype).element_size()
+        return grad.view(torch.uint8)[: bucket.owned_size * itemsize].view(bucket.gather_dtype)
 
     def _gather_from_master(self, index: int, written: torch.Tensor | None = None):
         """Starts writing master ``index`` into every rank's parameters (``written``: its
