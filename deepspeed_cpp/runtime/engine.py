@@ -27,6 +27,7 @@ from .zero.moe_stage import (
     expert_set_of,
     needs_expert_sets,
 )
+from .zero.offload.host_heap import give_back_free_heap
 from .zero.offload.optimizer_offload import OptimizerOffload, ParamOffload
 from .zero.partitioned_optimizer import ZeroPartitionedOptimizer
 
@@ -131,6 +132,7 @@ class DeepSpeedEngine(torch.nn.Module):
                 f", {self.optimizer.describe()}" if self.optimizer is not None else "",
             )
         model._deepspeed_cpp_engine = weakref.ref(self)
+        give_back_free_heap()  # what set-up freed in glibc's heap, where the engine swaps
 
     # --- construction -------------------------------------------------------------------------
     def _broadcast_module_from_rank0(self) -> None:
