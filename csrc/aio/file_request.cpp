@@ -16,6 +16,14 @@ int64_t round_up(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
 
+// The size of the open file, or -1 with errno set. statx (glibc 2.28) rather than fstat, whose
+// symbol is glibc 2.33's and would keep the library from loading on a manylinux_2_28 system.
+int64_t file_size(int fd) {
+  struct statx status;
+  if (statx(fd, "", AT_EMPTY_PATH, STATX_SIZE, &status) != 0) return -1;
+  return static_cast<int64_t>(status.stx_size);
+}
+
 int open_retrying(const char* path, int flags) {
   int fd;
   do {
@@ -66,24 +74,24 @@ void FileRequest::open_file() {
     return;
   }
   if (is_read()) {
-    struct stat status;
-    if (fstat(buffered_fd_, &status) == 0 && status.st_size < end()) {
-      fail("the file has " + std::to_string(status.st_size) + " bytes, but the request reads up " +
+    const int64_t size = file_size(buffered_fd_);
+    if (size >= 0 && size < end()) {
+      fail("the file has " + std::to_string(size) + " bytes, but the request reads up " +
            "to byte " + std::to_string(end()) + " (reading past the end of the file)");
     }
   }
 }
 
 void FileRequest::size_file_for_write() {
-  struct stat status;
-  if (fstat(buffered_fd_, &status) != 0) {
+  const int64_t size = file_size(buffered_fd_);
+  if (size < 0) {
     fail("cannot stat the file: " + describe_errno(errno));
     return;
   }
   // A write at offset 0 replaces the file: it ends where the write ends. Shrinking instead of
   // truncating to zero keeps the blocks that the write overwrites allocated, which is much
   // faster for O_DIRECT than allocating them again.
-  if (spec_.truncate && spec_.file_offset == 0 && status.st_size > end()) {
+  if (spec_.truncate && spec_.file_offset == 0 && size > end()) {
     if (ftruncate(buffered_fd_, end()) != 0) {
       fail("cannot shrink the file to " + std::to_string(end()) +
            " bytes: " + describe_errno(errno));
@@ -92,7 +100,7 @@ void FileRequest::size_file_for_write() {
   }
   // Allocating the part beyond the current end in one call lets the direct writes fill
   // allocated space, and reports a full disk before any byte is written.
-  const int64_t grow_from = status.st_size > begin() ? status.st_size : begin();
+  const int64_t grow_from = size > begin() ? size : begin();
   if (end() > grow_from) {
     int allocated;
     do {

@@ -11,10 +11,8 @@ std::string describe_errno(int error_number) {
   const char* message = strerror_r(error_number, text, sizeof(text));
   std::string described = message;
   described += " (";
-#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 32))
-  const char* symbol = strerrordesc_np(error_number) ? strerrorname_np(error_number) : nullptr;
+  const char* symbol = errno_name(error_number);
   if (symbol != nullptr) described += std::string(symbol) + ", ";
-#endif
   described += "errno " + std::to_string(error_number) + ")";
   return described;
 }

@@ -80,6 +80,7 @@ class AsyncIOBuilder(OpBuilder):
             "aio/thread_pool_engine.cpp",
             "aio/locked_memory.cpp",
             "aio/os_error.cpp",
+            "aio/errno_name.cpp",
         ]
         engines = self.compiled_engines()
         if "io_uring" in engines:

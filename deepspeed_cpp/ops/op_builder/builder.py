@@ -39,7 +39,13 @@ BUILD_INFO_FILE = PREBUILT_DIR / "build_info.json"
 # The flags every C++ translation unit is compiled with. -ffp-contract=off keeps the compiler from
 # fusing a*b+c on its own, which would make ISA paths round differently (see adam_math.h);
 # -fno-math-errno lets sqrtf vectorise. No -march: one binary runs on every CPU of its arch.
-BASE_CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
+# Every translation unit starts with csrc/common/glibc_compat.h (found through csrc/ on the
+# include path), which binds the C library's symbols to versions glibc 2.28 has, so that a
+# library built on a newer system still loads on a manylinux_2_28 one.
+GLIBC_COMPAT_HEADER = "common/glibc_compat.h"
+BASE_CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-include", GLIBC_COMPAT_HEADER]
+# The same header for the host code nvcc hands to the C++ compiler.
+NVCC_HOST_FLAGS = ["-Xcompiler", f"-include,{GLIBC_COMPAT_HEADER}"]
 
 # The oldest torch whose stable C ABI the STABLE_ABI families are built for: their headers' newer
 # APIs are compiled out (TORCH_TARGET_VERSION), so one build loads under this torch and later ones.

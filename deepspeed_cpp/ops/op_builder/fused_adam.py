@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .builder import OpBuilder
+from .builder import NVCC_HOST_FLAGS, OpBuilder
 
 logger = logging.getLogger("deepspeed_cpp")
 
@@ -123,7 +123,7 @@ class FusedAdamBuilder(OpBuilder):
     def extra_cuda_cflags(self) -> list[str]:
         # --fmad=false: nvcc must not contract a*b+c where the CPU kernels do not, so that the
         # device gives the bits the CPU tests check (see common/adam_math.h).
-        flags = ["-O3", "--fmad=false", "-Xcompiler", "-ffp-contract=off"]
+        flags = ["-O3", "--fmad=false", "-Xcompiler", "-ffp-contract=off", *NVCC_HOST_FLAGS]
         if os.environ.get("NVCC_THREADS"):
             flags.append(f"--threads={int(os.environ['NVCC_THREADS'])}")
         try:
