@@ -17,11 +17,18 @@ int64_t round_up(int64_t value, int64_t multiple) {
 }
 
 // The size of the open file, or -1 with errno set. statx (glibc 2.28) rather than fstat, whose
-// symbol is glibc 2.33's and would keep the library from loading on a manylinux_2_28 system.
+// symbol is glibc 2.33's and would keep the library from loading on a manylinux_2_28 system;
+// fstat where the C library has no statx (glibc before 2.28, where fstat is an older symbol).
 int64_t file_size(int fd) {
+#ifdef STATX_SIZE
   struct statx status;
   if (statx(fd, "", AT_EMPTY_PATH, STATX_SIZE, &status) != 0) return -1;
   return static_cast<int64_t>(status.stx_size);
+#else
+  struct stat status;
+  if (fstat(fd, &status) != 0) return -1;
+  return static_cast<int64_t>(status.st_size);
+#endif
 }
 
 int open_retrying(const char* path, int flags) {
