@@ -358,12 +358,6 @@ def _step_during_backward_problems(config) -> list[str]:
             f"zero_optimization.offload_optimizer.ratio = {part.ratio} (the part left on the "
             f"device is stepped at once)"
         )
-    param = zero.offload_param
-    if zero.stage == 3 and param is not None and param.device != "none":
-        conflicts.append(
-            f'zero_optimization.offload_param.device = "{param.device}" (the updated shards '
-            f"are stored through the parameter home at the step)"
-        )
     return [f"{key} cannot be combined with {what}; turn one of them off" for what in conflicts]
 
 
