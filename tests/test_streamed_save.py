@@ -261,16 +261,18 @@ def test_a_resharded_nvme_load_streams_and_equals_the_in_memory_reshard(saved_by
     """The checkpoint of 2 ranks loaded by 3 into NVMe swap files: every master slice and
     optimizer state bitwise equal to the same load in memory, and the load's host-memory
     high-water mark grows by the model's weights (the module file, read whole by every rank at
-    ZeRO-2) plus less than half the rank's state, which is 6 times the swap buffers."""
+    ZeRO-2) plus less than the rank's state, which is 6 times the swap buffers."""
     folder = saved_by_two_ranks[0][0]["folder"]
     for figures, offloaded, in_memory in pool3.run(_reshard_job, folder):
         state, buffers = figures["state_bytes"], figures["buffer_bytes"]
         assert state >= 6 * buffers, figures  # 8.4 MB of state, 1.1 MB of buffers
-        # Measured: 10.8-11.2 MB, of which the module file's pages are 8.4 MB and the rest
-        # pages around them, the sub-group's temporaries and first-use costs. Re-cut in memory
-        # first (what the load did before), 20.5-29.4 MB: the state itself (8.4 MB) on top of
+        # Measured: 12.9-13.8 MB, of which the module file's pages are 8.4 MB and the rest
+        # pages around them, the sub-group's temporaries and first-use costs (10.8-11.2 MB
+        # before the engine handed set-up's free heap pages back at initialize(): the load's
+        # temporaries then landed in pages already resident). Re-cut in memory first (what
+        # the load did before), 20.5-29.4 MB even then: the state itself (8.4 MB) on top of
         # the module, and the pages of the shard files it was read from.
-        assert figures["load_extra_bytes"] < figures["module_bytes"] + state // 2, figures
+        assert figures["load_extra_bytes"] < figures["module_bytes"] + state, figures
         _assert_same_states(offloaded, in_memory)
 
 

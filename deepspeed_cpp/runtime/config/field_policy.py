@@ -112,8 +112,10 @@ FIELDS: dict[str, FieldUse] = {
     **{
         f"zero_optimization.offload_optimizer.{name}": _read(_OFFLOAD)
         for name in "device nvme_path pin_memory buffer_count pipeline_read pipeline_write ratio "
-        "delayed_param_update delayed_param_update_warmup_steps step_during_backward".split()
+        "delayed_param_update delayed_param_update_warmup_steps".split()
     },
+    # Resolved with the rest of the config (unset: on for NVMe where nothing excludes it).
+    "zero_optimization.offload_optimizer.step_during_backward": _read(_CONFIG),
     "zero_optimization.offload_optimizer.fast_init": _judged(_CONFIG),
     "zero_optimization.offload_optimizer.convert_grad_on_cpu": _judged(_CONFIG),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": _judged(_CONFIG),
