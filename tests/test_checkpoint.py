@@ -247,6 +247,13 @@ def max_relative_difference(ours: dict, expected: dict) -> float:
 
 # ---- resharding ----------------------------------------------------------------------------
 
+# Against the one-process reference, relative to each tensor's largest element. 1e-6 failed
+# once (DS_TEST_SEED=2481899044, 2 ranks at stage 0 after 3 AdamW steps: 1.7e-6; the loading
+# side's worst element in that run was embed.weight, 6.1e-7 on a scale of 0.38, 20 ulps): the
+# ranks' all-reduce adds in another order than the reference's rank-by-rank sum, and Adam's
+# m / sqrt(v) enlarges that rounding where a gradient nearly cancels. A step fewer is > 1e-3.
+SUM_ORDER_TOLERANCE = 1e-5
+
 RESHARD_CASES = [
     # (saved world, saved stage, loading world, loading stage)
     *[(n, s, m, s) for s in (0, 1, 2) for n, m in ((2, 1), (2, 3), (3, 2))],
@@ -268,7 +275,7 @@ def test_reshard_continues_as_uninterrupted_run(
     results = pools(world).run(load_and_train_job, str(tmp_path), stage, data_seed, before, after)
     expected_saved = reference(model_seed, data_seed, [saved_world] * before)
     expected = reference(model_seed, data_seed, [saved_world] * before + [world] * after)
-    assert max_relative_difference(saved, expected_saved) <= 1e-6
+    assert max_relative_difference(saved, expected_saved) <= SUM_ORDER_TOLERANCE
     for loaded, final, global_steps, micro_steps in results:
         assert loaded["path"] == str(tmp_path / f"global_step{before}")
         assert loaded["client_state"] == {"world": saved_world}
@@ -279,7 +286,7 @@ def test_reshard_continues_as_uninterrupted_run(
         assert global_steps == before + after and micro_steps == (before + after) * GAS[world]
         for name, tensor in results[0][1].items():
             assert torch.equal(final[name], tensor), f"ranks disagree on {name}"
-    assert max_relative_difference(results[0][1], expected) <= 1e-6
+    assert max_relative_difference(results[0][1], expected) <= SUM_ORDER_TOLERANCE
     # The comparison can fail: one step fewer is far away.
     assert max_relative_difference(results[0][1], expected_saved) > 1e-3
 
