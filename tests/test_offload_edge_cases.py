@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_offload_optimizer import SEED, _config, _run_steps
-from zero3_helpers import full_params, global_batches, make_model
+from zero3_helpers import assert_same_shard_states, full_params, global_batches, make_model
 
 
 def _folder(parent) -> str:
@@ -306,9 +306,4 @@ def test_a_swap_write_past_the_file_size_limit_is_named_and_nothing_is_lost(pool
         (saved_params, saved_states), (params, states) = result["saved"], result["loaded"]
         for name, value in saved_params.items():
             assert torch.equal(params[name], value), name
-        assert len(states) == len(saved_states)
-        for ours, theirs in zip(states, saved_states):
-            assert torch.equal(ours["master"], theirs["master"])
-            assert ours["state"].keys() == theirs["state"].keys()
-            for key, value in theirs["state"].items():
-                assert torch.equal(ours["state"][key], value), key
+        assert_same_shard_states(states, saved_states)

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_offload_optimizer import SEED, _config, _nvme, _run_steps
-from zero3_helpers import make_model
+from zero3_helpers import assert_same_shard_states, make_model
 
 from deepspeed_cpp.runtime.checkpoint.streamed_save import save_streamed_atomically
 from deepspeed_cpp.runtime.zero.offload.deferred_tensor import DeferredTensor
@@ -207,15 +207,6 @@ def saved_by_two_ranks(pool2, tmp_path_factory):
     return pool2.run(_stream_job, tmp_path_factory.mktemp("streamed"))
 
 
-def _assert_same_states(ours: list[dict], theirs: list[dict]) -> None:
-    assert len(ours) == len(theirs)
-    for mine, other in zip(ours, theirs):
-        assert torch.equal(mine["master"], other["master"])
-        assert mine["state"].keys() == other["state"].keys()
-        for key, value in other["state"].items():
-            assert torch.equal(mine["state"][key], value), key
-
-
 def test_an_nvme_save_streams_and_loads_bitwise_either_way(saved_by_two_ranks):
     for figures, saved, in_memory, offloaded in saved_by_two_ranks:
         state, buffers = figures["state_bytes"], figures["buffer_bytes"]
@@ -226,7 +217,7 @@ def test_an_nvme_save_streams_and_loads_bitwise_either_way(saved_by_two_ranks):
         # pass through the buffers, resident already: 0.3-0.6 MB measured (pickling, metadata).
         assert figures["save_extra_bytes"] < 2 * buffers, figures
         for loaded in (in_memory, offloaded):
-            _assert_same_states(loaded, saved)
+            assert_same_shard_states(loaded, saved)
 
 
 # --- 3 ranks: the 2-rank checkpoint re-cut into NVMe swap files, one sub-group at a time ------
@@ -273,7 +264,7 @@ def test_a_resharded_nvme_load_streams_and_equals_the_in_memory_reshard(saved_by
         # the load did before), 20.5-29.4 MB even then: the state itself (8.4 MB) on top of
         # the module, and the pages of the shard files it was read from.
         assert figures["load_extra_bytes"] < figures["module_bytes"] + state, figures
-        _assert_same_states(offloaded, in_memory)
+        assert_same_shard_states(offloaded, in_memory)
 
 
 # --- the same at the smallest sizes, and training on after the load ----------------------------

@@ -209,3 +209,14 @@ def full_params(engine) -> dict:
     """Every trainable and frozen parameter, whole, under its model name (collective)."""
     state = engine.full_module_state_dict()
     return {n: state[n].clone() for n, _ in engine.module.named_parameters()}
+
+
+def assert_same_shard_states(ours: list[dict], theirs: list[dict]) -> None:
+    """Two engines' ``optimizer.shard_state()`` lists (master slice and per-element state per
+    sub-group or bucket) are bitwise equal."""
+    assert len(ours) == len(theirs)
+    for mine, other in zip(ours, theirs):
+        assert torch.equal(mine["master"], other["master"])
+        assert mine["state"].keys() == other["state"].keys()
+        for key, value in other["state"].items():
+            assert torch.equal(mine["state"][key], value), key

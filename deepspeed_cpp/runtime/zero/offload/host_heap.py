@@ -67,16 +67,10 @@ def return_large_frees_to_the_kernel() -> int | None:
     threshold = _requested_threshold()
     if threshold is None or _applied == threshold:
         return threshold
-    libc_name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(libc_name) if libc_name else None
-        mallopt = libc.mallopt if libc is not None else None
-        gnu_version = libc.gnu_get_libc_version if libc is not None else None
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         return None  # not glibc: its allocator has no such threshold to fix
-    if mallopt is None or gnu_version is None:
-        return None
-    if mallopt(M_MMAP_THRESHOLD, ctypes.c_int(threshold)) != 1:
+    if libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(threshold)) != 1:
         logger.warning(
             "mallopt(M_MMAP_THRESHOLD, %d) refused; host memory may stay held", threshold
         )
@@ -94,9 +88,21 @@ def return_large_frees_to_the_kernel() -> int | None:
 def give_back_free_heap() -> None:
     """Once an engine that swaps is ready: hands the heap's free pages back (see the module
     docstring). Only where the threshold was fixed, under the same switch."""
-    if _applied is None:
-        return
+    libc = _glibc()
+    if _applied is not None and libc is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (it has mallopt, malloc_trim and gnu_get_libc_version),
+    else None."""
+    name = ctypes.util.find_library("c")
     try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass  # no such call: nothing to give back this way
+        libc = ctypes.CDLL(name) if name else None
+        if libc is None or not all(
+            hasattr(libc, f) for f in ("mallopt", "malloc_trim", "gnu_get_libc_version")
+        ):
+            return None
+    except OSError:
+        return None
+    return libc

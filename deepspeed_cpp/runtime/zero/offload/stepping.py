@@ -288,8 +288,8 @@ class OffloadedStepping:
         is overwritten by the next reduction, after engine.step() gathered from it. Its own
         tensor would cost 2 or 4 bytes per owned element until engine.step()."""
         bucket, grad = self.buckets[index], self.shard_grads[index]
-        itemsize = torch.empty(0, dtype=bucket.gather_dtype).element_size()
-        return grad.view(torch.uint8)[: bucket.owned_size * itemsize].view(bucket.gather_dtype)
+        size = bucket.owned_size * bucket.gather_dtype.itemsize
+        return grad.view(torch.uint8)[:size].view(bucket.gather_dtype)
 
     def _gather_from_master(self, index: int, written: torch.Tensor | None = None):
         """Starts writing master ``index`` into every rank's parameters (``written``: its
