@@ -8,7 +8,10 @@ combine weights, einsum dispatch and combine); ours is the gating op plus indexe
 combine. Times are medians over the repetitions; tokens/s counts every rank's tokens.
 
     python benchmarks/bench_moe.py [--tokens 16384] [--hidden 1024] [--experts 8] [--k 2]
-                                   [--repeats 5] [--threads N]
+                                   [--repeats 5] [--threads N] [--device cuda]
+
+With ``--device cuda`` the gating op and the layer run on the GPU (CUDA-synchronised timing) and
+the 2-process gloo part is left out.
 """
 
 from __future__ import annotations
@@ -65,12 +68,19 @@ def torch_moe(moe: MoE, hidden: torch.Tensor) -> torch.Tensor:
     return torch.einsum("sec,ecm->sm", combine.type_as(hidden), outputs)
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def median_time(function, repeats: int) -> float:
     function()  # warm-up
     times = []
     for _ in range(repeats):
+        _synchronize()
         start = time.perf_counter()
         function()
+        _synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -104,24 +114,26 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     load_moe()
     torch.manual_seed(0)
 
-    logits = torch.randn(args.tokens, args.experts)
+    logits = torch.randn(args.tokens, args.experts, device=device)
     capacity = capacity_for(args.tokens, args.experts, 1.0, 4, args.k)
     ours = median_time(lambda: moe_gating(logits, args.k, capacity), args.repeats)
     theirs = median_time(lambda: torch_gating(logits, args.k, capacity), args.repeats)
     print(f"gating, {args.tokens} tokens x {args.experts} experts, top-{args.k}, "
-          f"capacity {capacity}, {args.threads} threads")  # fmt: skip
+          f"capacity {capacity}, on {device} ({args.threads} CPU threads)")  # fmt: skip
     print(f"  {'':<22}{'ms':>10}")
     print(f"  {'torch (DeepSpeed)':<22}{theirs * 1e3:>10.2f}")
     print(f"  {'deepspeed_cpp op':<22}{ours * 1e3:>10.2f}   {theirs / ours:.1f}x")
 
-    moe = make_moe(args, ep_size=1)
+    moe = make_moe(args, ep_size=1).to(device)
     reference = copy.deepcopy(moe)
-    hidden = torch.randn(args.tokens, args.hidden)
+    hidden = torch.randn(args.tokens, args.hidden, device=device)
     ours = median_time(lambda: layer_step(moe, hidden), args.repeats)
     theirs = median_time(lambda: layer_step(lambda x: torch_moe(reference, x), hidden),
                          args.repeats)  # fmt: skip
@@ -130,6 +142,8 @@ def main() -> None:
     print(f"  {'':<22}{'tokens/s':>12}")
     print(f"  {'torch (DeepSpeed)':<22}{args.tokens / theirs:>12.0f}")
     print(f"  {'deepspeed_cpp':<22}{args.tokens / ours:>12.0f}   {theirs / ours:.2f}x")
+    if device.type != "cpu":
+        return
     times = run_on_ranks(2, expert_parallel_worker, args)
     print(f"  {'deepspeed_cpp ep_size=2':<22}{args.tokens / max(times):>12.0f}   "
           f"(2 processes, {args.tokens // 2} tokens each, {max(1, args.threads // 2)} threads "

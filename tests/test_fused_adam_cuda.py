@@ -38,29 +38,43 @@ def bits(t):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("adam_w_mode", [True, False])
-def test_matches_torch_fused_adam(dtype, adam_w_mode):
+def test_as_accurate_as_torch_fused_adam(dtype, adam_w_mode):
+    """Ours and torch.optim.AdamW/Adam(fused=True) against torch's Adam in float64 that stores
+    the parameters in ``dtype`` after every step, as both do. Ours and torch's are not bitwise
+    equal (seen on an H200: up to 1.2e-6 apart in float32 after 8 steps, 7e-3 in bf16: each
+    step may round the stored value the other way, and torch keeps bf16/fp16 moments), so the
+    check is that ours is no further from the exact trajectory than torch's own fused kernel."""
     shapes = odd_shapes()
     ours = [torch.nn.Parameter(torch.randn(s, device="cuda").to(dtype)) for s in shapes]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    exact = [torch.nn.Parameter(p.detach().double()) for p in ours]
     hp = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
     optimizer = FusedAdam(ours, adam_w_mode=adam_w_mode, **hp)
     torch_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     reference = torch_cls(theirs, fused=True, **hp)
+    exact_optimizer = torch_cls(exact, foreach=False, **hp)
     for _ in range(8):
-        for p, q in zip(ours, theirs):
+        for p, q, r in zip(ours, theirs, exact):
             p.grad = torch.randn(p.shape, device="cuda").to(dtype)
             q.grad = p.grad.clone()
+            r.grad = p.grad.double()
         optimizer.step()
         reference.step()
-    # Both compute in float32 from the same stored values; they differ only in the order of
-    # operations, i.e. by float32 rounding, which storage rounding may turn into one ulp.
+        exact_optimizer.step()
+        with torch.no_grad():
+            for r in exact:
+                r.copy_(r.to(dtype).double())  # stored in dtype, as the other two store it
     ulp = torch.finfo(dtype).eps
-    for p, q in zip(ours, theirs):
-        difference = (p.float() - q.float()).abs()
-        # ... plus a small share of the steps taken, for values near zero.
-        relative_step = 1e-5 if dtype == torch.float32 else 1e-2
-        tolerance = 2 * ulp * q.float().abs() + 8 * hp["lr"] * relative_step
-        assert (difference <= tolerance).all(), f"{dtype}: {difference.max().item():.3e}"
+    ours_error = torch.cat([(p.double() - r).abs().reshape(-1) for p, r in zip(ours, exact)])
+    torch_error = torch.cat([(q.double() - r).abs().reshape(-1) for q, r in zip(theirs, exact)])
+    scale = torch.cat([r.detach().abs().reshape(-1) for r in exact])
+    # Mean: a systematic error (a wrong bias correction, decay or eps) is far above twice the
+    # rounding noise of torch's kernel. Max: at most a few stored units from the exact value.
+    assert ours_error.mean() <= 2 * torch_error.mean() + 1e-3 * ulp, (
+        f"{dtype}: mean {ours_error.mean():.3e} vs torch's {torch_error.mean():.3e}"
+    )
+    bound = 8 * ulp * (scale + hp["lr"]) + torch_error.max()
+    assert (ours_error <= bound).all(), f"{dtype}: max {ours_error.max():.3e}"
 
 
 COMBINATIONS = [(torch.float32, torch.float32, torch.float32),

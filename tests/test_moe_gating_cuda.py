@@ -1,6 +1,8 @@
 """The MoE gating op's CUDA kernel: built with nvcc on any machine (no GPU needed) and registered
 for CUDA tensors, run through its fake implementation on fake CUDA tensors; on a machine with a
-GPU, equal to the CPU kernel (the same per-token body, csrc/moe/gating_token.h)."""
+GPU, equal to the CPU kernel (the same per-token body, csrc/moe/gating_token.h): the same experts,
+slots and kept tokens, and weights within a few units in the last place (CUDA's exp is not
+glibc's: both are within 1 ulp of the exact value, not always the same one)."""
 
 import os
 import subprocess
@@ -54,10 +56,14 @@ def test_cuda_equals_cpu(k):
         cpu = moe_gating(logits, k, capacity, noise=noise, priority=priority)
         gpu = moe_gating(logits.cuda(), k, capacity, noise=noise.cuda(),
                          priority=None if priority is None else priority.cuda())  # fmt: skip
-        for ours, theirs in zip(gpu, cpu):
-            assert torch.equal(ours.cpu(), theirs)
+        for field, ours, theirs in zip(cpu._fields, gpu, cpu):
+            if theirs.is_floating_point():  # seen on an H200: 1 ulp where glibc's exp differs
+                torch.testing.assert_close(ours.cpu(), theirs, rtol=1e-15, atol=1e-15, msg=field)
+            else:
+                assert torch.equal(ours.cpu(), theirs), field
         grad = torch.randn(4099, k, dtype=torch.float64)
         backward = torch.ops.deepspeed_cpp.moe_gating_backward.default
         back = [backward(grad.to(d), logits.to(d), out.expert, out.kept)
                 for d, out in (("cpu", cpu), ("cuda", gpu))]  # fmt: skip
-        torch.testing.assert_close(back[1].cpu(), back[0], rtol=1e-14, atol=1e-16)
+        # atol: gradients that cancel to ~0 keep the ulps of the O(1) terms they came from.
+        torch.testing.assert_close(back[1].cpu(), back[0], rtol=1e-14, atol=1e-15)

@@ -156,8 +156,10 @@ def evaluate(model_engine, testset, local_device, target_dtype, batch_size=250):
             total_per_class += torch.bincount(labels, minlength=10)
             correct_per_class += torch.bincount(labels[predicted == labels], minlength=10)
     model_engine.train()
-    counts = torch.stack([correct_per_class, total_per_class])
+    # Collectives take tensors on the backend's device (NCCL: the GPU), as in DeepSpeed's example.
+    counts = torch.stack([correct_per_class, total_per_class]).to(local_device)
     dist.all_reduce(counts)
+    counts = counts.cpu()
     return counts[0], counts[1]
 
 
@@ -227,7 +229,8 @@ def main(args):
     criterion = nn.CrossEntropyLoss()
 
     loss_curve, accuracy_per_epoch = [], []
-    interval_loss, interval_batches, step = torch.zeros(1, dtype=torch.float64), 0, 0
+    interval_loss = torch.zeros(1, dtype=torch.float64, device=local_device)
+    interval_batches, step = 0, 0
     training_started = time.perf_counter()
     for epoch in range(args.epochs):
         for inputs, labels in trainloader:

@@ -38,7 +38,7 @@ def launch_all_gather(
         )
     if not by_broadcast:
         source = shard if shard.dtype == full.dtype else shard.to(full.dtype)
-        return [dist.all_gather_single(full, source, group=group, async_op=True)]
+        return [dist.all_gather_into_tensor(full, source, group=group, async_op=True)]
     own = full.narrow(0, rank * size, size)
     if own.data_ptr() != shard.data_ptr() or own.dtype != shard.dtype:  # not already in place
         own.copy_(shard)
