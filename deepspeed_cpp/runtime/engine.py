@@ -15,12 +15,15 @@ from ..accelerator import get_accelerator
 from ..comm.collective_errors import named_collective
 from ..utils import groups as moe_groups
 from ..utils.logging import logger
+from .call_order import CallOrder, refuse_foreign_parameters
 from .config import DeepSpeedConfig
 from .config_optimizer import config_optimizer_factory
 from .dataloader import make_distributed_loader
 from .failed_step import FailedStepGuard
+from .half_inputs import cast_floating_to_half
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
+from .nonfinite_gradients import raise_if_asked, report_skipped_step
 from .zero.moe_stage import (
     DENSE,
     ExpertParallelZeroStage,
@@ -101,6 +104,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.skipped_steps = 0
         self._timers: dict[str, float] = defaultdict(float)
         self._failed_step = FailedStepGuard()
+        self._call_order = CallOrder(self.module)
         self._last_log = (time.perf_counter(), 0)
 
         self.loss_scaler = make_loss_scaler(config.fp16) if self.fp16_enabled() else None
@@ -249,12 +253,20 @@ class DeepSpeedEngine(torch.nn.Module):
             model_parameters = self.module.parameters()
         items = list(model_parameters)
         if items and isinstance(items[0], dict):
-            return [dict(group, params=list(group["params"])) for group in items]
+            groups = [dict(group, params=list(group["params"])) for group in items]
+            for index, group in enumerate(groups):
+                where = f"model_parameters[{index}]['params']"
+                refuse_foreign_parameters(self.module, group["params"], where)
+            return groups
         if items and isinstance(items[0], tuple):  # named_parameters()
             items = [param for _, param in items]
+        refuse_foreign_parameters(self.module, items, "model_parameters")
         return [{"params": items}]
 
     def _check_optimizer_covers_module(self, optimizer: torch.optim.Optimizer) -> None:
+        for index, group in enumerate(optimizer.param_groups):
+            where = f"the optimizer's param_groups[{index}]['params']"
+            refuse_foreign_parameters(self.module, group["params"], where)
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for name, param in self.module.named_parameters():
             if param.requires_grad and id(param) not in in_optimizer:
@@ -284,7 +296,7 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.fp16_auto_cast():
             # fp16.auto_cast (DeepSpeed's): floating-point inputs, however nested, become fp16
             # to match the fp16 module; integer inputs (token ids, labels) are left as they are.
-            inputs, kwargs = _cast_floating_to_half((inputs, kwargs))
+            inputs, kwargs = cast_floating_to_half((inputs, kwargs))
         output = self.module(*inputs, **kwargs)
         self._timers["forward"] += time.perf_counter() - start
         return output
@@ -294,6 +306,7 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.optimizer is None:
             raise RuntimeError("engine.backward needs an optimizer (in the config or initialize)")
         self._failed_step.check("engine.backward")
+        self._call_order.before_backward()
         start = time.perf_counter()
         scale = 1.0
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
@@ -304,16 +317,20 @@ class DeepSpeedEngine(torch.nn.Module):
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         backward_done = time.perf_counter()
         self.optimizer.end_backward()
+        self._call_order.after_backward()
         self._timers["backward"] += backward_done - start
         self._timers["reduce"] += time.perf_counter() - backward_done
         return loss
 
     def step(self, lr_kwargs=None) -> None:
-        """At an accumulation boundary: the optimizer step (skipped on fp16 overflow) and the LR
-        schedule; every call counts one micro-step."""
+        """At an accumulation boundary: the optimizer step and the LR schedule, or neither when
+        the gradients are not finite (fp16 overflow, NaN/inf: ``nonfinite_gradients.py``);
+        every call counts one micro-step and needs a backward since the last one."""
         if self.optimizer is None:
             raise RuntimeError("engine.step needs an optimizer (in the config or initialize)")
         self._failed_step.check("engine.step")
+        self._call_order.before_step(self.global_steps)
+        skipped = None
         if self.is_gradient_accumulation_boundary():
             start = time.perf_counter()
             try:
@@ -327,18 +344,21 @@ class DeepSpeedEngine(torch.nn.Module):
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             else:
                 self.skipped_steps += 1
-                if self.global_rank == 0:
-                    logger.info(
-                        "deepspeed_cpp: gradient overflow at step %d: step skipped, loss scale "
-                        "now %s",
-                        self.global_steps,
-                        self.loss_scaler.loss_scale,
-                    )
+                skipped = report_skipped_step(
+                    self.global_rank == 0,
+                    self.global_steps,
+                    self.optimizer.global_grad_norm,
+                    self.skipped_steps,
+                    self.loss_scaler,
+                )
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._timers["step"] += time.perf_counter() - start
             self._log_progress()
         self.micro_steps += 1
+        self._call_order.after_step()
+        if skipped is not None:
+            raise_if_asked(self.config.nonfinite_gradients, skipped)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Overrides whether the next backward/step ends an accumulation (DeepSpeed's manual
@@ -348,6 +368,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def destroy(self) -> None:
         """Removes every hook the engine installed on the model; a ZeRO-3 model stays
         partitioned (calling it afterwards raises an error naming a parameter)."""
+        self._call_order.remove()
         if self._zero_stage is not None:
             self._zero_stage.destroy()
         engine_ref = getattr(self.module, "_deepspeed_cpp_engine", None)
@@ -582,16 +603,3 @@ def _refuse_partitioned_parameters(model: torch.nn.Module, stage: int) -> None:
                 f"ZeRO-3 engine) but the config asks for ZeRO stage {stage}; use stage 3, or "
                 f"build the model outside zero.Init"
             )
-
-
-def _cast_floating_to_half(value):
-    """``value`` with every floating-point tensor in it (in tuples, lists and dicts) as fp16."""
-    if isinstance(value, torch.Tensor):
-        return value.half() if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        return tuple(_cast_floating_to_half(item) for item in value)
-    if isinstance(value, list):
-        return [_cast_floating_to_half(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _cast_floating_to_half(item) for key, item in value.items()}
-    return value

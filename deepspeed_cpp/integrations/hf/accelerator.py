@@ -201,7 +201,7 @@ class EngineAccelerator(Accelerator):
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        """Whether the engine skipped the last optimizer step (fp16 overflow)."""
+        """Whether the engine skipped the last optimizer step (fp16 overflow, NaN/inf)."""
         if self.engine is None:
             return super().optimizer_step_was_skipped
         return self._last_step_skipped

@@ -16,6 +16,7 @@ from .errors import (
     IncompleteCheckpointError,
     PickleNotAllowedError,
 )
+from .finite_parameters import NonFiniteParametersError
 from .loader import load_checkpoint
 from .saver import save_checkpoint
 
@@ -24,6 +25,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "IncompleteCheckpointError",
+    "NonFiniteParametersError",
     "PickleNotAllowedError",
     "load_checkpoint",
     "save_checkpoint",

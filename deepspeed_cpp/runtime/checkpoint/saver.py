@@ -40,6 +40,7 @@ from .digests import DIGEST_KEY, seal_metadata
 from .errors import CheckpointSaveError
 from .expert_files import expert_payloads, moe_metadata, without_experts
 from .expert_layout import bucket_writers, checkpoint_layout, global_names_by_parameter
+from .finite_parameters import NonFiniteParametersError, refuse_nonfinite_parameters
 from .interrupted_saves import clear_interrupted_saves, discard_staging
 from .layout import (
     CLIENT_STATE_FILE,
@@ -329,6 +330,12 @@ def save_checkpoint(
             group=group,
             what=f"checkpoint '{tag}': gathering the module state to rank 0 ({unchanged})",
             error_type=CheckpointSaveError,
+        )
+        agree_on(
+            lambda: refuse_nonfinite_parameters(engine.module, module_state),
+            group=group,
+            what=f"checkpoint '{tag}': checking that the parameters are finite ({unchanged})",
+            error_type=NonFiniteParametersError,
         )
         written = agree_on(
             lambda: _write_rank_files(

@@ -40,7 +40,7 @@ from .scheduler import PARAMS_BY_TYPE as SCHEDULER_PARAMS
 from .scheduler import SchedulerConfig, validate_scheduler_params
 from .sections import AioConfig, BF16Config, FP16Config, ZeroConfig
 from .source import choose_config, read_config
-from .values import ConfigSection, boolean, integer, is_auto, number, print_interval
+from .values import ConfigSection, boolean, choice, integer, is_auto, number, print_interval
 
 
 class DeepSpeedConfig(ConfigSection):
@@ -74,6 +74,11 @@ class DeepSpeedConfig(ConfigSection):
     """Drop the last incomplete batch of the engine's data loader."""
     aio: AioConfig = Field(default_factory=AioConfig)
     """Asynchronous I/O of NVMe offload (the swap files' aio handles)."""
+    nonfinite_gradients: choice(("skip", "raise")) = "skip"
+    """deepspeed_cpp extension: a step whose global gradient holds NaN or inf is skipped on
+    every rank (parameters, optimizer state and LR schedule unchanged, counted in
+    ``skipped_steps``, logged), as DeepSpeed does; ``"raise"`` then also raises
+    ``NonFiniteGradientError`` on every rank. fp16's loss scaler skips its overflows either way."""
 
     _raw: dict = PrivateAttr(default_factory=dict)
     _source: str = PrivateAttr("dict")
@@ -149,6 +154,11 @@ class DeepSpeedConfig(ConfigSection):
             problems.append(
                 "fp16.enabled = true and bf16.enabled = true: expected at most one of them, "
                 "fp16 and bf16 mixed precision exclude each other"
+            )
+        if self.fp16.enabled is True and self.nonfinite_gradients == "raise":
+            warnings.append(
+                "'nonfinite_gradients': 'raise' has no effect with fp16.enabled = true: the loss "
+                "scaler skips overflowing steps (and lowers a dynamic scale), by design"
             )
         zero = self.zero_optimization
         if is_auto(zero.stage):

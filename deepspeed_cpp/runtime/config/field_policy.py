@@ -69,6 +69,7 @@ FIELDS: dict[str, FieldUse] = {
     "wall_clock_breakdown": _read(_ENGINE),
     "gradient_clipping": _read(_ENGINE),
     "dataloader_drop_last": _read(_ENGINE),
+    "nonfinite_gradients": _read(_ENGINE),
     "zero_allow_untested_optimizer": FieldUse(
         Use.FIXED, value=True, reason="ZeRO runs any optimizer passed to initialize()"
     ),

@@ -176,7 +176,8 @@ class ExpertParallelZeroStage:
             member.end_backward()
 
     def step(self) -> bool:
-        """Overflow check, unscale, clip by the global norm, one optimizer step, gathers."""
+        """Overflow check, unscale, clip by the global norm, one optimizer step, gathers; False
+        when skipped (an fp16 overflow, or a global gradient norm that is not finite)."""
         for member in self.sets:
             member._apply_pending_zero()
         grads = [grad for member in self.sets for grad in member.shard_grads]
@@ -203,6 +204,12 @@ class ExpertParallelZeroStage:
             return False
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
         self.global_grad_norm = math.sqrt(float(totals[1].item())) / scale
+        if not math.isfinite(self.global_grad_norm):  # runtime/nonfinite_gradients.py
+            if self.loss_scaler is not None:
+                self.loss_scaler.update_scale(True)
+            self.skipped_steps += 1
+            self.zero_grad()
+            return False
         factor = 1.0 / scale
         if self.gradient_clipping > 0.0:
             coefficient = self.gradient_clipping / (self.global_grad_norm + 1e-6)

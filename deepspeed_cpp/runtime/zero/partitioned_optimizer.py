@@ -337,7 +337,9 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
     def step(self) -> bool:
         """Unscale, check overflow, clip, step the shards, gather the parameters back.
 
-        Returns False when the step was skipped because a gradient overflowed on some rank.
+        Returns False when the step was skipped: an fp16 gradient overflowed on some rank, or
+        the global gradient norm (the same on every rank) is not finite
+        (``runtime/nonfinite_gradients.py``).
         """
         self._apply_pending_zero()
         if self.loss_scaler is not None:
@@ -351,6 +353,8 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
                 for grad in self.shard_grads:
                     grad.mul_(inverse_scale)
         self.global_grad_norm = self._global_norm()
+        if not math.isfinite(self.global_grad_norm):
+            return self._skip_nonfinite_step()
         if self.gradient_clipping > 0.0:
             coefficient = self.gradient_clipping / (self.global_grad_norm + 1e-6)
             if coefficient < 1.0:
@@ -361,6 +365,16 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
             self.loss_scaler.update_scale(False)
         self.zero_grad()
         return True
+
+    def _skip_nonfinite_step(self) -> bool:
+        """Steps nothing and clears the gradients; the sub-groups a ``step_during_backward``
+        worker saw finite gradients in are settled first (``_settle_early_steps``)."""
+        self._settle_early_steps()
+        if self.loss_scaler is not None:  # a norm past float's range: an overflow all the same
+            self.loss_scaler.update_scale(True)
+        self.skipped_steps += 1
+        self.zero_grad()
+        return False
 
     def zero_grad(self) -> None:
         if self._fp32_accumulators is not None:

@@ -39,7 +39,7 @@ class ZeroStage(Protocol):
     optimizer: torch.optim.Optimizer
     skipped_steps: int
     global_grad_norm: float | None
-    overflow: bool  # the last step was skipped (fp16 overflow); set by the engine
+    overflow: bool  # the last step was skipped (fp16 overflow, NaN/inf); set by the engine
 
     @property
     def param_groups(self) -> list[dict]: ...
@@ -52,7 +52,8 @@ class ZeroStage(Protocol):
         """After ``loss.backward()``: every gradient of the micro-step has been reduced."""
 
     def step(self) -> bool:
-        """The optimizer step at an accumulation boundary; False when skipped (fp16 overflow)."""
+        """The optimizer step at an accumulation boundary; False when skipped (fp16 overflow,
+        or a global gradient norm that is not finite: ``runtime/nonfinite_gradients.py``)."""
 
     def zero_grad(self) -> None: ...
 

@@ -51,6 +51,7 @@ class BackwardSteps:
         self._stepped: dict[int, Future] = {}  # sub-group -> its step on the worker
         self._worker: ThreadPoolExecutor | None = None
         self._next = 0  # the first sub-group not yet stepped in this backward
+        self._declined = False  # the worker saw a gradient that is not finite: steps no more
         self.active = False  # inside a boundary backward
         self._awaiting_step = False  # a boundary backward ran: engine.step() must come next
 
@@ -64,6 +65,7 @@ class BackwardSteps:
             )
         self.active = self._awaiting_step = boundary
         self._next = 0
+        self._declined = False
 
     def end_backward(self) -> None:
         self.active = False
@@ -75,15 +77,27 @@ class BackwardSteps:
             self._next += 1
             yield self._next - 1
 
-    def submit(self, group: int, step: Callable[[], list[tuple[int, torch.Tensor]]]) -> None:
+    def submit(
+        self,
+        group: int,
+        step: Callable[[], list[tuple[int, torch.Tensor]]],
+        grad_norms: Sequence[torch.Tensor],
+    ) -> None:
         """Queues ``step`` (which steps ``group`` and returns its (bucket, updated part) pairs)
-        on the worker; sub-groups run in the order they are submitted."""
+        on the worker; sub-groups run in the order they are submitted. ``grad_norms``: the
+        norms of the group's shard gradients. From the first group whose norms are not all
+        finite on, the worker steps nothing in this backward (``take`` gives None): engine.step()
+        will skip the step (``runtime/nonfinite_gradients.py``)."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="deepspeed_cpp-sdb")
         if self._hyper_parameters is None:
             self._hyper_parameters = _hyper_parameters(self._optimizer.param_groups)
 
-        def run() -> list[tuple[int, torch.Tensor]]:
+        def run() -> list[tuple[int, torch.Tensor]] | None:
+            # On the worker: reading the norms waits for them without holding backward up.
+            if self._declined or not bool(torch.stack(list(grad_norms)).isfinite().all()):
+                self._declined = True  # only this one thread writes it during backward
+                return None
             with torch.no_grad():  # grad mode is per thread
                 return step()
 
@@ -91,7 +105,8 @@ class BackwardSteps:
 
     def take(self, group: int) -> list[tuple[int, torch.Tensor]] | None:
         """``group``'s (bucket, updated part) pairs if it was stepped during backward, once the
-        worker is done with it; re-raises what stepping it raised."""
+        worker is done with it (None: it was not, or was declined); re-raises what stepping
+        it raised."""
         future = self._stepped.pop(group, None)
         if future is None:
             return None
@@ -101,6 +116,11 @@ class BackwardSteps:
             raise RuntimeError(
                 f"{KEY}: stepping optimizer sub-group {group} during backward failed: {error}"
             ) from error
+
+    def wait_for_worker(self) -> int:
+        """Waits for every sub-group submitted in this backward; how many were stepped (not
+        declined). Re-raises what stepping one raised."""
+        return sum(self.take(group) is not None for group in sorted(self._stepped))
 
     def check_hyper_parameters(self, param_groups: Sequence[dict]) -> None:
         """At ``engine.step()``: raises if a hyper-parameter changed after sub-groups were

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ....comm.collective_errors import named_collective
+from ...nonfinite_gradients import NonFiniteGradientError
 from .backward_steps import KEY as STEP_DURING_BACKWARD
 from .backward_steps import BackwardSteps
 from .delayed_update import DelayedUpdate
@@ -91,7 +92,33 @@ class OffloadedStepping:
             # thread (and with the thread count) that takes every other one.
             norms = torch._foreach_norm([self.shard_grads[index] for index in members])
             early.shard_grad_norms.update(zip(members, norms))
-            early.submit(group, lambda m=members: self._step_sub_group(m, into_staging=True))
+            early.submit(group, lambda m=members: self._step_sub_group(m, into_staging=True), norms)
+
+    def _settle_early_steps(self) -> None:
+        """Before a step with non-finite gradients is skipped: waits for the sub-groups handed
+        to the ``step_during_backward`` worker. It declines every sub-group from the first whose
+        gradient is not finite on this rank, so when the NaN or inf reaches every rank's first
+        sub-group (a loss that is not finite does) nothing was stepped and the skip is whole.
+        Where some rank stepped a sub-group before it saw one, that sub-group's optimizer state
+        has moved and cannot be put back: every rank raises (the engine then refuses to go on
+        until a checkpoint is loaded, as after any step that failed part-way)."""
+        early = self._backward_steps
+        if early is None:
+            return
+        stepped = torch.tensor([float(early.wait_for_worker())], device=self.shard_grads[0].device)
+        early.end_step()
+        if self.world_size > 1:
+            with named_collective("all_reduce of the count of sub-groups stepped during backward"):
+                dist.all_reduce(stepped, group=self.group)
+        if stepped.item() > 0:
+            raise NonFiniteGradientError(
+                f"the global gradient is not finite (norm {self.global_grad_norm}), but "
+                f"{int(stepped.item())} optimizer sub-group(s) had been stepped during backward "
+                f"({STEP_DURING_BACKWARD}) with their finite part of it, on a rank that saw no "
+                f"NaN/inf in them; their optimizer state moved, so the step cannot be skipped "
+                f"whole (the parameters did not change). Load a checkpoint to go on, and set "
+                f"{STEP_DURING_BACKWARD} to false to have such steps skipped"
+            )
 
     def _shard_grad_norms(self) -> list[torch.Tensor]:
         """The norm of each shard gradient, those stepped during backward as taken then."""
