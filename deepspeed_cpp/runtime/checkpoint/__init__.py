@@ -15,6 +15,7 @@ from .errors import (
     CheckpointSaveError,
     IncompleteCheckpointError,
     PickleNotAllowedError,
+    UnsafeCheckpointError,
 )
 from .loader import load_checkpoint
 from .saver import save_checkpoint
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointSaveError",
     "IncompleteCheckpointError",
     "PickleNotAllowedError",
+    "UnsafeCheckpointError",
     "load_checkpoint",
     "save_checkpoint",
 ]
