@@ -21,7 +21,7 @@ import torch.distributed as dist
 from conftest import REPO_ROOT
 from test_checkpoint import build_engine, global_batches, params_of, start_pool, train
 
-from deepspeed_cpp.runtime.checkpoint import UnsafeCheckpointError
+from deepspeed_cpp.runtime.checkpoint import IncompleteCheckpointError, UnsafeCheckpointError
 from deepspeed_cpp.runtime.checkpoint.digests import seal_metadata
 from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -157,12 +157,19 @@ def test_latest_and_tags_stay_inside_the_save_folder(pool, tmp_path):
         next(e for e in meta["files"] if e["name"] == MODULE)["name"] = f"../../{MODULE}"
 
     _reseal(root / "escaping_names", escape)
+    # The module file left out of the list and made a link out of the folder: never read.
+    shutil.copytree(root / "good", root / "unlisted")
+    (root / "unlisted" / MODULE).unlink()
+    (root / "unlisted" / MODULE).symlink_to(tmp_path / MODULE)
+    _reseal(root / "unlisted", lambda meta: meta.update(
+        files=[e for e in meta["files"] if e["name"] != MODULE]))  # fmt: skip
     attempts = {
         "tag_up": {"tag": "../elsewhere/x"},
         "tag_absolute": {"tag": str(elsewhere / "x")},
         "tag_linked": {"tag": "linked"},
         "tag_linked_allowed": {"tag": "linked", "allow_symlinks": True},
         "escaping_names": {"tag": "escaping_names"},
+        "unlisted": {"tag": "unlisted"},
     }
     results = pool.run(load_job, str(root), seed, attempts)
     for latest in ("../elsewhere/x", str(elsewhere / "x")):
@@ -194,6 +201,9 @@ def test_latest_and_tags_stay_inside_the_save_folder(pool, tmp_path):
     refused = outcomes["escaping_names"]
     assert refused.startswith("UnsafeCheckpointError"), refused
     assert f"lists the file '../../{MODULE}', which is not a file name inside" in refused
+    refused = outcomes["unlisted"]
+    assert refused.startswith("IncompleteCheckpointError"), refused
+    assert f"'{MODULE}' (module states) is not among the files checkpoint_meta.json" in refused
 
     # The consolidator: the same rules, each refusal one line on stderr and exit status 1.
     (root / "latest").unlink()
@@ -206,6 +216,8 @@ def test_latest_and_tags_stay_inside_the_save_folder(pool, tmp_path):
         get_fp32_state_dict_from_zero_checkpoint(root, tag="linked")
     with pytest.raises(UnsafeCheckpointError, match="which is not a file name inside"):
         get_fp32_state_dict_from_zero_checkpoint(root, tag="escaping_names")
+    with pytest.raises(IncompleteCheckpointError, match="is not among the files"):
+        get_fp32_state_dict_from_zero_checkpoint(root, tag="unlisted")
     consolidated = get_fp32_state_dict_from_zero_checkpoint(root, tag="linked", allow_symlinks=True)
     assert all(torch.equal(consolidated[n], v.float()) for n, v in saved.items())
     for args in ([], ["--tag", "../elsewhere/x"], ["--tag", "linked"]):

@@ -101,7 +101,8 @@ def get_fp32_state_dict_from_zero_checkpoint(
     directory = resolve_checkpoint_dir(checkpoint_dir, tag, allow_symlinks)
     metadata = read_metadata(directory, allow_symlinks)
     digests = file_digests(metadata)
-    module_state = load_mapped(directory / MODULE_FILE, digests.get(MODULE_FILE), "module states")
+    module_file = listed_file(directory, MODULE_FILE, digests, "module states")
+    module_state = load_mapped(module_file, digests.get(MODULE_FILE), "module states")
     # Experts of MoE layers have files of their own, under global names (expert_files.py).
     module_state = {**module_state["module"], **read_expert_states(directory, metadata, digests)}
     layout = ZeroLayout.from_json(metadata["zero_layout"]) if metadata["zero_layout"] else None

@@ -203,7 +203,7 @@ def read_metadata(checkpoint_dir: str | os.PathLike, allow_symlinks: bool = Fals
             )
         path = directory / name
         if not allow_symlinks and path.is_symlink():
-            raise _symlink_refused(path, entry["role"])
+            raise _symlink_refused(path, entry.get("role", "checkpoint file"))
         if not path.is_file():
             raise IncompleteCheckpointError(
                 f"checkpoint {directory} is incomplete: {entry['name']} ({entry['role']}) is "

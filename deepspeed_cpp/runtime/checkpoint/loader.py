@@ -28,6 +28,7 @@ from .expert_layout import global_names_by_parameter, local_layout
 from .layout import (
     CLIENT_STATE_FILE,
     MODULE_FILE,
+    listed_file,
     optimizer_shard_file,
     read_latest_tag,
     tag_directory,
@@ -160,9 +161,8 @@ def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None
     digests = file_digests(metadata)
     layers = expert_layers(engine.module)
     check_experts_match(metadata, layers)
-    plan.module_payload = load_mapped(
-        directory / MODULE_FILE, digests.get(MODULE_FILE), "module states"
-    )
+    module_file = listed_file(directory, MODULE_FILE, digests, "module states")
+    plan.module_payload = load_mapped(module_file, digests.get(MODULE_FILE), "module states")
     # The dense state, and the files of this rank's experts (all names global).
     plan.module_state = dict(plan.module_payload["module"])
     plan.module_state.update(read_expert_states(directory, metadata, digests, wanted_by(layers)))
@@ -211,7 +211,7 @@ def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None
     else:
         plan.rng = _rng_states(engine, directory, metadata, ShardReader(directory, None, digests))
     plan.client_state = load_client_state(
-        directory / CLIENT_STATE_FILE,
+        listed_file(directory, CLIENT_STATE_FILE, digests, "client state"),
         digests.get(CLIENT_STATE_FILE),
         bool(metadata.get(NEEDS_PICKLE_KEY, False)),
         options["allow_pickle"],
