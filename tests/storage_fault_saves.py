@@ -9,6 +9,7 @@ the previous checkpoint still loads with the weights it saved. One gloo process,
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -86,7 +87,8 @@ def enospc(engine, root: Path, good: dict, seed: int) -> list[dict]:
     blocks = [math.ceil(sizes[name] / block) for name in ORDER]
     results = []
     for index, name in enumerate(ORDER):
-        filler = _fill_to(root.parent, sum(blocks[:index]) + blocks[index] // 2)
+        # One block more: the save lock's file, which exists only while a save runs.
+        filler = _fill_to(root.parent, sum(blocks[:index]) + blocks[index] // 2 + 1)
         outcome = _attempt(engine, root, f"fail{index}")
         filler.unlink()
         outcome["file"] = name
@@ -169,6 +171,30 @@ def replace_fails(engine, root: Path, good: dict, seed: int) -> dict:
     return outcome
 
 
+def displaced_copy_stays(engine, root: Path, good: dict, seed: int) -> dict:
+    """Re-saving a tag whose previous copy cannot be removed (a file system is mounted inside
+    it): the new copy is published and ``latest`` names it; a warning says where the old copy
+    was left and why; later saves go on."""
+    engine.save_checkpoint(root, tag="pin", client_state={"epoch": 6}, save_latest=False)
+    pinned = root / "pin" / "pinned"
+    pinned.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(pinned)], check=True)
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("deepspeed_cpp").addHandler(handler)
+    try:
+        outcome = _attempt(engine, root, "pin")
+        outcome["pin"] = _client_state_of(root, "pin", seed)
+        outcome["replaced_left"] = (root / "pin.replaced").exists()
+        outcome["next"] = _attempt(engine, root, "after_pin")
+    finally:
+        logging.getLogger("deepspeed_cpp").removeHandler(handler)
+        subprocess.run(["umount", str(root / "pin.replaced" / "pinned")], check=False)
+    outcome["warnings"] = warnings
+    return outcome
+
+
 PHASES = {
     "leftovers": leftovers_of_killed_saves,
     "replace_fails": replace_fails,
@@ -176,13 +202,14 @@ PHASES = {
     "read_only": read_only,
     "fsize": file_size_limit,
     "removed": directory_removed,
+    "displaced_stays": displaced_copy_stays,
 }
 
 
 def main() -> None:
     *phases, directory = sys.argv[1:]
     base = Path(directory)
-    if {"enospc", "read_only"} & set(phases):
+    if {"enospc", "read_only", "displaced_stays"} & set(phases):
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(base)], check=True)
     root = base / "checkpoints"
     torch.set_num_threads(1)

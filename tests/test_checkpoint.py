@@ -653,8 +653,9 @@ def test_missing_incomplete_and_mismatching_checkpoints(pools, tmp_path):
     meta = messages["damaged_meta"]
     assert "incomplete: checkpoint_meta.json is missing" in meta and "files present" in meta
     hostile = messages["hostile"]
-    assert hostile.startswith("IncompleteCheckpointError") and "client_state.pt" in hostile
-    assert "does not unpickle" in hostile
+    assert hostile.startswith("UnsafeCheckpointError") and "client_state.pt" in hostile
+    assert "this file holds objects that are not tensors" in hostile
+    assert "never unpickles such objects" in hostile and "weights_only" not in hostile
     assert messages["code_ran"] is False
     assert "client_state['x'] is a test_checkpoint.RunsCode" in messages["object_saved"]
     assert "allow_pickle=True" in messages["object_saved"]

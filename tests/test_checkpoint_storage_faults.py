@@ -99,3 +99,26 @@ def test_file_size_limit_staging_removed_and_interrupted_saves(tmp_path):
     assert failed["rep"] == {"epoch": 5}  # the old checkpoint of the tag, back under its name
     assert "Input/output error (injected)" in failed["error"], failed["error"]
     assert f"the previous {root / 'rep'} was restored" in failed["error"], failed["error"]
+
+
+def test_resave_whose_previous_copy_cannot_be_removed_says_what_was_published(tmp_path):
+    prefix = mount_namespace_prefix(tmp_path)
+    if prefix is None:
+        pytest.skip("no mount namespace here to mount a file system inside a checkpoint")
+    (tmp_path / "fs").mkdir()
+    out = run_phases("displaced_stays", directory=tmp_path / "fs", prefix=prefix)
+    root = tmp_path / "fs" / "checkpoints"
+    pin = out["displaced_stays"]
+    assert pin["error"] is None and pin["published"] is True  # the save did what it promised
+    assert pin["latest"] == "pin"
+    assert pin["next"]["error"] is None and pin["next"]["latest"] == "after_pin"
+    assert pin["pin"] == {"epoch": 2}  # the new copy of the tag, not the displaced one
+    assert pin["replaced_left"] is True
+    published = [w for w in pin["warnings"] if w.startswith("deepspeed_cpp: published")]
+    assert len(published) == 1, pin["warnings"]
+    assert f"published checkpoint {root / 'pin'} (latest -> pin)" in published[0]
+    assert f"the previous copy of pin was left at {root / 'pin.replaced'}" in published[0]
+    assert "Device or resource busy" in published[0], published[0]
+    assert "nothing was published" not in " ".join(pin["warnings"])
+    # The next save tries the removal again, says it could not, and saves all the same.
+    assert any("could not remove" in w and "pin.replaced" in w for w in pin["warnings"])

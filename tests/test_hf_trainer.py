@@ -311,6 +311,7 @@ def test_checkpoints_hold_transformers_files_and_the_engines(pool2, tmp_path):
         assert (folder / "latest").read_text().strip() == f"global_step{step}"
         assert (folder / f"global_step{step}").is_dir()
         assert "optimizer.pt" not in names, "the optimizer lives in the engine's checkpoint"
+        assert ".deepspeed_cpp_save.lock" not in names, "the save lock leaves no file behind"
     # The safetensors file holds the whole model (gathered: ZeRO-3 trained it in shards), the
     # final weights at the last checkpoint; the tied lm_head is stored once, as transformers does.
     saved = load_file(str(tmp_path / "checkpoint-4" / "model.safetensors"))

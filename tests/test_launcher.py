@@ -14,7 +14,7 @@ from deepspeed_cpp.accelerator import CPUAccelerator, real_accelerator, set_acce
 from deepspeed_cpp.launcher import build_torchrun_command, parse_launch_args
 from deepspeed_cpp.launcher.hostfile import HostfileError, describe_hostfile, read_hostfile
 from deepspeed_cpp.launcher.local_rank_trampoline import deepspeed_launcher_env, worker_command
-from deepspeed_cpp.launcher.torchrun_command import TRAMPOLINE
+from deepspeed_cpp.launcher.torchrun_command import TORCHRUN, TRAMPOLINE
 
 PYTHON = sys.executable
 LAUNCH_TIMEOUT = 120
@@ -40,7 +40,7 @@ def cpu_accelerator():
 
 def torchrun_prefix(nproc, nnodes=1, node_rank=0, addr="127.0.0.1", port=29500):
     return [
-        PYTHON, "-m", "torch.distributed.run",
+        PYTHON, str(TORCHRUN),
         f"--nproc_per_node={nproc}", f"--nnodes={nnodes}", f"--node_rank={node_rank}",
         f"--master_addr={addr}", f"--master_port={port}",
         "--no_python", PYTHON, str(TRAMPOLINE),
@@ -290,6 +290,45 @@ def test_two_process_launch_on_loopback(tmp_path):
         assert record["local_rank_arg"] == rank
         assert record["backend"] == "gloo"
         assert record["all_reduce"] == 3.0
+
+
+FAILING_WORKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+
+    if os.environ["RANK"] == sys.argv[2]:
+        how = sys.argv[3]
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.exit(int(how))
+    time.sleep(60)  # the other worker: stopped by torchrun once the first one failed
+    """
+)
+
+
+@pytest.mark.parametrize(("failing_rank", "how", "status", "said"), [
+    (1, "3", 3, "exited with status 3"),
+    (0, "kill", 128 + 9, "was killed by signal 9 (SIGKILL)"),
+])  # fmt: skip
+def test_launch_exits_with_the_first_failing_workers_status(
+    tmp_path, failing_rank, how, status, said
+):
+    worker = tmp_path / "worker.py"
+    worker.write_text(FAILING_WORKER)
+    run = subprocess.run(
+        [PYTHON, "-m", "deepspeed_cpp.launcher", "--num_procs", "2", "--master_port",
+         str(free_port()), str(worker), str(failing_rank), how],
+        env=launch_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+    )  # fmt: skip
+    assert run.returncode == status, run.stdout + run.stderr
+    named = [line for line in run.stderr.splitlines() if line.startswith("deepspeed-cpp: worker")]
+    assert len(named) == 1, run.stderr
+    assert named == [
+        f"deepspeed-cpp: worker rank {failing_rank} (local rank {failing_rank}, pid "
+        + named[0].split("pid ", 1)[1].split(")")[0]
+        + f") {said}, the first worker to fail; the launch exits with status {status}"
+    ], run.stderr
+    assert "Root Cause (first observed failure)" in run.stderr  # torchrun's own summary
 
 
 def test_module_launch_without_local_rank(tmp_path):

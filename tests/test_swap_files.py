@@ -355,19 +355,31 @@ def test_dead_runs_folder_is_removed_by_the_next_run_and_never_read(how, nvme, d
     alive.close()
 
 
-def test_pid_reused_by_another_process_counts_as_dead(nvme, ds_log):
+def test_old_versions_folder_whose_pid_was_reused_counts_as_dead(nvme, ds_log):
     folder = SwapFolder(nvme, purpose="optimizer", rank=0)
     folder.write("x", torch.ones(3)).wait()
     owner = json.loads((folder.folder / "owner").read_text())
     assert owner["pid"] == os.getpid() and owner["start_time"] is not None
-    # Our own pid, but the folder's owner started at another time: that process is gone.
-    (folder.folder / "owner").write_text(json.dumps(dict(owner, start_time=1)))
-    (folder.folder / "stray.bin").write_text("not ours")  # kept, with the folder
-    remove_stale_folders(nvme)
-    assert folder.folder.is_dir() and sorted(os.listdir(folder.folder)) == ["stray.bin"]
+    assert owner["liveness"] == "flock"
+    # A folder of a version that never locked its owner file (no "liveness"): judged by pid.
+    # Our own pid, but its owner started at another time: that process is gone.
+    old = folder.folder.with_name(folder.folder.name[:-16] + "b" * 16)
+    old.mkdir()
+    old_owner = {"pid": owner["pid"], "start_time": 1, "host": owner["host"]}
+    (old / "owner").write_text(json.dumps(old_owner))
+    (old / "x.swp").write_bytes(b"\0" * 4096)
+    (old / "stray.bin").write_text("not ours")  # kept, with the folder
+    # An old version's folder of this live process (right start time) stays.
+    alive = old.with_name(old.name[:-16] + "a" * 16)
+    alive.mkdir()
+    (alive / "owner").write_text(json.dumps(dict(old_owner, start_time=owner["start_time"])))
+    assert remove_stale_folders(nvme) == [old]
+    assert sorted(os.listdir(old)) == ["stray.bin"]
     assert any("not made by deepspeed_cpp" in r.getMessage() for r in ds_log.records)
-    folder.close()  # keeps the foreign file too
-    assert (folder.folder / "stray.bin").is_file()
+    assert (alive / "owner").is_file()
+    assert sorted(os.listdir(folder.folder)) == ["owner", "x.swp"]  # its lock is held: live
+    folder.close()
+    shutil.rmtree(alive)
 
 
 def test_close_removes_everything_and_is_idempotent(nvme):

@@ -1,7 +1,8 @@
 """The launcher: DeepSpeed's command-line flags on top of torchrun (``deepspeed-cpp``).
 
-We never write a rendezvous: the launcher checks its flags and execs
-``python -m torch.distributed.run``; every worker gets ``--local_rank=N`` as with DeepSpeed.
+We never write a rendezvous: the launcher checks its flags and execs torchrun (through
+``torchrun_exit_status.py``, so that the launch exits with the status of the worker that failed
+first); every worker gets ``--local_rank=N`` as with DeepSpeed.
 """
 
 from .arguments import build_parser, parse_launch_args

@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> None:
         deepspeed-cpp --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json
 
     Two nodes: the same command on each, with ``--num_nodes 2 --node_rank 0|1 --master_addr
-    <node 0>``. Never returns: torchrun's exit status becomes the launcher's.
+    <node 0>``. Never returns: torchrun's exit status becomes the launcher's, which is the status
+    of the worker that failed first (named on stderr), see ``torchrun_exit_status.py``.
     """
     args = parse_launch_args(argv)
     if args.hostfile is not None:

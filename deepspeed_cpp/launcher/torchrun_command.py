@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 
 TRAMPOLINE = Path(__file__).resolve().with_name("local_rank_trampoline.py")
+TORCHRUN = Path(__file__).resolve().with_name("torchrun_exit_status.py")
 
 
 def build_torchrun_command(args: argparse.Namespace, python: str = sys.executable) -> list[str]:
-    """``python -m torch.distributed.run`` with the matching flags, then the trampoline.
+    """torchrun with the matching flags, then the trampoline. torchrun runs through
+    ``torchrun_exit_status.py``, so the launch exits with the first failing worker's status.
 
     torchrun's static rendezvous (its default) meets the nodes at ``master_addr:master_port``,
     node 0 hosting the store; each worker is started as ``python local_rank_trampoline.py ...``
@@ -25,8 +27,7 @@ def build_torchrun_command(args: argparse.Namespace, python: str = sys.executabl
     local_rank_arg = "no_local_rank" if args.no_local_rank else "local_rank"
     return [
         python,
-        "-m",
-        "torch.distributed.run",
+        str(TORCHRUN),
         f"--nproc_per_node={args.num_procs}",
         f"--nnodes={args.num_nodes}",
         f"--node_rank={args.node_rank}",

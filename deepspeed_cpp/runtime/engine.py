@@ -490,6 +490,7 @@ class DeepSpeedEngine(torch.nn.Module):
         load_module_only: bool = False,
         custom_load_fn=None,
         allow_pickle: bool = False,
+        allow_symlinks: bool = False,
     ):
         """Restores the state saved under ``load_dir/<tag>`` (``tag`` None: ``latest``'s).
 
@@ -497,7 +498,10 @@ class DeepSpeedEngine(torch.nn.Module):
         no ``latest`` file. The checkpoint may come from another world size or ZeRO stage
         (0-3): it is resharded. Every rank must call it. ``allow_pickle=True`` is required
         for (and only used by) checkpoints saved with ``save_checkpoint(..., allow_pickle=True)``:
-        it unpickles their client state in full, which can run code.
+        it unpickles their client state in full, which can run code. ``tag`` (and the tag in
+        ``latest``) must be one directory name inside ``load_dir``; symbolic links there (the
+        tag folder, ``latest``, a file of the checkpoint) are followed only with
+        ``allow_symlinks=True``.
         """
         if custom_load_fn is not None:
             raise NotImplementedError(
@@ -514,6 +518,7 @@ class DeepSpeedEngine(torch.nn.Module):
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
             allow_pickle=allow_pickle,
+            allow_symlinks=allow_symlinks,
         )
         if loaded[0] is not None and load_optimizer_states and not load_module_only:
             self._failed_step.clear()  # every part a failed step could have touched is replaced

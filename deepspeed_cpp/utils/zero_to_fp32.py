@@ -3,7 +3,7 @@
 
 ```
 python -m deepspeed_cpp.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_FILE \\
-    [--safe_serialization] [--tag T]
+    [--safe_serialization] [--tag T] [--allow_symlinks]
 ```
 
 ``CHECKPOINT_DIR`` is the directory given to ``save_checkpoint`` (the tag is read from its
@@ -18,8 +18,10 @@ file. A tied parameter appears under every name that shares it (one shared tenso
 file; a copy per name in safetensors, which cannot store aliases).
 
 Integrity: the metadata's digest and each file's SHA-256 are checked as the files are read (a
-damaged file raises ``IncompleteCheckpointError`` naming it and both digests; the command exits
-1 with that message).
+damaged file raises ``IncompleteCheckpointError`` naming it and both digests); a file holding
+objects other than tensors, a symbolic link (without ``--allow_symlinks``) or a tag that leads
+out of ``CHECKPOINT_DIR`` raises ``UnsafeCheckpointError``. The command prints such an error as
+one line and exits 1.
 
 Memory: the shard files are read one at a time, memory-mapped, and each fp32 value is copied
 straight into its place in the output, so the peak stays near the size of the output (plus the
@@ -38,7 +40,12 @@ from ..runtime.checkpoint.atomic_files import write_atomically_by_name
 from ..runtime.checkpoint.digests import file_digests
 from ..runtime.checkpoint.errors import CheckpointMismatchError, IncompleteCheckpointError
 from ..runtime.checkpoint.expert_files import read_expert_states
-from ..runtime.checkpoint.layout import MODULE_FILE, read_metadata, resolve_checkpoint_dir
+from ..runtime.checkpoint.layout import (
+    MODULE_FILE,
+    listed_file,
+    read_metadata,
+    resolve_checkpoint_dir,
+)
 from ..runtime.checkpoint.metadata import ZeroLayout
 from ..runtime.checkpoint.shard_reader import load_mapped
 
@@ -51,7 +58,8 @@ def _trainable_fp32(
     values = {p.name: torch.empty(p.numel, dtype=torch.float32) for p in layout.params}
     filled = dict.fromkeys(values, 0)
     for file_name in layout.files():
-        shard = load_mapped(directory / file_name, digests.get(file_name), "shard file")
+        path = listed_file(directory, file_name, digests, "shard file")
+        shard = load_mapped(path, digests.get(file_name), "shard file")
         for bucket_index, bucket in enumerate(layout.buckets):
             for piece in (s for s in bucket.slices if s.file == file_name):
                 entry = shard["buckets"].get(bucket_index)
@@ -79,17 +87,22 @@ def _trainable_fp32(
 
 
 def get_fp32_state_dict_from_zero_checkpoint(
-    checkpoint_dir, tag: str | None = None, exclude_frozen_parameters: bool = False
+    checkpoint_dir,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+    allow_symlinks: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The consolidated fp32 ``state_dict`` of a checkpoint, on the CPU (see the module doc).
 
     ``checkpoint_dir``: the directory given to ``save_checkpoint`` (then ``tag`` or its
-    ``latest`` file picks the checkpoint) or a tag directory.
+    ``latest`` file picks the checkpoint) or a tag directory. The tag must be one directory
+    name in it; symbolic links are followed only with ``allow_symlinks`` (as when loading).
     """
-    directory = resolve_checkpoint_dir(checkpoint_dir, tag)
-    metadata = read_metadata(directory)
+    directory = resolve_checkpoint_dir(checkpoint_dir, tag, allow_symlinks)
+    metadata = read_metadata(directory, allow_symlinks)
     digests = file_digests(metadata)
-    module_state = load_mapped(directory / MODULE_FILE, digests.get(MODULE_FILE), "module states")
+    module_file = listed_file(directory, MODULE_FILE, digests, "module states")
+    module_state = load_mapped(module_file, digests.get(MODULE_FILE), "module states")
     # Experts of MoE layers have files of their own, under global names (expert_files.py).
     module_state = {**module_state["module"], **read_expert_states(directory, metadata, digests)}
     layout = ZeroLayout.from_json(metadata["zero_layout"]) if metadata["zero_layout"] else None
@@ -111,7 +124,9 @@ def get_fp32_state_dict_from_zero_checkpoint(
     return state_dict
 
 
-def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag=None):
+def load_state_dict_from_zero_checkpoint(
+    model: torch.nn.Module, checkpoint_dir, tag=None, allow_symlinks: bool = False
+):
     """Loads the consolidated fp32 weights into ``model`` (moved to the CPU first, as DeepSpeed
     does, since the weights may not fit next to the training state) and returns it.
 
@@ -120,9 +135,11 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
     """
     from ..runtime.checkpoint.loader import check_module_matches
 
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
-    directory = resolve_checkpoint_dir(checkpoint_dir, tag)
-    metadata = read_metadata(directory)
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(
+        checkpoint_dir, tag, allow_symlinks=allow_symlinks
+    )
+    directory = resolve_checkpoint_dir(checkpoint_dir, tag, allow_symlinks)
+    metadata = read_metadata(directory, allow_symlinks)
     allow_missing = ()
     if metadata.get("frozen_parameters_excluded"):
         allow_missing = {n for p in metadata["frozen_parameters"] for n in p["names"]}
@@ -148,11 +165,17 @@ def _write_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> int:
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
-    checkpoint_dir, output_file, tag: str | None = None, safe_serialization: bool = False
+    checkpoint_dir,
+    output_file,
+    tag: str | None = None,
+    safe_serialization: bool = False,
+    allow_symlinks: bool = False,
 ) -> int:
     """Writes the consolidated fp32 ``state_dict`` to ``output_file`` (atomically); returns the
     number of bytes written."""
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(
+        checkpoint_dir, tag, allow_symlinks=allow_symlinks
+    )
     output = Path(output_file)
     if safe_serialization:
         return _write_safetensors(state_dict, output)
@@ -172,12 +195,22 @@ def main(argv: list[str] | None = None) -> int:
         "--safe_serialization", action="store_true", help="write safetensors instead of torch"
     )
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: 'latest')")
+    parser.add_argument(
+        "--allow_symlinks",
+        action="store_true",
+        help="follow symbolic links in the checkpoint folder (latest, the tag folder, its files)",
+    )
     args = parser.parse_args(argv)
     try:
         size = convert_zero_checkpoint_to_fp32_state_dict(
-            args.checkpoint_dir, args.output_file, args.tag, args.safe_serialization
+            args.checkpoint_dir,
+            args.output_file,
+            args.tag,
+            args.safe_serialization,
+            args.allow_symlinks,
         )
-    except (FileNotFoundError, IncompleteCheckpointError, CheckpointMismatchError) as error:
+    except (OSError, ValueError, IncompleteCheckpointError, CheckpointMismatchError) as error:
+        # One line: the message names the file and what is wrong; a traceback adds nothing.
         print(f"zero_to_fp32: {error}", file=sys.stderr)
         return 1
     print(f"zero_to_fp32: wrote {args.output_file} ({size / 1e6:.1f} MB)")

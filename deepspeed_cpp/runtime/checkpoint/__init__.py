@@ -15,6 +15,7 @@ from .errors import (
     CheckpointSaveError,
     IncompleteCheckpointError,
     PickleNotAllowedError,
+    UnsafeCheckpointError,
 )
 from .finite_parameters import NonFiniteParametersError
 from .loader import load_checkpoint
@@ -27,6 +28,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "NonFiniteParametersError",
     "PickleNotAllowedError",
+    "UnsafeCheckpointError",
     "load_checkpoint",
     "save_checkpoint",
 ]

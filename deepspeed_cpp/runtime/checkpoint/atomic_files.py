@@ -129,12 +129,19 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> int:
 
 
 def remove_tree(path: str | os.PathLike) -> None:
-    """Removes a directory tree if it exists."""
-    if Path(path).exists():
+    """Removes a directory tree if it exists; a symbolic link is removed itself, never what it
+    points to (a tag folder linked from elsewhere is the user's data, not the save's)."""
+    if Path(path).is_symlink():
+        os.unlink(path)
+    elif Path(path).exists():
         shutil.rmtree(path)
 
 
-def publish_directory(staging: Path, final: Path, displaced: Path) -> None:
+def _reason(error: OSError) -> str:
+    return error.strerror or str(error) or type(error).__name__
+
+
+def publish_directory(staging: Path, final: Path, displaced: Path) -> str | None:
     """Renames the finished ``staging`` directory to ``final``.
 
     An existing ``final`` (a checkpoint saved again under the same tag) is first renamed to
@@ -142,6 +149,10 @@ def publish_directory(staging: Path, final: Path, displaced: Path) -> None:
     old directory, the whole new one, or (for the instant between two renames) absent, with the
     old one still on disk under ``displaced``. If the second rename fails, the old directory is
     renamed back to ``final`` before the error is raised.
+
+    Once ``final`` is published, failing to remove ``displaced`` does not undo it: the return
+    value then says what was left where and why (None when nothing was); the next save into the
+    folder tries the removal again (``interrupted_saves.py``).
     """
     remove_tree(displaced)
     if final.exists():
@@ -163,4 +174,11 @@ def publish_directory(staging: Path, final: Path, displaced: Path) -> None:
             error.errno, f"{error.strerror}; the previous {final} was restored"
         ) from error
     fsync_directory(final.parent)
-    remove_tree(displaced)
+    try:
+        remove_tree(displaced)
+    except OSError as error:
+        return (
+            f"the previous copy of {final.name} was left at {displaced}: it could not be "
+            f"removed ({_reason(error)}{f': {error.filename}' if error.filename else ''})"
+        )
+    return None

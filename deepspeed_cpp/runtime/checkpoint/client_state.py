@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import collections
 import io
+import pickle
 from pathlib import Path
 
 import torch
 
 from .digests import read_checked_bytes
-from .errors import IncompleteCheckpointError, PickleNotAllowedError
+from .errors import IncompleteCheckpointError, PickleNotAllowedError, not_weights_only
 
 NEEDS_PICKLE_KEY = "client_state_needs_pickle"
 """The metadata key recording that the client state needs ``allow_pickle=True`` to load."""
@@ -108,10 +109,12 @@ def load_client_state(
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)["client_state"]
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)["client_state"]
-    except Exception as error:  # noqa: BLE001 - the pickle names a type outside weights_only
+    except pickle.UnpicklingError as error:
         # The metadata says plain data, the file says otherwise: never unpickled.
+        raise not_weights_only(
+            path, f"client state; {NEEDS_PICKLE_KEY} not recorded", error
+        ) from None
+    except Exception as error:  # noqa: BLE001 - a damaged archive fails in many ways
         raise IncompleteCheckpointError(
-            f"{path} holds objects other than tensors and plain data, which deepspeed_cpp does "
-            f"not unpickle (it could run code), and checkpoint_meta.json does not record "
-            f"{NEEDS_PICKLE_KEY}: {str(error).splitlines()[0]}"
+            f"checkpoint file {path} cannot be read: {error}"
         ) from error

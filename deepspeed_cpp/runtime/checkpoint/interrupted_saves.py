@@ -78,7 +78,18 @@ def clear_interrupted_saves(save_dir: Path) -> list[str]:
         elif entry.name.endswith(DISPLACED_SUFFIX) and (entry / METADATA_FILE).is_file():
             final = entry.with_name(entry.name[: -len(DISPLACED_SUFFIX)])
             if (final / METADATA_FILE).is_file():
-                remove_tree(entry)
+                try:
+                    remove_tree(entry)
+                except OSError as error:
+                    # A stale copy that cannot go must not stop this save (another tag).
+                    logger.warning(
+                        "deepspeed_cpp: could not remove %s, the previous copy of the complete "
+                        "%s (%s); left as it is",
+                        entry,
+                        final.name,
+                        error.strerror or error,
+                    )
+                    continue
                 done.append(f"removed {entry} (replaced by the complete {final.name})")
             elif not final.exists():
                 os.replace(entry, final)

@@ -18,16 +18,24 @@ A tag directory is only ever created by renaming a finished ``<tag>.partial`` di
 already holds its metadata, and the metadata lists every other file with its size, so "has a
 readable metadata file whose files are all present with those sizes" is what "complete" means;
 "undamaged" is each file's SHA-256, also in the metadata, checked as the file is read.
+
+Paths stay inside ``save_dir``: a tag, whether given to save or load or read from ``latest``, is
+one directory name (``check_tag``); the files a checkpoint lists are plain names inside its tag
+folder; and a reader follows no symbolic link (``latest``, a tag folder, a listed file) unless
+its caller passes ``allow_symlinks=True``. A checkpoint folder is often downloaded or shared, and
+these names are its data, not the user's choice.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 
 from .digests import check_metadata
-from .errors import CheckpointNotFoundError, IncompleteCheckpointError
+from .errors import CheckpointNotFoundError, IncompleteCheckpointError, UnsafeCheckpointError
 
 FORMAT_NAME = "deepspeed_cpp.zero_checkpoint"
 FORMAT_VERSION = 1
@@ -44,14 +52,18 @@ def optimizer_shard_file(rank: int) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
+def _is_plain_name(text: str) -> bool:
+    return (
+        bool(text) and text not in (".", "..") and not any(c in text for c in ("/", os.sep, "\0"))
+    )
+
+
 def check_tag(tag) -> str:
     """A tag names one directory inside ``save_dir``; anything else is refused by value."""
     text = str(tag)
     if (
-        not text
-        or text in (".", "..", LATEST_FILE)
-        or "/" in text
-        or os.sep in text
+        not _is_plain_name(text)
+        or text == LATEST_FILE
         or text.endswith((STAGING_SUFFIX, DISPLACED_SUFFIX))
     ):
         raise ValueError(
@@ -62,16 +74,63 @@ def check_tag(tag) -> str:
     return text
 
 
-def read_latest_tag(save_dir: str | os.PathLike) -> str | None:
-    """The tag in ``save_dir/latest``, or None when there is no such file."""
+def _symlink_refused(path: Path, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{path} ({what}) is a symbolic link; loading follows none (it could lead out of the "
+        "checkpoint folder): pass allow_symlinks=True if you made it and trust where it points"
+    )
+
+
+def read_latest_tag(save_dir: str | os.PathLike, allow_symlinks: bool = False) -> str | None:
+    """The tag in ``save_dir/latest``, or None when there is no such file. A ``latest`` that is
+    not a regular file, is a symbolic link (unless ``allow_symlinks``) or names anything but a
+    tag inside ``save_dir`` raises UnsafeCheckpointError naming it."""
     path = Path(save_dir) / LATEST_FILE
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if allow_symlinks else os.O_NOFOLLOW)
     try:
-        tag = path.read_text(encoding="utf-8").strip()
+        fd = os.open(path, flags)
     except FileNotFoundError:
         return None
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise _symlink_refused(path, "the file naming the newest checkpoint") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafeCheckpointError(f"{path} is not a regular file; it should hold a tag")
+        data = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    tag = data.decode("utf-8", "replace").strip()
     if not tag:
         raise IncompleteCheckpointError(f"{path} is empty; it should hold a checkpoint tag")
-    return tag
+    try:
+        return check_tag(tag)
+    except ValueError as error:
+        raise UnsafeCheckpointError(
+            f"{path} names {tag[:200]!r}, which is not a checkpoint inside {save_dir}: {error}"
+        ) from None
+
+
+def tag_directory(save_dir: str | os.PathLike, tag, allow_symlinks: bool = False) -> Path:
+    """``save_dir/<tag>`` for a tag to load (ValueError naming it when it is not one directory
+    name, see ``check_tag``); UnsafeCheckpointError when that folder is a symbolic link and
+    ``allow_symlinks`` is not set."""
+    directory = Path(save_dir) / check_tag(tag)
+    if not allow_symlinks and directory.is_symlink():
+        raise _symlink_refused(directory, f"the folder of checkpoint tag {str(tag)!r}")
+    return directory
+
+
+def listed_file(directory: Path, name: str, listed, role: str) -> Path:
+    """``directory/name`` for a file that the metadata's file list (``listed``) holds, so that
+    its name was checked by ``read_metadata``; IncompleteCheckpointError otherwise."""
+    if name not in listed:
+        raise IncompleteCheckpointError(
+            f"checkpoint {directory} is incomplete: {name!r} ({role}) is not among the files "
+            f"{METADATA_FILE} lists"
+        )
+    return directory / name
 
 
 def _tags_in(save_dir: Path) -> list[str]:
@@ -80,13 +139,15 @@ def _tags_in(save_dir: Path) -> list[str]:
     return sorted(p.name for p in save_dir.iterdir() if (p / METADATA_FILE).is_file())
 
 
-def read_metadata(checkpoint_dir: str | os.PathLike) -> dict:
+def read_metadata(checkpoint_dir: str | os.PathLike, allow_symlinks: bool = False) -> dict:
     """Reads and checks ``checkpoint_dir/checkpoint_meta.json``.
 
     Raises CheckpointNotFoundError when the directory does not exist and
     IncompleteCheckpointError when the metadata, or a file it lists, is missing or has another
     size than the one recorded at save time, or when the metadata's own digest does not match
-    (the files' digests are checked as they are read, see ``digests.py``).
+    (the files' digests are checked as they are read, see ``digests.py``). UnsafeCheckpointError
+    when a listed name is not a file name in ``checkpoint_dir``, or (unless ``allow_symlinks``)
+    the metadata or a listed file is a symbolic link.
     """
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
@@ -113,6 +174,8 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> dict:
             f"checkpoint directory {directory} does not exist; " + "; ".join(hints)
         )
     metadata_path = directory / METADATA_FILE
+    if not allow_symlinks and metadata_path.is_symlink():
+        raise _symlink_refused(metadata_path, "checkpoint metadata")
     if not metadata_path.is_file():
         present = sorted(p.name for p in directory.iterdir())
         raise IncompleteCheckpointError(
@@ -132,7 +195,15 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> dict:
         )
     check_metadata(metadata, metadata_path)
     for entry in metadata["files"]:
-        path = directory / entry["name"]
+        name = entry["name"]
+        if not isinstance(name, str) or not _is_plain_name(name):
+            raise UnsafeCheckpointError(
+                f"{metadata_path} lists the file {name!r}, which is not a file name inside "
+                f"{directory}"
+            )
+        path = directory / name
+        if not allow_symlinks and path.is_symlink():
+            raise _symlink_refused(path, entry.get("role", "checkpoint file"))
         if not path.is_file():
             raise IncompleteCheckpointError(
                 f"checkpoint {directory} is incomplete: {entry['name']} ({entry['role']}) is "
@@ -147,8 +218,11 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> dict:
     return metadata
 
 
-def resolve_checkpoint_dir(checkpoint_dir: str | os.PathLike, tag: str | None) -> Path:
-    """The tag directory for ``tag``, or for the tag in ``checkpoint_dir/latest``.
+def resolve_checkpoint_dir(
+    checkpoint_dir: str | os.PathLike, tag: str | None, allow_symlinks: bool = False
+) -> Path:
+    """The tag directory for ``tag``, or for the tag in ``checkpoint_dir/latest``, through the
+    checks of ``tag_directory`` and ``read_latest_tag``.
 
     ``checkpoint_dir`` may also be a tag directory itself (it holds the metadata file), as
     DeepSpeed's zero_to_fp32 accepts. Raises CheckpointNotFoundError naming what is missing.
@@ -157,10 +231,10 @@ def resolve_checkpoint_dir(checkpoint_dir: str | os.PathLike, tag: str | None) -
     if tag is None:
         if (base / METADATA_FILE).is_file():
             return base
-        tag = read_latest_tag(base)
+        tag = read_latest_tag(base, allow_symlinks)
         if tag is None:
             raise CheckpointNotFoundError(
                 f"{base / LATEST_FILE} does not exist and no tag was given; complete "
                 f"checkpoints in {base}: {_tags_in(base)}"
             )
-    return base / tag
+    return tag_directory(base, tag, allow_symlinks)

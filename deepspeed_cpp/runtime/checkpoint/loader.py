@@ -25,7 +25,14 @@ from .digests import file_digests
 from .errors import CheckpointMismatchError, IncompleteCheckpointError
 from .expert_files import check_experts_match, read_expert_states, wanted_by
 from .expert_layout import global_names_by_parameter, local_layout
-from .layout import CLIENT_STATE_FILE, MODULE_FILE, optimizer_shard_file, read_latest_tag
+from .layout import (
+    CLIENT_STATE_FILE,
+    MODULE_FILE,
+    listed_file,
+    optimizer_shard_file,
+    read_latest_tag,
+    tag_directory,
+)
 from .layout import read_metadata as read_checked_metadata
 from .metadata import ZeroLayout
 from .rank_agreement import agree_on
@@ -150,13 +157,12 @@ def _rng_states(engine, directory: Path, metadata: dict, reader: ShardReader) ->
 
 
 def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None:
-    metadata = read_checked_metadata(directory)
+    metadata = read_checked_metadata(directory, options["allow_symlinks"])
     digests = file_digests(metadata)
     layers = expert_layers(engine.module)
     check_experts_match(metadata, layers)
-    plan.module_payload = load_mapped(
-        directory / MODULE_FILE, digests.get(MODULE_FILE), "module states"
-    )
+    module_file = listed_file(directory, MODULE_FILE, digests, "module states")
+    plan.module_payload = load_mapped(module_file, digests.get(MODULE_FILE), "module states")
     # The dense state, and the files of this rank's experts (all names global).
     plan.module_state = dict(plan.module_payload["module"])
     plan.module_state.update(read_expert_states(directory, metadata, digests, wanted_by(layers)))
@@ -205,7 +211,7 @@ def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None
     else:
         plan.rng = _rng_states(engine, directory, metadata, ShardReader(directory, None, digests))
     plan.client_state = load_client_state(
-        directory / CLIENT_STATE_FILE,
+        listed_file(directory, CLIENT_STATE_FILE, digests, "client state"),
         digests.get(CLIENT_STATE_FILE),
         bool(metadata.get(NEEDS_PICKLE_KEY, False)),
         options["allow_pickle"],
@@ -271,16 +277,19 @@ def load_checkpoint(
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
     allow_pickle: bool = False,
+    allow_symlinks: bool = False,
 ):
     """Restores ``engine`` from ``load_dir/<tag>`` (``tag`` None: the one ``latest`` names).
 
     Returns ``(path, client_state)``, or ``(None, None)`` with a warning when ``tag`` is None
     and ``load_dir/latest`` does not exist (DeepSpeed's behaviour). Collective.
     ``allow_pickle``: needed (and only then used) for a checkpoint saved with
-    ``save_checkpoint(..., allow_pickle=True)``, see ``client_state.py``.
+    ``save_checkpoint(..., allow_pickle=True)``, see ``client_state.py``. ``tag`` and the tag in
+    ``latest`` must each be one directory name in ``load_dir``; a symbolic link (``latest``, the
+    tag folder, a file in it) is followed only with ``allow_symlinks`` (see ``layout.py``).
     """
     if tag is None:
-        tag = read_latest_tag(load_dir)
+        tag = read_latest_tag(load_dir, allow_symlinks)
         if tag is None:
             logger.warning(
                 "deepspeed_cpp: no checkpoint to load: %s does not exist; pass tag=... to load "
@@ -288,13 +297,14 @@ def load_checkpoint(
                 Path(load_dir) / "latest",
             )
             return None, None
-    directory = Path(load_dir) / str(tag)
+    directory = tag_directory(load_dir, tag, allow_symlinks)
     options = {
         "strict": load_module_strict,
         "optimizer_states": load_optimizer_states and engine.optimizer is not None,
         "scheduler": load_lr_scheduler_states,
         "module_only": load_module_only,
         "allow_pickle": allow_pickle,
+        "allow_symlinks": allow_symlinks,
     }
     plans: list[_Plan] = []  # this rank's; only success flags travel between ranks
 

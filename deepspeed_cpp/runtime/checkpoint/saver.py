@@ -267,9 +267,12 @@ def _publish(
     metadata = seal_metadata(_metadata(engine, tag, files, exclude_frozen, pickled, layout))
     try:
         write_text_atomically(staging / METADATA_FILE, to_json_text(metadata))
-        publish_directory(staging, save_dir / tag, save_dir / f"{tag}{DISPLACED_SUFFIX}")
+        left_behind = publish_directory(
+            staging, save_dir / tag, save_dir / f"{tag}{DISPLACED_SUFFIX}"
+        )
     except OSError as error:
-        raise OSError(error.errno, f"{error.strerror}; nothing was published, {latest}") from error
+        reason = error.strerror or str(error)
+        raise OSError(error.errno, f"{reason}; nothing was published, {latest}") from error
     if save_latest:
         try:
             write_text_atomically(save_dir / LATEST_FILE, tag)
@@ -278,6 +281,18 @@ def _publish(
             raise OSError(
                 error.errno, f"{save_dir / tag} is complete, but {error.strerror}; {latest}"
             ) from error
+    if left_behind is not None:
+        # The new checkpoint is whole and published (and `latest` names it): only clean-up
+        # failed, which the next save retries. Not an error: the save did what it promised.
+        moved = f"{LATEST_FILE} -> {tag}" if save_latest else f"{latest} (save_latest=False)"
+        logger.warning(
+            "deepspeed_cpp: published checkpoint %s (%s), but %s; remove it by hand, or the "
+            "next save into %s removes it",
+            save_dir / tag,
+            moved,
+            left_behind,
+            save_dir,
+        )
 
 
 def save_checkpoint(

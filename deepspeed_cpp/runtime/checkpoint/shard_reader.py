@@ -12,12 +12,14 @@ state of that slice (tensors shaped like the slice, or scalars such as Adam's ``
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
 
 from .digests import check_mapped_file
-from .errors import IncompleteCheckpointError
+from .errors import IncompleteCheckpointError, not_weights_only
+from .layout import listed_file
 from .mapped_pages import MappedFile
 from .metadata import ShardSlice, ZeroLayout
 
@@ -35,6 +37,8 @@ def load_mapped(path: Path, sha256: str | None, role: str = "checkpoint file") -
         raise  # a digest mismatch, already naming the file
     except FileNotFoundError as error:
         raise IncompleteCheckpointError(f"checkpoint file {path} is missing") from error
+    except pickle.UnpicklingError as error:
+        raise not_weights_only(path, role, error) from None
     except (RuntimeError, OSError, EOFError) as error:
         raise IncompleteCheckpointError(
             f"checkpoint file {path} cannot be read: {error}"
@@ -56,10 +60,9 @@ class ShardReader:
     def file(self, name: str) -> dict:
         """The loaded file ``name`` (checked against its digest when first opened)."""
         if name not in self._files:
-            self._files[name] = load_mapped(
-                self.directory / name, self.digests.get(name), "shard file"
-            )
-            self._maps[name] = MappedFile(self.directory / name)
+            path = listed_file(self.directory, name, self.digests, "shard file")
+            self._files[name] = load_mapped(path, self.digests.get(name), "shard file")
+            self._maps[name] = MappedFile(path)
         return self._files[name]
 
     def entry(self, piece: ShardSlice, bucket: int) -> dict:

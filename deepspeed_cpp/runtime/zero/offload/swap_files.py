@@ -11,8 +11,9 @@ the user's ``nvme_path`` and moves them with the asynchronous I/O op (`AsyncIOHa
 
 Layout: ``<nvme_path>/deepspeed_cpp_swap/<purpose>-<host>-pid<pid>-rank<rank>-<run_id>/``
 holds one ``<key>.swp`` per key (the key percent-encoded) and an ``owner`` file (the creating
-process's pid and start time). Each swap file is a 4096-byte header followed by the tensor's
-bytes, so the data sits at a 4096-aligned offset and moves with O_DIRECT.
+process's pid and start time), whose ``flock`` the folder's ``SwapFolder`` holds while it lives.
+Each swap file is a 4096-byte header followed by the tensor's bytes, so the data sits at a
+4096-aligned offset and moves with O_DIRECT.
 
 The header names the run, the key, the dtype, the element count, a per-key generation and
 whether the data behind it is complete; a CRC covers it. A write first marks the header
@@ -29,18 +30,17 @@ the order they were asked for. No memory proportional to the tensors is allocate
 
 Folders left by runs that died (killed, crashed, exited without ``close``) are removed when a
 new ``SwapFolder`` is made under the same ``nvme_path``: only folders named as ours, made on
-this host, whose process is gone. ``close()`` removes this run's files and folder; it also runs
-when the object is garbage-collected and at interpreter exit (never in a forked child).
+this host, whose owner lock nobody holds (see ``stale_swap_folders``). ``close()`` removes this
+run's files and folder; it also runs when the object is garbage-collected and at interpreter
+exit (never in a forked child).
 """
 
 from __future__ import annotations
 
 import errno as errno_module
-import json
 import os
 import re
 import secrets
-import shutil
 import socket
 import weakref
 from pathlib import Path
@@ -49,11 +49,11 @@ from typing import Any
 import torch
 
 from .stale_swap_folders import (
-    OWNER_FILE,
     PURPOSE,
     ROOT_NAME,
     RUN_ID_HEX,
     host_name,
+    make_owned_folder,
     process_start_time,
     remove_stale_folders,
 )
@@ -131,20 +131,18 @@ class SwapFolder:
             ) from None
         remove_stale_folders(nvme)
         run_id = secrets.token_hex(RUN_ID_HEX // 2)
-        folder = root / f"{purpose}-{host_name()}-pid{os.getpid()}-rank{rank}-{run_id}"
+        name = f"{purpose}-{host_name()}-pid{os.getpid()}-rank{rank}-{run_id}"
+        owner = {
+            "pid": os.getpid(),
+            "start_time": process_start_time(os.getpid()),
+            "host": socket.gethostname(),
+            "run_id": run_id,
+        }
         try:
-            folder.mkdir(mode=0o700)
-            owner = {
-                "pid": os.getpid(),
-                "start_time": process_start_time(os.getpid()),
-                "host": socket.gethostname(),
-                "run_id": run_id,
-            }
-            (folder / OWNER_FILE).write_text(json.dumps(owner))
+            folder, owner_lock = make_owned_folder(root, name, owner)
         except OSError as error:
-            shutil.rmtree(folder, ignore_errors=True)
             raise os_error(
-                f"SwapFolder: cannot make a swap folder in nvme_path '{nvme}'", error, folder
+                f"SwapFolder: cannot make a swap folder in nvme_path '{nvme}'", error, root / name
             ) from None
         self.nvme_path = nvme
         self.folder = folder
@@ -153,7 +151,7 @@ class SwapFolder:
         self.rank = rank
         self.aio = aio
         self.max_in_flight = max_in_flight
-        self._state = TransferState(folder, run_id, aio, max_in_flight)
+        self._state = TransferState(folder, run_id, aio, max_in_flight, owner_lock)
         self._finalizer = weakref.finalize(self, close_transfers, self._state)
 
     # --- transfers ----------------------------------------------------------------------------

@@ -185,8 +185,13 @@ class TransferState:
     """Everything a SwapFolder owns, without a reference back to it (the finalizer and the
     pool's threads hold this)."""
 
-    def __init__(self, folder: Path, run_id: str, aio: AioSettings, max_in_flight: int) -> None:
+    def __init__(
+        self, folder: Path, run_id: str, aio: AioSettings, max_in_flight: int, owner_lock: int
+    ) -> None:
         self.folder = folder
+        # The descriptor holding the folder's owner flock: other jobs' sweeps see the folder
+        # as live until close_transfers (or the process's end) closes it.
+        self.owner_lock = owner_lock
         self.run_id = run_id
         self.aio = aio
         self.max_in_flight = max_in_flight
@@ -248,7 +253,10 @@ def close_transfers(state: TransferState) -> None:
         slot.thread.join()
     state.entries.clear()
     state.last.clear()
-    files, _, kept = remove_folder(state.folder)
+    try:
+        files, _, kept = remove_folder(state.folder)
+    finally:
+        os.close(state.owner_lock)  # only now: the folder is gone, nothing left to sweep
     if kept:
         logger.warning(
             f"SwapFolder.close: kept {state.folder}, which holds files not made by "
