@@ -16,8 +16,12 @@ _LAZY = {
     "add_config_arguments": ".runtime.initialize",
     "DeepSpeedEngine": ".runtime.engine",
     "init_distributed": ".comm",
+    "OnDevice": ".utils.init_on_device",
+    "version": ".git_version_info",
+    "git_hash": ".git_version_info",
+    "git_branch": ".git_version_info",
 }
-_LAZY_MODULES = ("accelerator", "comm", "moe", "ops", "optim", "runtime", "utils", "zero")
+_LAZY_MODULES = ("accelerator", "comm", "moe", "ops", "optim", "pipe", "runtime", "utils", "zero")
 
 
 def __getattr__(name: str):
@@ -36,6 +40,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "DeepSpeedEngine",
+    "OnDevice",
     "__version__",
     "add_config_arguments",
     "comm",

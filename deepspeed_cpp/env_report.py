@@ -2,7 +2,9 @@
 
 For each op it says whether it is pre-built for this torch, can be compiled just in time, or
 cannot be built here and why. Ops that are already built are loaded and report what they say about
-themselves (the CPU ISA level in use); ``--load`` compiles the others first. ``--timings`` compiles
+themselves (the CPU ISA level in use); ``--load`` compiles the others first (CUDA ops only where
+a GPU is visible, or with ``DS_BUILD_<OP>=1``). Without ``--load`` nothing is compiled, as with
+DeepSpeed's ``ds_report``: ops the job uses are compiled on first use. ``--timings`` compiles
 every op that can be built here into a new, empty cache folder, one fresh process per op, and
 prints how long each JIT build took on this machine (MAX_JOBS is honoured).
 """
@@ -76,6 +78,18 @@ def op_status(builder) -> str:
     if not jit_ok:
         return f"{not_prebuilt}, cannot JIT: {jit_why}"
     return f"{not_prebuilt}, can JIT (not compiled)" if stale else "can JIT (not compiled)"
+
+
+def cuda_build_declined(builder) -> str:
+    """Why ``--load`` leaves a CUDA op alone: compiling it with nvcc takes minutes, and on a
+    machine without a GPU nothing would run it. ``DS_BUILD_<OP>=1`` asks for it anyway (building
+    for another machine). Empty: load it."""
+    if not builder.is_cuda() or torch.cuda.is_available():
+        return ""
+    flag = f"DS_BUILD_{builder.NAME.upper()}"
+    if os.environ.get(flag) == "1":
+        return ""
+    return f"not loaded: a CUDA op and no GPU is visible (set {flag}=1 to build it anyway)"
 
 
 def loaded_details(name: str) -> str:
@@ -175,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         line = f"  {name:<{name_width}} : {op_status(builder)}"
         # Loading is cheap once built; compiling is only done when asked for with --load.
         ready = builder.prebuilt_library() is not None or "already compiled" in line
-        if builder.is_compatible()[0] and (args.load or ready):
+        declined = cuda_build_declined(builder) if args.load and not ready else ""
+        if declined:
+            line += f"; {declined}"
+        elif builder.is_compatible()[0] and (args.load or ready):
             try:
                 builder.load()
                 line += f"; loaded, {loaded_details(name)}".rstrip("; ,")

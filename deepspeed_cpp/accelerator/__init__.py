@@ -4,7 +4,12 @@ get_accelerator``, then ``get_accelerator().device_name(local_rank)`` and friend
 from .abstract_accelerator import DeepSpeedAccelerator
 from .cpu_accelerator import CPUAccelerator
 from .cuda_accelerator import CUDAAccelerator
-from .real_accelerator import SUPPORTED_ACCELERATORS, get_accelerator, set_accelerator
+from .real_accelerator import (
+    SUPPORTED_ACCELERATORS,
+    get_accelerator,
+    is_current_accelerator_supported,
+    set_accelerator,
+)
 
 __all__ = [
     "SUPPORTED_ACCELERATORS",
@@ -12,5 +17,6 @@ __all__ = [
     "CUDAAccelerator",
     "DeepSpeedAccelerator",
     "get_accelerator",
+    "is_current_accelerator_supported",
     "set_accelerator",
 ]

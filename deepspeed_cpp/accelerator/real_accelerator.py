@@ -48,6 +48,12 @@ def get_accelerator() -> DeepSpeedAccelerator:
     return _accelerator
 
 
+def is_current_accelerator_supported() -> bool:
+    """Whether this process's accelerator is one deepspeed_cpp supports (always, since
+    ``get_accelerator`` only ever chooses a supported one; DeepSpeed's tests assert it)."""
+    return get_accelerator().device_name() in SUPPORTED_ACCELERATORS
+
+
 def set_accelerator(accelerator: DeepSpeedAccelerator | None) -> None:
     """Use ``accelerator`` from now on (None: choose again on the next ``get_accelerator()``)."""
     global _accelerator

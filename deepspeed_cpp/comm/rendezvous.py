@@ -46,11 +46,16 @@ def _store_host(init_method: str) -> str:
     return " (hosted by rank 0)"
 
 
-def _expected_world(init_method: str) -> tuple[str, str]:
+def _expected_world(init_method: str, rank: int, world_size: int) -> tuple[str, str]:
     """(rank, world size) as this process was told them, for the messages only."""
-    if init_method.startswith("env://"):
-        return os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
-    return "?", "?"
+    from_environment = init_method.startswith("env://")
+
+    def told(value: int, variable: str) -> str:
+        if value >= 0:
+            return str(value)
+        return os.environ.get(variable, "?") if from_environment else "?"
+
+    return told(rank, "RANK"), told(world_size, "WORLD_SIZE")
 
 
 def _first_line(error: BaseException) -> str:
@@ -101,15 +106,26 @@ def _connection_failure(
 
 
 def init_process_group_named(
-    backend: str, init_method: str, timeout: timedelta | None
+    backend: str,
+    init_method: str,
+    timeout: timedelta | None,
+    *,
+    rank: int = -1,
+    world_size: int = -1,
 ) -> tuple[int, int]:
-    """``dist.init_process_group(backend, init_method=..., timeout=...)`` whose failures to meet
-    raise ``RendezvousError`` naming the store, the world size and the missing ranks. Returns
-    (rank, world size). ``timeout`` None: torch's default (its 30 minutes for the store)."""
+    """``dist.init_process_group(backend, init_method=..., timeout=..., rank=..., world_size=...)``
+    whose failures to meet raise ``RendezvousError`` naming the store, the world size and the
+    missing ranks. ``rank``/``world_size`` -1: from the URL or the environment, as torch takes
+    them. Returns (rank, world size). ``timeout`` None: torch's default (its 30 minutes for the
+    store)."""
     store_timeout = timeout if timeout is not None else default_pg_timeout
-    given_rank, given_world = _expected_world(init_method)
+    given_rank, given_world = _expected_world(init_method, rank, world_size)
     try:
-        store, rank, world_size = next(dist.rendezvous(init_method, timeout=store_timeout))
+        # A rendezvous URL missing its rank or world size raises torch's ValueError ("rank
+        # parameter missing"), which names the URL: it is left as it is.
+        store, rank, world_size = next(
+            dist.rendezvous(init_method, rank, world_size, timeout=store_timeout)
+        )
     except (RuntimeError, TimeoutError, OSError) as error:  # torch's DistError is a RuntimeError
         raise RendezvousError(
             f"init_distributed: rank {given_rank} of {given_world} could not meet the others at "

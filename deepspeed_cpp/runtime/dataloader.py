@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ..utils.repeating_loader import RepeatingLoader
+
+__all__ = ["RepeatingLoader", "make_distributed_loader"]
+
 
 def make_distributed_loader(
     dataset, *, batch_size: int, rank: int, world_size: int, collate_fn=None, drop_last=False

@@ -28,6 +28,9 @@ import torch
 
 from ..utils.logging import logger
 
+# DeepSpeed's schedule and parameter names (WARMUP_LR, WARMUP_NUM_STEPS, ...) under its path.
+from .lr_schedule_keys import *  # noqa: F403
+
 WARMUP_TYPES = ("log", "linear")
 
 

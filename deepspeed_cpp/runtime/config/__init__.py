@@ -19,6 +19,22 @@ refusing validated features the engine lacks), ``batch_size.py``, ``auto_values.
 from .deepspeed_config import DeepSpeedConfig
 from .errors import DeepSpeedConfigError
 from .optimizer import OptimizerConfig
+from .param_dict_readers import (
+    ADAGRAD_OPTIMIZER,
+    ADAM_OPTIMIZER,
+    ADAMW_OPTIMIZER,
+    LAMB_OPTIMIZER,
+    LION_OPTIMIZER,
+    get_gradient_accumulation_steps,
+    get_gradient_clipping,
+    get_optimizer_name,
+    get_optimizer_params,
+    get_scheduler_name,
+    get_scheduler_params,
+    get_steps_per_print,
+    get_train_batch_size,
+    get_train_micro_batch_size_per_gpu,
+)
 from .scheduler import SchedulerConfig
 from .sections import (
     AioConfig,
@@ -30,6 +46,11 @@ from .sections import (
 )
 
 __all__ = [
+    "ADAGRAD_OPTIMIZER",
+    "ADAMW_OPTIMIZER",
+    "ADAM_OPTIMIZER",
+    "LAMB_OPTIMIZER",
+    "LION_OPTIMIZER",
     "AioConfig",
     "BF16Config",
     "DeepSpeedConfig",
@@ -40,4 +61,13 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "ZeroConfig",
+    "get_gradient_accumulation_steps",
+    "get_gradient_clipping",
+    "get_optimizer_name",
+    "get_optimizer_params",
+    "get_scheduler_name",
+    "get_scheduler_params",
+    "get_steps_per_print",
+    "get_train_batch_size",
+    "get_train_micro_batch_size_per_gpu",
 ]

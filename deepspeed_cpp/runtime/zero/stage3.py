@@ -31,11 +31,13 @@ from .estimators import (
     estimate_zero3_model_states_mem_needs_all_cold,
     estimate_zero3_model_states_mem_needs_all_live,
 )
+from .optimizer_kinds import DeepSpeedZeroOptimizer_Stage3
 from .partitioned_optimizer import ZeroPartitionedOptimizer, _Bucket
 from .stage import PartitionLayout
 
-# The ZeRO-3 memory estimators are re-exported here, DeepSpeed's module path for them.
+# DeepSpeed's module path for the ZeRO-3 memory estimators and its stage-3 optimizer's class name.
 __all__ = [
+    "DeepSpeedZeroOptimizer_Stage3",
     "Stage3Optimizer",
     "ZeroStage3",
     "estimate_zero3_model_states_mem_needs",
