@@ -20,10 +20,19 @@ from .tensor_fragment import (
     safe_set_local_optimizer_state,
     safe_update_full_grad_vectorized,
 )
+from .z3_leaf_module import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 
 __all__ = [
     "OnDevice",
     "RepeatingLoader",
+    "get_z3_leaf_modules",
     "logger",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
@@ -38,4 +47,9 @@ __all__ = [
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
     "safe_update_full_grad_vectorized",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
 ]
