@@ -1,5 +1,6 @@
 """Utilities under DeepSpeed's ``deepspeed.utils`` names: ``logger``, ``RepeatingLoader``,
-``OnDevice``, and (on first use) the ZeRO tensor-fragment API and ``groups``.
+``OnDevice``, the ZeRO tensor-fragment API (``tensor_fragment.py``), the ZeRO-3 leaf-module
+marks (``z3_leaf_module.py``) and ``groups``.
 
 Only ``logger`` is imported eagerly: the launcher imports this package (through
 ``deepspeed_cpp.utils.logging``) before it execs torchrun, and must not pay for a torch import
@@ -10,10 +11,39 @@ from importlib import import_module
 
 from .logging import logger
 
-_LAZY = {"OnDevice": ".init_on_device", "RepeatingLoader": ".repeating_loader"}
+_TENSOR_FRAGMENT = (
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
+)
+_Z3_LEAF = (
+    "get_z3_leaf_modules",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
+)
+# name -> the submodule that defines it
+_LAZY = {
+    "OnDevice": ".init_on_device",
+    "RepeatingLoader": ".repeating_loader",
+    **dict.fromkeys(_TENSOR_FRAGMENT, ".tensor_fragment"),
+    **dict.fromkeys(_Z3_LEAF, ".z3_leaf_module"),
+}
 _LAZY_MODULES = {"groups"}  # deepspeed.utils.groups without importing it by name
 
-__all__ = ["OnDevice", "RepeatingLoader", "logger"]
+__all__ = ["logger", *sorted(_LAZY)]
 
 
 def __getattr__(name: str):

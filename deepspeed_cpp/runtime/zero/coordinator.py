@@ -3,8 +3,12 @@ prefetch what comes next, as the C++ fetch schedule (csrc/zero/fetch_schedule) d
 
 Fetch units: every module with partitioned parameters of its own (or registered with
 ``register_external_parameter``) is one unit; a parameter shared by two modules (tied weights)
-belongs to both, and is held whole while either holds it. One pass is a forward and its backward
-(or a forward alone, in evaluation). Per unit:
+belongs to both, and is held whole while either holds it. A module marked as a leaf
+(``deepspeed_cpp.utils.set_z3_leaf_modules``, read at construction) is one unit with its whole
+subtree: its descendants get no unit and no hooks, so a Mixture-of-Experts block whose experts
+run in a data-dependent order (or not at all) is gathered whole, the same way on every rank.
+
+One pass is a forward and its backward (or a forward alone, in evaluation). Per unit:
 
 - before the module's forward: gather (waiting for a prefetch in flight, or fetching on demand);
 - after its forward: release unless the schedule keeps it for a use soon; when the outputs need
@@ -42,6 +46,7 @@ import torch.distributed as dist
 from ...comm.collective_errors import named_collective, new_group
 from ...ops.zero import make_fetch_schedule
 from ...utils.logging import logger
+from ...utils.z3_leaf_module import LEAF_PARAMETER_ATTRIBUTE, z3_leaf_module
 from . import partition_parameters as pp
 
 
@@ -66,15 +71,30 @@ class ParameterCoordinator:
         self.unit_of_module: dict[int, int] = {}
         self.units: list[list[torch.nn.Parameter]] = []
         self.unit_names: list[str] = []
+        # Modules inside a leaf's subtree (z3_leaf_module): no unit, no hooks of their own.
+        self._inside_leaf: set[int] = set()
         for name, submodule in module.named_modules():
-            params = {id(p): p for p in submodule.parameters(recurse=False) if pp.is_partitioned(p)}
-            for param in submodule.__dict__.get("_ds_external_params", {}).values():
-                if pp.is_partitioned(param):
-                    params[id(param)] = param
+            if id(submodule) in self._inside_leaf:
+                continue
+            leaf = z3_leaf_module(submodule)
+            members = list(submodule.modules()) if leaf else [submodule]
+            if leaf:
+                self._inside_leaf.update(id(m) for m in members[1:])
+            params = {}
+            for member in members:
+                for param in member.parameters(recurse=False):
+                    if pp.is_partitioned(param):
+                        params[id(param)] = param
+                for param in member.__dict__.get("_ds_external_params", {}).values():
+                    if pp.is_partitioned(param):
+                        params[id(param)] = param
             if params:
                 self.unit_of_module[id(submodule)] = len(self.units)
                 self.units.append(list(params.values()))
                 self.unit_names.append(name or "<root>")
+                if leaf:
+                    for param in params.values():
+                        setattr(param, LEAF_PARAMETER_ATTRIBUTE, submodule)
         self.schedule = make_fetch_schedule(
             [
                 sum(pp.padded_numel(p.ds_numel, self.world_size) for p in unit)
@@ -107,10 +127,11 @@ class ParameterCoordinator:
         self._module_units: dict[int, list[int]] = {}
         self._running: list[int] = []  # ids of the modules whose forward is under way
         for submodule in self.module.modules():
-            unit = self.unit_of_module.get(id(submodule))
-            self._module_units[id(submodule)] = [] if unit is None else [unit]
-            self._hooks.append(submodule.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(submodule.register_forward_hook(self._post_forward))
+            if id(submodule) not in self._inside_leaf:
+                unit = self.unit_of_module.get(id(submodule))
+                self._module_units[id(submodule)] = [] if unit is None else [unit]
+                self._hooks.append(submodule.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(submodule.register_forward_hook(self._post_forward))
             if any(pp.is_partitioned(p) for p in submodule._parameters.values() if p is not None):
                 submodule.__dict__["_parameters"] = _FetchOnAccess(
                     submodule._parameters, self._fetch_on_access
@@ -131,7 +152,7 @@ class ParameterCoordinator:
         self._running.clear()  # a forward that raised left its modules on the stack
 
     def _pre_forward(self, module, inputs) -> None:
-        _check_registered(module)
+        _check_registered(module, recurse=z3_leaf_module(module))
         self._running.append(id(module))
         for unit in self._module_units[id(module)]:
             self.fetch(unit)
@@ -283,6 +304,9 @@ class ParameterCoordinator:
         for submodule in self.module.modules():
             if isinstance(submodule._parameters, _FetchOnAccess):
                 submodule.__dict__["_parameters"] = dict(submodule._parameters)
+        for unit in self.units:
+            for param in unit:
+                param.__dict__.pop(LEAF_PARAMETER_ATTRIBUTE, None)
         for name in ("fetch_group", "check_group"):
             if getattr(self, name) is not None:
                 dist.destroy_process_group(getattr(self, name))
@@ -326,8 +350,8 @@ class _FetchOnAccess(dict):
         return param
 
 
-def _check_registered(module: torch.nn.Module) -> None:
-    for name, param in module.named_parameters(recurse=False):
+def _check_registered(module: torch.nn.Module, recurse: bool) -> None:
+    for name, param in module.named_parameters(recurse=recurse):
         if not pp.is_zero_param(param):
             raise RuntimeError(
                 f"parameter '{name}' of {type(module).__name__} (shape {list(param.shape)}) is "

@@ -43,6 +43,7 @@ from ...ops.zero import (
 )
 from .offload.optimizer_offload import OptimizerOffload
 from .offload.stepping import OffloadedStepping
+from .param_fragments import ParamFragments
 from .shard_checkpoint_state import ShardCheckpointState
 from .shard_gather import backend_for, launch_all_gather
 from .stage import PartitionLayout
@@ -65,7 +66,7 @@ class _Bucket:
     view_pointers: tuple[int, ...] = ()
 
 
-class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
+class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFragments):
     """Owns the plan, fp32 master shards, shard gradients and the reducer for one engine."""
 
     def __init__(
@@ -160,6 +161,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
             p.register_post_accumulate_grad_hook(self._make_hook(index))
             for index, p in enumerate(self.params)
         ]
+        self._link_fragment_owners()  # deepspeed_cpp.utils.safe_get_full_fp32_param & co.
 
     STAGES = (0, 1, 2)
     trains = True
@@ -311,6 +313,8 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
     def begin_backward(self, boundary: bool) -> None:
         """Stages 2/3 reduce every micro-step; 0/1 accumulate locally until the boundary."""
         self._reduce_during_backward = self.stage >= 2 or boundary
+        self._boundary_backward = boundary
+        self._gradients_ready = False
         if self._backward_steps is not None:
             self._backward_steps.begin_backward(boundary and self._reduce_during_backward)
         if self._reduce_during_backward:
@@ -332,6 +336,8 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
             self.reducer.finish()  # the shard gradients now hold this micro-step's reduction too
         self._shard_grads_zero_pending = False
         self._reduce_during_backward = False
+        # The shard gradients are final (and readable through param_fragments) until the step.
+        self._gradients_ready = self._boundary_backward
 
     # --- step ---------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -377,6 +383,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
         return False
 
     def zero_grad(self) -> None:
+        self._gradients_ready = False
         if self._fp32_accumulators is not None:
             self._fp32_accumulators = [None] * len(self.params)
         self._shard_grads_zero_pending = True
@@ -543,6 +550,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self._unlink_fragment_owners()
         try:
             self.apply_pending_update()
         finally:

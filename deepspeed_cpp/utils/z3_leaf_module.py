@@ -1,0 +1,113 @@
+"""ZeRO-3 leaf modules (DeepSpeed's ``set_z3_leaf_modules`` and companions).
+
+A module marked as a leaf is one ZeRO-3 fetch unit together with everything below it: the
+parameters of its whole subtree are gathered before its forward (and before its backward) and
+released together, and its descendants get no hooks of their own. This is what a Mixture-of-Experts
+block wants: which experts run, and in which order, changes from batch to batch (and from rank to
+rank), so per-expert units would make the recorded fetch order useless and, where ranks route
+differently, make the ranks disagree on what to gather; as one unit, every rank gathers the same
+parameters at the same point. transformers marks its MoE blocks this way.
+
+The mark is read when an engine is built (``deepspeed_cpp.initialize``, the ZeRO-3 coordinator in
+``runtime/zero/coordinator.py``): mark the model before initializing. Marking a model that already
+has a live engine logs a warning, because that engine's units are already fixed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .logging import logger
+
+__all__ = [
+    "get_z3_leaf_modules",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
+]
+
+_LEAF_ATTRIBUTE = "_z3_leaf"  # DeepSpeed's attribute name: code written for it may read it
+# Set on each partitioned parameter of a leaf unit by the coordinator (DeepSpeed's name).
+LEAF_PARAMETER_ATTRIBUTE = "ds_z3_leaf_module"
+
+
+def z3_leaf_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is marked as a ZeRO-3 leaf."""
+    return bool(getattr(module, _LEAF_ATTRIBUTE, False))
+
+
+def z3_leaf_parameter(param: torch.nn.Parameter) -> bool:
+    """Whether ``param`` is gathered as part of a leaf module's unit by a ZeRO-3 engine."""
+    return hasattr(param, LEAF_PARAMETER_ATTRIBUTE)
+
+
+def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` marked as leaves, in ``model.modules()`` order."""
+    return [module for module in model.modules() if z3_leaf_module(module)]
+
+
+def set_z3_leaf_module(module: torch.nn.Module, flag: bool) -> None:
+    """Marks (or unmarks) one module."""
+    setattr(module, _LEAF_ATTRIBUTE, bool(flag))
+
+
+def set_z3_leaf_modules(
+    model: torch.nn.Module,
+    leaf_module_classes: Sequence[type | str],
+    raise_if_not_found: bool = True,
+) -> list[torch.nn.Module]:
+    """Marks every module of ``model`` that is an instance of one of ``leaf_module_classes``
+    (classes, or class names: bare or module-qualified) as a ZeRO-3 leaf; returns them. Raises
+    ValueError when none matches, unless ``raise_if_not_found`` is False."""
+    return _mark(model, leaf_module_classes, True, raise_if_not_found)
+
+
+def unset_z3_leaf_modules(
+    model: torch.nn.Module,
+    leaf_module_classes: Sequence[type | str],
+    raise_if_not_found: bool = True,
+) -> list[torch.nn.Module]:
+    """Removes the leaf mark from the modules ``set_z3_leaf_modules`` would mark; returns them."""
+    return _mark(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def _mark(model, classes, flag: bool, raise_if_not_found: bool) -> list[torch.nn.Module]:
+    if isinstance(classes, (type, str)):
+        classes = [classes]
+    wrong = [c for c in classes if not isinstance(c, (type, str))]
+    if wrong:
+        raise TypeError(
+            f"leaf_module_classes must hold module classes or class names, got {wrong!r}"
+        )
+    matched = [module for module in model.modules() if _matches(module, classes)]
+    if not matched and raise_if_not_found:
+        names = [c if isinstance(c, str) else c.__name__ for c in classes]
+        raise ValueError(f"no module of {names} found in {type(model).__name__}")
+    for module in matched:
+        set_z3_leaf_module(module, flag)
+    if matched and _has_live_engine(model):
+        logger.warning(
+            "deepspeed_cpp: set_z3_leaf_modules/unset_z3_leaf_modules on a model that already "
+            "has an engine: its ZeRO-3 fetch units were fixed when it was built; the marks "
+            "apply to engines built from now on"
+        )
+    return matched
+
+
+def _matches(module: torch.nn.Module, classes) -> bool:
+    cls = type(module)
+    qualified = f"{cls.__module__}.{cls.__qualname__}"
+    return any(
+        (isinstance(c, type) and isinstance(module, c))
+        or (isinstance(c, str) and c in (cls.__name__, qualified))
+        for c in classes
+    )
+
+
+def _has_live_engine(model: torch.nn.Module) -> bool:
+    engine = getattr(model, "_deepspeed_cpp_engine", None)  # a weak reference the engine sets
+    return engine is not None and engine() is not None

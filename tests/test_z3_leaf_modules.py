@@ -1,0 +1,46 @@
+"""ZeRO-3 leaf modules (``deepspeed_cpp.utils.set_z3_leaf_modules`` & co.): the marking API, and
+a marked Mixture-of-Experts block gathered as one unit on a real 2-process gloo group (jobs in
+z3_leaf_jobs.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import z3_leaf_jobs as jobs
+
+from deepspeed_cpp.utils import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
+
+
+def test_marks_by_class_and_by_name():
+    model = jobs.MoeNet()
+    assert get_z3_leaf_modules(model) == [] and not z3_leaf_module(model.moe)
+    assert set_z3_leaf_modules(model, [torch.nn.Linear]) == [
+        model.embed, *model.moe.experts, model.head
+    ]  # fmt: skip
+    assert unset_z3_leaf_modules(model, ["torch.nn.modules.linear.Linear"]) == [
+        model.embed, *model.moe.experts, model.head
+    ]  # fmt: skip
+    assert set_z3_leaf_modules(model, ["Experts"]) == [model.moe]
+    assert z3_leaf_module(model.moe) and model.moe._z3_leaf is True  # DeepSpeed's attribute
+    assert get_z3_leaf_modules(model) == [model.moe]
+
+
+def test_no_match_is_an_error_unless_allowed():
+    model = jobs.MoeNet()
+    with pytest.raises(ValueError, match="Conv2d"):
+        set_z3_leaf_modules(model, [torch.nn.Conv2d])
+    assert set_z3_leaf_modules(model, [torch.nn.Conv2d], raise_if_not_found=False) == []
+    with pytest.raises(TypeError, match="classes or class names"):
+        set_z3_leaf_modules(model, [3])
+
+
+@pytest.mark.parametrize("mark_by", ["class", "name"])
+def test_leaf_block_is_one_unit_and_trains_like_the_reference(pool2, mark_by):
+    result = pool2.run(jobs.leaf_block_trains, mark_by)[0]
+    # embed, the Experts block (its three experts together), head.
+    assert result == {"compared": 2 * 10, "units": 3}
