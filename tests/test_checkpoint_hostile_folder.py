@@ -104,8 +104,9 @@ def test_save_lock_leaves_no_file_in_the_saved_folder(pool, tmp_path):
     seed = int(torch.randint(0, 2**30, (1,)))
     # Rank 0 holds the lock; once its save returns, the folder holds the checkpoints only.
     outcomes, _ = pool.run(save_job, str(root), seed, ["a", "b"])[0]
-    assert outcomes == {"a": ["a", "latest"], "b": ["a", "b", "latest"]}
-    assert sorted(os.listdir(root)) == ["a", "b", "latest"]
+    script = "zero_to_fp32.py"  # beside latest, as DeepSpeed leaves it
+    assert outcomes == {"a": ["a", "latest", script], "b": ["a", "b", "latest", script]}
+    assert sorted(os.listdir(root)) == ["a", "b", "latest", script]
 
 
 def test_save_lock_is_never_followed(pool, tmp_path):
@@ -136,7 +137,7 @@ def test_save_lock_is_never_followed(pool, tmp_path):
         else:
             (root / LOCK).unlink()
     outcomes, _ = pool.run(save_job, str(root), seed, ["again"])[0]
-    assert outcomes["again"] == ["again", "good", "latest"]
+    assert outcomes["again"] == ["again", "good", "latest", "zero_to_fp32.py"]
     assert victim.read_text() == "precious"
 
 
@@ -288,6 +289,6 @@ def test_resave_over_a_linked_tag_folder_publishes_and_keeps_the_link_target(poo
     before = sorted(os.listdir(elsewhere))
     (root / "kept").symlink_to(elsewhere, target_is_directory=True)
     outcomes, _ = pool.run(save_job, str(root), seed + 1, ["kept"])[0]
-    assert outcomes["kept"] == ["good", "kept", "latest"], outcomes
+    assert outcomes["kept"] == ["good", "kept", "latest", "zero_to_fp32.py"], outcomes
     assert not (root / "kept").is_symlink() and (root / "latest").read_text() == "kept"
     assert sorted(os.listdir(elsewhere)) == before  # the link's target is not the save's

@@ -5,6 +5,8 @@ checkpoints and exact resume, and accelerate's world size on a machine without a
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from conftest import REPO_ROOT  # noqa: E402
 from hf_trainer_jobs import (  # noqa: E402
     SEARCH_CHOICES,
     accelerate_world_without_our_fix,
@@ -312,6 +315,7 @@ def test_checkpoints_hold_transformers_files_and_the_engines(pool2, tmp_path):
         assert (folder / f"global_step{step}").is_dir()
         assert "optimizer.pt" not in names, "the optimizer lives in the engine's checkpoint"
         assert ".deepspeed_cpp_save.lock" not in names, "the save lock leaves no file behind"
+        assert "zero_to_fp32.py" in names, "the guide's recovery script, beside latest"
     # The safetensors file holds the whole model (gathered: ZeRO-3 trained it in shards), the
     # final weights at the last checkpoint; the tied lm_head is stored once, as transformers does.
     saved = load_file(str(tmp_path / "checkpoint-4" / "model.safetensors"))
@@ -324,6 +328,17 @@ def test_checkpoints_hold_transformers_files_and_the_engines(pool2, tmp_path):
 
     model = load_state_dict_from_zero_checkpoint(tiny_gpt2(), tmp_path / "checkpoint-4")
     for name, value in model.state_dict().items():
+        assert torch.equal(value, final[name]), name
+    # The guide's command, run where it says: `cd checkpoint-N; python zero_to_fp32.py . OUT`.
+    done = subprocess.run(
+        [sys.executable, "zero_to_fp32.py", ".", "fp32"], cwd=tmp_path / "checkpoint-4",
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    recovered = torch.load(tmp_path / "checkpoint-4" / "fp32" / "pytorch_model.bin")
+    assert set(recovered) == set(final)
+    for name, value in recovered.items():
         assert torch.equal(value, final[name]), name
 
 

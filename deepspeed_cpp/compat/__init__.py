@@ -74,6 +74,15 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         """Nothing: the target module was executed when it was imported under its own name."""
 
+    def get_code(self, fullname: str):
+        """The target module's code object: ``runpy`` (``python -m deepspeed.x.y``) executes it
+        afresh as ``__main__`` rather than importing it, and asks the loader for it."""
+        target_loader = importlib.util.find_spec(self.target).loader
+        get_code = getattr(target_loader, "get_code", None)
+        if get_code is None:
+            raise ImportError(f"{self.target} has no code to run as a script", name=fullname)
+        return get_code(self.target)
+
 
 class _AliasDistribution(importlib.metadata.Distribution):
     """The in-memory ``deepspeed`` distribution: METADATA only, no files, no entry points."""
@@ -113,8 +122,12 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.ModuleSpec(
             fullname,
             _AliasLoader(target_name),
+            origin=target_spec.origin,
             is_package=target_spec.submodule_search_locations is not None,
         )
+        # runpy gives a module run as __main__ its spec's origin as __file__; an import keeps
+        # the target module's own attributes (importlib overrides none it already has).
+        spec.has_location = target_spec.has_location
         if target_spec.submodule_search_locations is not None:
             # Submodule imports look in the parent's __path__; the finder answers them first.
             spec.submodule_search_locations = list(target_spec.submodule_search_locations)

@@ -2,13 +2,24 @@
 ``state_dict``, with no engine and no process group.
 
 ```
-python -m deepspeed_cpp.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_FILE \\
-    [--safe_serialization] [--tag T] [--allow_symlinks]
+python -m deepspeed_cpp.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT \\
+    [--safe_serialization] [--max_shard_size 5GB] [-t TAG] [--exclude_frozen_parameters] \\
+    [-d] [--allow_symlinks]
 ```
 
-``CHECKPOINT_DIR`` is the directory given to ``save_checkpoint`` (the tag is read from its
-``latest`` file unless ``--tag`` is given) or a tag directory itself. The output is a torch file
-(``torch.save``, e.g. ``pytorch_model.bin``) or, with ``--safe_serialization``, safetensors.
+(``save_checkpoint`` also writes ``zero_to_fp32.py`` beside ``latest``, which runs this: ``cd
+checkpoint-12; python zero_to_fp32.py . OUTPUT``.) ``CHECKPOINT_DIR`` is the directory given to
+``save_checkpoint`` (the tag is read from its ``latest`` file unless ``--tag`` is given) or a tag
+directory itself. ``OUTPUT`` takes two forms, told apart by ``output_is_directory``:
+
+- an output directory (DeepSpeed 0.19's arguments): an existing directory, a path ending in
+  ``/``, or a new path without a weight-file suffix. It receives ``pytorch_model.bin`` (or
+  ``model.safetensors`` with ``--safe_serialization``), or past ``--max_shard_size`` (default
+  5GB) numbered shards and an index json, with DeepSpeed's and transformers' file names
+  (``weight_files.py``);
+- one output file: a new path ending in ``.bin``, ``.pt``, ``.pth``, ``.safetensors`` or
+  ``.ckpt``, or an existing file; it holds the whole ``state_dict`` (torch, or safetensors with
+  ``--safe_serialization``), as the guide's ``python zero_to_fp32.py . pytorch_model.bin`` asks.
 
 What it holds, in the order of the model's own ``state_dict`` (the experts of MoE layers last,
 every expert of every rank under its global name, see ``deepspeed_cpp.moe.expert_names``):
@@ -31,12 +42,12 @@ master slices of one shard file while it is read), not the size of the checkpoin
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import torch
 
-from ..runtime.checkpoint.atomic_files import write_atomically_by_name
 from ..runtime.checkpoint.digests import file_digests
 from ..runtime.checkpoint.errors import CheckpointMismatchError, IncompleteCheckpointError
 from ..runtime.checkpoint.expert_files import read_expert_states
@@ -48,6 +59,15 @@ from ..runtime.checkpoint.layout import (
 )
 from ..runtime.checkpoint.metadata import ZeroLayout
 from ..runtime.checkpoint.shard_reader import load_mapped
+from .weight_files import (
+    DEFAULT_MAX_SHARD_SIZE,
+    ShardPlan,
+    WrittenWeights,
+    parse_size,
+    write_safetensors,
+    write_torch,
+    write_weights_directory,
+)
 
 
 def _trainable_fp32(
@@ -149,71 +169,152 @@ def load_state_dict_from_zero_checkpoint(
     return model
 
 
-def _write_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> int:
-    from safetensors.torch import save_file
+# A path that does not exist yet names a file when it ends in one of these (the file form kept
+# from before DeepSpeed 0.19 and in the guide: `zero_to_fp32.py . pytorch_model.bin`).
+FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors", ".ckpt")
 
-    # safetensors refuses aliases: a tied parameter is written once per name.
-    seen: set[int] = set()
-    tensors = {}
-    for name, tensor in state_dict.items():
-        key = id(tensor)
-        tensors[name] = tensor.clone() if key in seen else tensor.contiguous()
-        seen.add(key)
-    return write_atomically_by_name(
-        path, lambda temporary: save_file(tensors, str(temporary), metadata={"format": "pt"})
-    )
+
+def output_is_directory(output) -> bool:
+    """Which form ``output`` asks for: an existing directory, a path ending in a separator, or
+    a new path without a weight-file suffix (``FILE_SUFFIXES``) is an output directory
+    (DeepSpeed 0.19's form); an existing file or a new ``*.bin``/``*.safetensors``... path is
+    the one output file."""
+    text = os.fspath(output)
+    if os.path.isdir(text):
+        return True
+    if os.path.lexists(text):
+        return False
+    if text.endswith(("/", os.sep)):
+        return True
+    return Path(text).suffix.lower() not in FILE_SUFFIXES
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
     checkpoint_dir,
-    output_file,
+    output,
     tag: str | None = None,
     safe_serialization: bool = False,
     allow_symlinks: bool = False,
-) -> int:
-    """Writes the consolidated fp32 ``state_dict`` to ``output_file`` (atomically); returns the
-    number of bytes written."""
+    *,
+    max_shard_size=None,
+    exclude_frozen_parameters: bool = False,
+) -> WrittenWeights:
+    """Writes the consolidated fp32 ``state_dict`` to ``output``, atomically, file by file.
+
+    ``output`` is an output directory or one file, as ``output_is_directory`` decides. Into a
+    directory go DeepSpeed 0.19's files (``weight_files.py``: ``pytorch_model.bin`` or
+    ``model.safetensors``, sharded with an index past ``max_shard_size``, default ``"5GB"``);
+    a file gets the whole ``state_dict`` and ``max_shard_size`` is refused. DeepSpeed's own
+    signature puts ``max_shard_size`` third; here it is a keyword, after the ``tag`` and
+    ``safe_serialization`` this function has always taken by position.
+    """
+    directory_form = output_is_directory(output)
+    if not directory_form and max_shard_size is not None:
+        raise ValueError(
+            f"max_shard_size applies to an output directory; {output} names one file (give a "
+            "directory, e.g. a path without a weight-file suffix, to get shards)"
+        )
+    if directory_form:
+        parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     state_dict = get_fp32_state_dict_from_zero_checkpoint(
-        checkpoint_dir, tag, allow_symlinks=allow_symlinks
+        checkpoint_dir, tag, exclude_frozen_parameters, allow_symlinks
     )
-    output = Path(output_file)
-    if safe_serialization:
-        return _write_safetensors(state_dict, output)
-    return write_atomically_by_name(output, lambda temporary: torch.save(state_dict, temporary))
+    if directory_form:
+        return write_weights_directory(
+            state_dict,
+            output,
+            safe_serialization,
+            DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size,
+        )
+    path = Path(output)
+    size = (write_safetensors if safe_serialization else write_torch)(state_dict, path)
+    return WrittenWeights({path.name: size}, [], ShardPlan({path.name: list(state_dict)}, size))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m deepspeed_cpp.utils.zero_to_fp32",
-        description="Consolidate a deepspeed_cpp ZeRO checkpoint into one fp32 state_dict file.",
+        prog=prog or "python -m deepspeed_cpp.utils.zero_to_fp32",
+        description="Consolidate a deepspeed_cpp ZeRO checkpoint into fp32 weights: into an "
+        "output directory as DeepSpeed's zero_to_fp32 does (pytorch_model.bin or "
+        "model.safetensors, sharded with an index past --max_shard_size), or into one file.",
     )
     parser.add_argument(
-        "checkpoint_dir", help="the save_checkpoint directory (with 'latest') or a tag directory"
+        "checkpoint_dir",
+        help="the save_checkpoint folder (with 'latest'), e.g. path/checkpoint-12, or a tag folder",
     )
-    parser.add_argument("output_file", help="e.g. pytorch_model.bin, or model.safetensors")
+    parser.add_argument(
+        "output_dir",
+        help="an output directory (an existing one, or a new path without a weight-file suffix, "
+        "e.g. path/checkpoint-12-output/), or one output file: a new path ending in "
+        f"{', '.join(FILE_SUFFIXES)} (e.g. pytorch_model.bin), or an existing file",
+    )
+    parser.add_argument(
+        "--max_shard_size",
+        default=None,
+        help=f"largest shard in an output directory, e.g. 500MB (default {DEFAULT_MAX_SHARD_SIZE}"
+        "; decimal units KB, MB, GB, TB; a tensor larger than it gets a shard of its own)",
+    )
     parser.add_argument(
         "--safe_serialization", action="store_true", help="write safetensors instead of torch"
     )
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: 'latest')")
     parser.add_argument(
+        "--exclude_frozen_parameters",
+        action="store_true",
+        help="leave out the parameters that were not trained",
+    )
+    parser.add_argument(
+        "-d",
+        "--debug",
+        action="store_true",
+        help="list every tensor and its file; show the traceback of an error",
+    )
+    parser.add_argument(
         "--allow_symlinks",
         action="store_true",
         help="follow symbolic links in the checkpoint folder (latest, the tag folder, its files)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _report(written: WrittenWeights, output, debug: bool) -> None:
+    folder = Path(output) if output_is_directory(output) else Path(output).parent
+    if debug:
+        for file_name, names in written.plan.files.items():
+            for name in names:
+                print(f"zero_to_fp32: {name} -> {file_name}")
+    for file_name, size in written.files.items():
+        print(f"zero_to_fp32: wrote {folder / file_name} ({size / 1e6:.1f} MB)")
+    for file_name in written.removed:
+        print(f"zero_to_fp32: removed {folder / file_name}, left by an earlier conversion")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The command line; returns the exit status (errors: one line on stderr, status 1)."""
+    args = _parser(prog).parse_args(argv)
     try:
-        size = convert_zero_checkpoint_to_fp32_state_dict(
+        written = convert_zero_checkpoint_to_fp32_state_dict(
             args.checkpoint_dir,
-            args.output_file,
+            args.output_dir,
             args.tag,
             args.safe_serialization,
             args.allow_symlinks,
+            max_shard_size=args.max_shard_size,
+            exclude_frozen_parameters=args.exclude_frozen_parameters,
         )
-    except (OSError, ValueError, IncompleteCheckpointError, CheckpointMismatchError) as error:
+    except (
+        OSError,
+        ValueError,
+        ImportError,
+        IncompleteCheckpointError,
+        CheckpointMismatchError,
+    ) as error:
+        if args.debug:
+            raise
         # One line: the message names the file and what is wrong; a traceback adds nothing.
         print(f"zero_to_fp32: {error}", file=sys.stderr)
         return 1
-    print(f"zero_to_fp32: wrote {args.output_file} ({size / 1e6:.1f} MB)")
+    _report(written, args.output_dir, args.debug)
     return 0
 
 

@@ -3,6 +3,8 @@
 ```
 save_dir/
   latest                                   the tag of the newest complete checkpoint
+  zero_to_fp32.py                          runs deepspeed_cpp's consolidator (recovery_script.py);
+                                           in no checkpoint's file list
   <tag>/
     mp_rank_00_model_states.pt             rank 0: module state_dict, counters, scheduler, scaler
                                            (MoE experts excepted: see expert_files.py)

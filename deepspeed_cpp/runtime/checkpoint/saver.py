@@ -9,7 +9,8 @@ The protocol (each step ends with every rank agreeing that every rank succeeded,
    files, each through a temporary name, fsync and rename;
 3. rank 0 writes ``checkpoint_meta.json`` (listing every file with its size and SHA-256,
    computed while the file was written, see ``digests.py``) into it, renames
-   the directory to ``save_dir/<tag>`` and only then rewrites ``save_dir/latest``.
+   the directory to ``save_dir/<tag>``, writes ``save_dir/zero_to_fp32.py`` if it is missing
+   or out of date (``recovery_script.py``) and only then rewrites ``save_dir/latest``.
 
 A crash at any point therefore leaves ``latest`` naming the previous complete checkpoint, and no
 directory named after a tag that lacks its metadata. A save that fails (rather than being killed)
@@ -58,6 +59,7 @@ from .layout import (
 from .metadata import dtype_name, plain, to_json_text
 from .model_save import compact, share_tied
 from .rank_agreement import agree_on
+from .recovery_script import SCRIPT_NAME, write_recovery_script
 from .reshard import classify_state
 from .rng_state import capture_rng_states
 from .save_lock import SaveLock
@@ -260,6 +262,20 @@ def _prepare(save_dir: Path, staging: Path, client_state, allow_pickle: bool, lo
     return pickled
 
 
+def _write_recovery_script(save_dir: Path) -> None:
+    """``zero_to_fp32.py`` beside ``latest``, as DeepSpeed leaves it (``recovery_script.py``).
+    A convenience, not part of the checkpoint: failing to write it warns and the save goes on."""
+    try:
+        write_recovery_script(save_dir)
+    except OSError as error:
+        logger.warning(
+            "deepspeed_cpp: could not write %s (%s); the checkpoint is unaffected, and "
+            "`python -m deepspeed_cpp.utils.zero_to_fp32` does what it would",
+            save_dir / SCRIPT_NAME,
+            error.strerror or error,
+        )
+
+
 def _publish(
     engine, tag, save_dir, staging, files, save_latest, exclude_frozen, pickled, previous, layout
 ):
@@ -273,6 +289,7 @@ def _publish(
     except OSError as error:
         reason = error.strerror or str(error)
         raise OSError(error.errno, f"{reason}; nothing was published, {latest}") from error
+    _write_recovery_script(save_dir)
     if save_latest:
         try:
             write_text_atomically(save_dir / LATEST_FILE, tag)
