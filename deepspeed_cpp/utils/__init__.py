@@ -1,6 +1,7 @@
 """Utilities under DeepSpeed's ``deepspeed.utils`` names: ``logger``, ``RepeatingLoader``,
 ``OnDevice``, the ZeRO tensor-fragment API (``tensor_fragment.py``), the ZeRO-3 leaf-module
-marks (``z3_leaf_module.py``) and ``groups``.
+marks (``z3_leaf_modules.py``: DeepSpeed's file is ``z3_leaf_module.py``, but here a submodule of
+that name would shadow the function ``z3_leaf_module`` once anything imported it) and ``groups``.
 
 Only ``logger`` is imported eagerly: the launcher imports this package (through
 ``deepspeed_cpp.utils.logging``) before it execs torchrun, and must not pay for a torch import
@@ -39,7 +40,7 @@ _LAZY = {
     "OnDevice": ".init_on_device",
     "RepeatingLoader": ".repeating_loader",
     **dict.fromkeys(_TENSOR_FRAGMENT, ".tensor_fragment"),
-    **dict.fromkeys(_Z3_LEAF, ".z3_leaf_module"),
+    **dict.fromkeys(_Z3_LEAF, ".z3_leaf_modules"),
 }
 _LAZY_MODULES = {"groups"}  # deepspeed.utils.groups without importing it by name
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ...comm.collective_errors import named_collective, new_group
 from ...ops.zero import make_fetch_schedule
 from ...utils.logging import logger
-from ...utils.z3_leaf_module import LEAF_PARAMETER_ATTRIBUTE, z3_leaf_module
+from ...utils.z3_leaf_modules import LEAF_PARAMETER_ATTRIBUTE, z3_leaf_module
 from . import partition_parameters as pp
 
 
