@@ -15,6 +15,7 @@ _LAZY = {
     "initialize": ".runtime.initialize",
     "add_config_arguments": ".runtime.initialize",
     "DeepSpeedEngine": ".runtime.engine",
+    "RankDisagreementError": ".comm",
     "init_distributed": ".comm",
 }
 _LAZY_MODULES = ("accelerator", "comm", "moe", "ops", "optim", "runtime", "utils", "zero")
@@ -36,6 +37,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "DeepSpeedEngine",
+    "RankDisagreementError",
     "__version__",
     "add_config_arguments",
     "comm",

@@ -13,10 +13,12 @@ from .distributed import (
     init_distributed,
     is_initialized,
 )
+from .entry_agreement import RankDisagreementError
 from .rendezvous import RendezvousError
 
 __all__ = [
     "CollectiveTimeoutError",
+    "RankDisagreementError",
     "RendezvousError",
     "barrier",
     "get_local_rank",
