@@ -215,3 +215,45 @@ def per_rank_paths_job(tmp: str):
 
 def test_per_rank_keys_may_differ(pool2, tmp_path):
     assert pool2.run(per_rank_paths_job, str(tmp_path), timeout=300.0) == ["trained"] * 2
+
+
+def zero_init_job(case: str):
+    """Builds rank r's model of ``case`` under zero.Init (each module's parameters are
+    broadcast from rank 0 as the module is built, before initialize() runs)."""
+    import deepspeed_cpp as deepspeed
+
+    net_kwargs, config = CASES[case][dist.get_rank()] if case in CASES else ({}, _config())
+    config = dict(config, zero_optimization={"stage": 3})
+    start = time.monotonic()
+    try:
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = Net(**net_kwargs)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+    except Exception as error:  # noqa: BLE001 - returned to the test
+        return ("raised", type(error).__name__, str(error), time.monotonic() - start)
+    try:
+        return ("trained", _train(engine, 2), None)
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("hidden_size", ["parameter #0", "'weight' shape [33, 8]", "'weight' shape [32, 8]"]),
+        ("registration_order", ["parameter #0", "'weight' shape [32, 8]", "shape [4, 32]"]),
+        ("precision", ["parameter #0", "float32", "bfloat16"]),
+    ],
+)
+def test_zero_init_disagreement_raises_on_every_rank_instead_of_aborting(pool2, case, expected):
+    # Without the agreement gloo aborts the process: "Received data size doesn't match".
+    for rank, (what, error_type, message, seconds) in enumerate(
+        pool2.run(zero_init_job, case, timeout=JOB_TIMEOUT)
+    ):
+        assert (what, error_type) == ("raised", "RankDisagreementError"), (rank, message)
+        assert "in zero.Init, partitioning the parameters of a Linear" in message, message
+        for text in expected:
+            assert text in message, (rank, text, message)
+        assert seconds < ERROR_WITHIN_S, (rank, seconds)
+    after = pool2.run(zero_init_job, "agree", timeout=JOB_TIMEOUT)
+    assert [outcome[0] for outcome in after] == ["trained", "trained"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,15 +32,18 @@ class RankDisagreementError(RuntimeError):
 
 
 def agree_on_entries(
-    entries: list[tuple[str, str]],
+    entries: list[tuple[str, object]],
     *,
     what: str,
     advice: str,
+    readable: Callable[[list], list[tuple[str, str]]] | None = None,
     device: torch.device | None = None,
     group=None,
 ) -> None:
     """Returns when every rank of ``group`` passed the same ``entries``; else raises
-    ``RankDisagreementError`` on every rank. Collective. ``what`` names the moment ("at
+    ``RankDisagreementError`` on every rank. Collective. Values are text or JSON-able plain
+    data; ``readable(entries)`` (only called on a mismatch) gives them as text, and a
+    parameter's text starts with its quoted name. ``what`` names the moment ("at
     deepspeed_cpp.initialize()"), ``advice`` what must hold. ``device`` holds the digest where
     the backend takes no host tensors (NCCL); gloo's digest stays on the host.
 
@@ -58,8 +62,9 @@ def agree_on_entries(
     if all(torch.equal(other, digests[0]) for other in digests[1:]):
         return
     descriptions: list = [None] * world_size
+    texts = readable(entries) if readable is not None else entries
     with named_collective(f"all_gather of the set-up descriptions {what} (rank agreement)"):
-        dist.all_gather_object(descriptions, entries, group=group)
+        dist.all_gather_object(descriptions, texts, group=group)
     raise RankDisagreementError(describe_disagreement(descriptions, what, advice))
 
 

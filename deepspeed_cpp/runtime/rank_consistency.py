@@ -71,7 +71,12 @@ def check_ranks_agree(
         lr_scheduler=lr_scheduler,
     )
     agree_on_entries(
-        entries, what=_WHAT, advice=_ADVICE, device=_collective_device(args), group=group
+        entries,
+        what=_WHAT,
+        advice=_ADVICE,
+        readable=readable_entries,
+        device=_collective_device(args),
+        group=group,
     )
 
 
@@ -90,17 +95,22 @@ def report_setup_failure(error: BaseException, *, args=None, group=None) -> None
 
 def describe_setup(
     config, model, *, optimizer=None, model_parameters=None, lr_scheduler=None
-) -> list[tuple[str, str]]:
-    """This rank's set-up as ordered ``(key, value)`` text entries (what ``check_ranks_agree``
-    compares)."""
+) -> list[tuple[str, object]]:
+    """This rank's set-up as ordered ``(key, value)`` entries (what ``check_ranks_agree``
+    compares). Values are text, except parameters' and buffers' (plain tuples, formatted by
+    ``readable_entries`` only when an error needs them: formatting hundreds of them would cost
+    more than the whole agreement)."""
     entries = [(f"config {path}", value) for path, value in _config_entries(config)]
-    names = _parameter_names(model)
     entries += _model_entries(model)
-    if optimizer is not None:
-        entries += _optimizer_entries(optimizer, names)
+    groups = None
     if isinstance(model_parameters, (list, tuple)) and model_parameters:
         if all(isinstance(item, dict) for item in model_parameters):
-            entries += _group_entries("model_parameters", model_parameters, names)
+            groups = model_parameters
+    names = _parameter_names(model) if optimizer is not None or groups else {}
+    if optimizer is not None:
+        entries += _optimizer_entries(optimizer, names)
+    if groups:
+        entries += _group_entries("model_parameters", groups, names)
     if lr_scheduler is not None:
         entries.append(("lr_scheduler passed to initialize()", _type_name(lr_scheduler)))
     return entries
@@ -129,34 +139,63 @@ def _is_per_rank(path: str) -> bool:
     return any(".".join(parts[: i + 1]) in PER_RANK_CONFIG_KEYS for i in range(len(parts)))
 
 
-def _model_entries(model) -> list[tuple[str, str]]:
+def _model_entries(model) -> list[tuple[str, object]]:
     if not isinstance(model, torch.nn.Module):
         return [("model", _type_name(model))]
-    entries = [("model class", _type_name(model))]
-    params = list(model.named_parameters())
-    buffers = list(model.named_buffers())
-    entries.append(("number of parameters", str(len(params))))
-    entries += [
-        (f"parameter #{index}", _describe_parameter(name, param))
-        for index, (name, param) in enumerate(params)
+    params, buffers = _tensor_facts(model)
+    return [
+        ("model class", _type_name(model)),
+        ("number of parameters", str(len(params))),
+        *((f"parameter #{index}", facts) for index, facts in enumerate(params)),
+        ("number of buffers", str(len(buffers))),
+        *((f"buffer #{index}", facts) for index, facts in enumerate(buffers)),
     ]
-    entries.append(("number of buffers", str(len(buffers))))
-    entries += [
-        (f"buffer #{index}", f"'{name}' shape {list(buffer.shape)}, {_dtype(buffer.dtype)}")
-        for index, (name, buffer) in enumerate(buffers)
-    ]
-    return entries
 
 
-def _describe_parameter(name: str, param: torch.Tensor) -> str:
-    # A ZeRO-3 parameter (built under zero.Init) holds an empty tensor: its whole shape is
-    # ds_shape and its dtype is its shard's.
-    shape = getattr(param, "ds_shape", None) or tuple(param.shape)
-    dtype = param.ds_tensor.dtype if hasattr(param, "ds_tensor") else param.dtype
-    text = f"'{name}' shape {list(shape)}, {_dtype(dtype)}"
-    text += ", trainable" if param.requires_grad else ", frozen"
-    if getattr(param, "allreduce", True) is False:
-        text += f", expert group {getattr(param, 'group_name', None)}"
+def _tensor_facts(model: torch.nn.Module) -> tuple[list[tuple], list[tuple]]:
+    """Facts of every parameter and buffer, in ``named_parameters()``/``named_buffers()``
+    order (each tensor once), from one walk over the modules instead of two."""
+    params, buffers, seen = [], [], set()
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                params.append(_parameter_facts(dot + name, param))
+        for name, buffer in module._buffers.items():
+            if buffer is not None and id(buffer) not in seen:
+                seen.add(id(buffer))
+                buffers.append((dot + name, tuple(buffer.shape), _dtype(buffer.dtype)))
+    return params, buffers
+
+
+def _parameter_facts(name: str, param: torch.Tensor) -> tuple:
+    """(name, shape, dtype, requires_grad, expert group or None). A ZeRO-3 parameter (built
+    under zero.Init) holds an empty tensor: its whole shape is ds_shape, its dtype its shard's.
+    The attributes are read from ``__dict__``: a missing one costs an exception in getattr."""
+    own = param.__dict__
+    shape = own.get("ds_shape") or tuple(param.shape)
+    dtype = own["ds_tensor"].dtype if "ds_tensor" in own else param.dtype
+    expert = own.get("group_name") if own.get("allreduce", True) is False else None
+    return (name, shape, _dtype(dtype), param.requires_grad, expert)
+
+
+def readable_entries(entries: list[tuple[str, object]]) -> list[tuple[str, str]]:
+    """The entries with parameters' and buffers' facts as text: ``'name' shape [33, 8],
+    float32, trainable``."""
+    return [(key, _readable(value)) for key, value in entries]
+
+
+def _readable(value) -> str:
+    if not isinstance(value, (tuple, list)):
+        return str(value)
+    name, shape, dtype, *rest = value
+    text = f"'{name}' shape {list(shape)}, {dtype}"
+    if rest:
+        requires_grad, expert = rest
+        text += ", trainable" if requires_grad else ", frozen"
+        if expert is not None:
+            text += f", expert group {expert}"
     return text
 
 

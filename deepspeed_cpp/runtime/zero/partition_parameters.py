@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
+from ...comm.entry_agreement import agree_on_entries
 from .shard_gather import backend_for, launch_all_gather
 
 SHARD_ALIGNMENT = 16  # elements; the bucket planner pads with the same multiple
@@ -399,15 +400,43 @@ class Init:
                 self._partition_own(submodule)
 
     def _partition_own(self, module: torch.nn.Module) -> None:
-        for param in module.parameters(recurse=False):
-            if not is_zero_param(param):
-                partition_parameter(
-                    param,
-                    self.group,
-                    persist=param.numel() <= self.persistence_threshold,
-                    dtype=self.dtype if param.is_floating_point() else None,
-                    device=self.device,
-                )
+        own = [
+            (name, param)
+            for name, param in module.named_parameters(recurse=False)
+            if not is_zero_param(param)
+        ]
+        if not own:
+            return
+        self._agree_on_module(module, own)
+        for _, param in own:
+            partition_parameter(
+                param,
+                self.group,
+                persist=param.numel() <= self.persistence_threshold,
+                dtype=self.dtype if param.is_floating_point() else None,
+                device=self.device,
+            )
+
+    def _agree_on_module(self, module: torch.nn.Module, own: list) -> None:
+        """Each parameter is broadcast from rank 0 as it is partitioned: a rank whose module
+        differs (a layer 33 wide instead of 32, another dtype, modules built in another order)
+        would make gloo abort the process. The ranks agree on the module's parameters first
+        (one 32-byte all-gather per module; initialize() checks the rest of the set-up)."""
+        entries = [("module", type(module).__qualname__), ("parameters", str(len(own)))]
+        for index, (name, param) in enumerate(own):
+            dtype = self.dtype if self.dtype is not None and param.is_floating_point() else None
+            dtype = str(dtype or param.dtype).removeprefix("torch.")
+            persist = "persistent" if param.numel() <= self.persistence_threshold else "sharded"
+            entries.append(
+                (f"parameter #{index}", f"'{name}' shape {list(param.shape)}, {dtype}, {persist}")
+            )
+        agree_on_entries(
+            entries,
+            what=f"in zero.Init, partitioning the parameters of a {type(module).__qualname__}",
+            advice="every rank must build the same modules, in the same order, under zero.Init",
+            device=self.device,
+            group=self.group,
+        )
 
     def _wrap(self, cls: type) -> None:
         original = cls.__dict__.get("__init__")
