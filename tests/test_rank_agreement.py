@@ -257,3 +257,51 @@ def test_zero_init_disagreement_raises_on_every_rank_instead_of_aborting(pool2, 
         assert seconds < ERROR_WITHIN_S, (rank, seconds)
     after = pool2.run(zero_init_job, "agree", timeout=JOB_TIMEOUT)
     assert [outcome[0] for outcome in after] == ["trained", "trained"]
+
+
+class MoENet(torch.nn.Module):
+    def __init__(self, num_experts: int):
+        from deepspeed_cpp.moe.layer import MoE
+
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.moe = MoE(8, torch.nn.Linear(8, 8), num_experts=num_experts, ep_size=2, k=1)
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        hidden, l_aux, _ = self.moe(torch.tanh(self.inp(x)))
+        return self.out(hidden), l_aux
+
+
+def expert_parallel_job(experts_on_rank1: int):
+    """ep_size=2: each rank holds other experts (other values, same local names and shapes)."""
+    import deepspeed_cpp as deepspeed
+
+    rank = dist.get_rank()
+    torch.manual_seed(7 + rank)  # the experts of the two ranks differ, as they may
+    model = MoENet(experts_on_rank1 if rank == 1 else 2)
+    try:
+        engine, *_ = deepspeed.initialize(
+            model=model, config=_config(zero_optimization={"stage": 2})
+        )
+    except Exception as error:  # noqa: BLE001 - returned to the test
+        return ("raised", type(error).__name__, str(error))
+    try:
+        for _ in range(2):
+            out, l_aux = engine(torch.randn(4, 8))
+            engine.backward(out.square().mean() + 0.01 * l_aux)
+            engine.step()
+        return ("trained", "", "")
+    finally:
+        engine.destroy()
+
+
+def test_expert_parallel_ranks_agree_on_expert_shapes_not_values(pool2):
+    assert [o[0] for o in pool2.run(expert_parallel_job, 2, timeout=JOB_TIMEOUT)] == ["trained"] * 2
+    # 4 experts on rank 1 (2 per expert-parallel rank) against 2 on rank 0 (1 each).
+    for what, error_type, message in pool2.run(expert_parallel_job, 4, timeout=JOB_TIMEOUT):
+        assert (what, error_type) == ("raised", "RankDisagreementError"), message
+        assert "number of parameters: rank 0: 7; rank 1: 9" in message, message
+        # The gate comes first in registration order: one row per expert.
+        assert "'moe.deepspeed_moe.gate.wg.weight' shape [2, 8]" in message, message
+        assert "'moe.deepspeed_moe.gate.wg.weight' shape [4, 8]" in message, message
