@@ -305,3 +305,57 @@ def test_expert_parallel_ranks_agree_on_expert_shapes_not_values(pool2):
         # The gate comes first in registration order: one row per expert.
         assert "'moe.deepspeed_moe.gate.wg.weight' shape [2, 8]" in message, message
         assert "'moe.deepspeed_moe.gate.wg.weight' shape [4, 8]" in message, message
+
+
+def moe_ep_size_job(ep_size_on_rank1: int):
+    """Expert groups are made (collectively) when the MoE layer is built, before initialize()."""
+    from deepspeed_cpp.moe.layer import MoE
+    from deepspeed_cpp.utils import groups
+
+    groups._reset_for_tests()
+    ep_size = ep_size_on_rank1 if dist.get_rank() == 1 else 2
+    start = time.monotonic()
+    try:
+        MoE(8, torch.nn.Linear(8, 8), num_experts=2, ep_size=ep_size)
+    except Exception as error:  # noqa: BLE001 - returned to the test
+        return (type(error).__name__, str(error), time.monotonic() - start)
+    return ("built", "", time.monotonic() - start)
+
+
+def test_moe_layers_of_another_ep_size_raise_on_every_rank_when_built(pool2):
+    assert [o[0] for o in pool2.run(moe_ep_size_job, 2, timeout=JOB_TIMEOUT)] == ["built"] * 2
+    for error_type, message, seconds in pool2.run(moe_ep_size_job, 1, timeout=JOB_TIMEOUT):
+        assert error_type == "RankDisagreementError", message
+        assert "creating the expert-parallel process groups" in message, message
+        assert "ep_size: rank 0: 2; rank 1: 1" in message, message
+        assert seconds < ERROR_WITHIN_S
+
+
+def zero_init_on_rank0_only_job():
+    """Rank 0 builds under zero.Init (its agreement per module), rank 1 goes to initialize():
+    the two agreements meet and must say that the ranks are at different points."""
+    import deepspeed_cpp as deepspeed
+
+    config = _config(zero_optimization={"stage": 3})
+    start = time.monotonic()
+    try:
+        if dist.get_rank() == 0:
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                model = Net()
+        else:
+            model = Net()
+        deepspeed.initialize(model=model, config=config)
+    except Exception as error:  # noqa: BLE001 - returned to the test
+        return (type(error).__name__, str(error), time.monotonic() - start)
+    return ("no error", "", 0.0)
+
+
+def test_ranks_at_different_set_up_steps_are_named(pool2):
+    for error_type, message, seconds in pool2.run(zero_init_on_rank0_only_job, timeout=JOB_TIMEOUT):
+        assert error_type == "RankDisagreementError", message
+        assert "ranks disagree on where they are" in message, message
+        assert "rank 0: in zero.Init, partitioning the parameters of a Linear" in message, message
+        assert "rank 1: at deepspeed_cpp.initialize()" in message, message
+        assert seconds < ERROR_WITHIN_S
+    after = pool2.run(initialize_job, "agree", timeout=JOB_TIMEOUT)
+    assert [outcome[0] for outcome in after] == ["trained", "trained"]

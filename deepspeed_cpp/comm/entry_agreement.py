@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .collective_errors import named_collective
 
 FAILED = "set-up failed"  # the key of a rank that could not describe itself (see below)
+_REACHED = "reached"  # the first entry: where the rank is; two agreements must not pair up
 _PLAIN_LINES_SHOWN = 10  # differing plain keys named in one error
 _ITEM_PREFIXES = ("parameter #", "buffer #")  # entries of a sequence: one change shifts many
 
@@ -52,6 +53,9 @@ def agree_on_entries(
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return
+    # Every agreement is the same all-gather: a rank at another agreement point (zero.Init on
+    # one rank, initialize() on the other) pairs with it, and must be told apart.
+    entries = [(_REACHED, what), *entries]
     encoded = json.dumps(entries).encode()
     digest = torch.frombuffer(bytearray(hashlib.sha256(encoded).digest()), dtype=torch.uint8)
     if not _takes_host_tensors(group) and device is not None:
@@ -62,7 +66,7 @@ def agree_on_entries(
     if all(torch.equal(other, digests[0]) for other in digests[1:]):
         return
     descriptions: list = [None] * world_size
-    texts = readable(entries) if readable is not None else entries
+    texts = [entries[0], *readable(entries[1:])] if readable is not None else entries
     with named_collective(f"all_gather of the set-up descriptions {what} (rank agreement)"):
         dist.all_gather_object(descriptions, texts, group=group)
     raise RankDisagreementError(describe_disagreement(descriptions, what, advice))
@@ -80,6 +84,12 @@ def describe_disagreement(descriptions: list[list], what: str, advice: str) -> s
     failed = [(r, d[FAILED]) for r, d in enumerate(per_rank) if FAILED in d]
     if failed:
         return "\n".join([header, *(f"  rank {r} could not set up: {text}" for r, text in failed)])
+    if len({d.get(_REACHED) for d in per_rank}) > 1:
+        line = _difference_line(_REACHED, per_rank)
+        return (
+            f"ranks disagree on where they are ({what}); every rank must build the same model "
+            f"and call the same set-up steps in the same order:\n{line}"
+        )
     keys = list(dict.fromkeys(key for entries in descriptions for key, _ in entries))
     differing = [key for key in keys if len({d.get(key) for d in per_rank}) > 1]
     items = [key for key in differing if key.startswith(_ITEM_PREFIXES)]

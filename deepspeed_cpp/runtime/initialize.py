@@ -48,6 +48,7 @@ def initialize(
             f"({args.deepspeed_config!r}); keep one"
         )
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    release_gil_at_exit()  # the engine's collectives must not abort the process at its exit
     # Before the engine's first collective, the ranks agree that they set up the same training
     # (rank_consistency.py); a rank whose config fails to load tells the others so.
     try:
@@ -63,7 +64,6 @@ def initialize(
         lr_scheduler=lr_scheduler,
         args=args,
     )
-    release_gil_at_exit()  # the engine's collectives must not abort the process at its exit
     engine = DeepSpeedEngine(
         args=args,
         model=model,
