@@ -12,7 +12,7 @@ module, then the module's broadcasts launched together).
 
 Seen on a busy 2-core machine (3 other developers' builds and tests beside it), 302 parameters:
 the check 1.8-4.1 ms, 0.13-0.91% of initialize() (0.45-2.3 s); zero.Init +21..36% at width 128
-(5M parameters, latency-bound), -13..-31% at width 512 (79M parameters).
+(5M parameters, latency-bound); at width 512 (79M parameters) no slower: -31% in one run.
 
     python benchmarks/bench_rank_agreement.py [--procs 2] [--layers 25] [--width 128]
                                               [--repeats 5]
