@@ -15,6 +15,7 @@ _LAZY = {
     "initialize": ".runtime.initialize",
     "add_config_arguments": ".runtime.initialize",
     "DeepSpeedEngine": ".runtime.engine",
+    "RankDisagreementError": ".comm",
     "init_distributed": ".comm",
     "OnDevice": ".utils.init_on_device",
     "version": ".git_version_info",
@@ -41,6 +42,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "DeepSpeedEngine",
     "OnDevice",
+    "RankDisagreementError",
     "__version__",
     "add_config_arguments",
     "comm",

@@ -86,7 +86,8 @@ def test_each_engine_collective_is_named(tmp_path):
     timeout_s = 4
     errors = _run_scenarios(tmp_path, 2, timeout_s)
     expected = {
-        "initialize": "broadcast of the initial weights in initialize() (tensor 0 of ",
+        # initialize()'s first collective: the ranks' agreement on their set-up.
+        "initialize": "all_gather of the set-up digests at deepspeed_cpp.initialize() ",
         "zero3_gather": "all_gather (fetch) of ZeRO-3 parameter ",
         "moe_all_to_all": "all_to_all of MoE tokens (shape [",
     }

@@ -31,11 +31,13 @@ from .distributed import (
     init_distributed,
     is_initialized,
 )
+from .entry_agreement import RankDisagreementError
 from .rendezvous import RendezvousError
 
 __all__ = [
     "CollectiveTimeoutError",
     "ReduceOp",
+    "RankDisagreementError",
     "RendezvousError",
     "all_gather",
     "all_gather_into_tensor",

@@ -10,6 +10,7 @@ from ..comm import init_distributed
 from ..comm.exit_grace import release_gil_at_exit
 from .config import DeepSpeedConfig
 from .engine import DeepSpeedEngine
+from .rank_consistency import check_ranks_agree, report_setup_failure
 
 
 def initialize(
@@ -47,8 +48,22 @@ def initialize(
             f"({args.deepspeed_config!r}); keep one"
         )
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    ds_config = DeepSpeedConfig.load(config=config, args=args, world_size=dist.get_world_size())
     release_gil_at_exit()  # the engine's collectives must not abort the process at its exit
+    # Before the engine's first collective, the ranks agree that they set up the same training
+    # (rank_consistency.py); a rank whose config fails to load tells the others so.
+    try:
+        ds_config = DeepSpeedConfig.load(config=config, args=args, world_size=dist.get_world_size())
+    except Exception as error:
+        report_setup_failure(error, args=args)
+        raise
+    check_ranks_agree(
+        ds_config,
+        model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        args=args,
+    )
     engine = DeepSpeedEngine(
         args=args,
         model=model,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..comm.collective_errors import new_group
+from ..comm.entry_agreement import agree_on_entries
 from .logging import logger
 
 # Group objects this rank belongs to, by name ("ep_size_<n>").
@@ -67,6 +68,8 @@ def _create_expert_and_data_parallel(
     name = expert_group_name(expert_parallel_size_)
     ep = expert_parallel_size_
     dp = world_size // ep  # copies of each expert
+    if name not in _EXPERT_DATA_PARALLEL_GROUP or name not in _EXPERT_PARALLEL_GROUP:
+        _agree_on_layout(ep, use_data_before_expert_parallel_)
     if name not in _EXPERT_DATA_PARALLEL_GROUP:
         for i in range(ep):
             if use_data_before_expert_parallel_:
@@ -87,6 +90,23 @@ def _create_expert_and_data_parallel(
             if rank in ranks:
                 _EXPERT_PARALLEL_GROUP[name] = group
                 logger.info("deepspeed_cpp: expert-parallel group %s: ranks %s", name, ranks)
+
+
+def _agree_on_layout(ep_size: int, use_data_before_expert_parallel_: bool) -> None:
+    """``new_group`` is collective: ranks making groups of other sizes or layouts (an MoE
+    layer with another ep_size on one rank) would pair mismatched rank lists or wait forever.
+    They agree first, and every rank raises RankDisagreementError naming the values."""
+    from ..accelerator import get_accelerator
+
+    agree_on_entries(
+        [
+            ("ep_size", str(ep_size)),
+            ("use_data_before_expert_parallel_", str(bool(use_data_before_expert_parallel_))),
+        ],
+        what="creating the expert-parallel process groups (MoE layer construction)",
+        advice="every rank must build the same MoE layers",
+        device=get_accelerator().current_device_name(),
+    )
 
 
 def _lookup(groups: dict, name: str, kind: str):

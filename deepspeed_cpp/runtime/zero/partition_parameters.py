@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
+from ...comm.entry_agreement import agree_on_entries
 from .shard_gather import backend_for, launch_all_gather
 
 SHARD_ALIGNMENT = 16  # elements; the bucket planner pads with the same multiple
@@ -74,16 +75,19 @@ def partition_parameter(
     persist: bool = False,
     dtype: torch.dtype | None = None,
     device: torch.device | None = None,
+    synced: torch.Tensor | None = None,
 ) -> None:
     """Makes a whole ``param`` a ZeRO-3 parameter: every rank takes rank 0's values (broadcast,
     so that all ranks agree whatever their random initialisation) and, unless ``persist``, keeps
-    only its shard. Transiently holds the whole parameter once."""
+    only its shard. Transiently holds the whole parameter once. ``synced``: the parameter's data
+    already cast, moved and broadcast by the caller (zero.Init broadcasts a module's parameters
+    together); ``dtype`` and ``device`` are then unused."""
     world, rank = _world(group)
     with torch.no_grad():
-        data = param.data
-        if device is not None or dtype is not None:
+        data = param.data if synced is None else synced
+        if synced is None and (device is not None or dtype is not None):
             data = data.to(device=device or data.device, dtype=dtype or data.dtype)
-        if world > 1:
+        if world > 1 and synced is None:
             data = data.contiguous()
             with named_collective(
                 lambda: (
@@ -399,15 +403,75 @@ class Init:
                 self._partition_own(submodule)
 
     def _partition_own(self, module: torch.nn.Module) -> None:
-        for param in module.parameters(recurse=False):
-            if not is_zero_param(param):
-                partition_parameter(
-                    param,
-                    self.group,
-                    persist=param.numel() <= self.persistence_threshold,
-                    dtype=self.dtype if param.is_floating_point() else None,
+        own = [
+            (name, param)
+            for name, param in module.named_parameters(recurse=False)
+            if not is_zero_param(param)
+        ]
+        if not own:
+            return
+        synced = [None] * len(own)
+        if _world(self.group)[0] > 1:
+            self._agree_on_module(module, own)
+            synced = self._broadcast_together(module, own)
+        for (_, param), data in zip(own, synced):
+            partition_parameter(
+                param,
+                self.group,
+                persist=param.numel() <= self.persistence_threshold,
+                dtype=self.dtype if param.is_floating_point() else None,
+                device=self.device,
+                synced=data,
+            )
+
+    def _broadcast_together(self, module: torch.nn.Module, own: list) -> list[torch.Tensor]:
+        """Rank 0's values of the module's own parameters (cast and moved as partitioning
+        wants them): every broadcast is launched before the first is waited for, so the module
+        costs about one round trip instead of one per parameter, which pays for the agreement's.
+        Holds the module's own parameters in their target dtype at once (a copy only where
+        they are cast or moved)."""
+        with torch.no_grad():
+            datas = [
+                param.data.to(
                     device=self.device,
-                )
+                    dtype=self.dtype if param.is_floating_point() else None,
+                ).contiguous()
+                for _, param in own
+            ]
+        owner = type(module).__qualname__
+        with named_collective(
+            lambda: (
+                f"broadcast from rank 0 of the {len(datas)} parameters of a {owner} being "
+                f"partitioned for ZeRO-3 (zero.Init)"
+            )
+        ):
+            works = [
+                dist.broadcast(data, group_src=0, group=self.group, async_op=True) for data in datas
+            ]
+            for work in works:
+                work.wait()
+        return datas
+
+    def _agree_on_module(self, module: torch.nn.Module, own: list) -> None:
+        """The module's parameters are broadcast from rank 0 as it is built: a rank whose module
+        differs (a layer 33 wide instead of 32, another dtype, modules built in another order)
+        would make gloo abort the process. The ranks agree on the module's parameters first
+        (one 32-byte all-gather per module; initialize() checks the rest of the set-up)."""
+        entries = [("module", type(module).__qualname__), ("parameters", str(len(own)))]
+        for index, (name, param) in enumerate(own):
+            dtype = self.dtype if self.dtype is not None and param.is_floating_point() else None
+            dtype = str(dtype or param.dtype).removeprefix("torch.")
+            persist = "persistent" if param.numel() <= self.persistence_threshold else "sharded"
+            entries.append(
+                (f"parameter #{index}", f"'{name}' shape {list(param.shape)}, {dtype}, {persist}")
+            )
+        agree_on_entries(
+            entries,
+            what=f"in zero.Init, partitioning the parameters of a {type(module).__qualname__}",
+            advice="every rank must build the same modules, in the same order, under zero.Init",
+            device=self.device,
+            group=self.group,
+        )
 
     def _wrap(self, cls: type) -> None:
         original = cls.__dict__.get("__init__")
