@@ -28,14 +28,20 @@ depend only on the sequence of uses, so ranks that run the same modules in the s
 the same gathers.
 
 Ranks that do not (a data-dependent branch taken on some ranks only) would pair one rank's
-gather with another's and hang or mix up parameters. So every use is agreed first: each rank
-contributes the unit it is about to use to a one-integer-per-rank all-gather, and at the end of a
-pass an "end" marker. When the ranks disagree, every rank raises an error naming the module each
-rank was about to run. A rank launches gathers only after the check agreed, so the gathers are
-issued in the same order everywhere. The checks and the gathers run on two process groups of
-their own (the same ranks): gathers are never interleaved with the gradient reductions that
-autograd hooks launch on the engine's group and do not queue behind them, and a check does not
-queue behind the broadcasts of a prefetch (on gloo that made each check cost milliseconds).
+gather with another's and hang or mix up parameters. So the uses are agreed before any gather is
+launched: each rank keeps a digest of the uses since the last check, and whenever a use makes it
+launch gathers (and at the end of a pass) it all-gathers (unit about to be used, number of uses,
+digest), a few integers per rank. Gathers are launched only where the use history up to then
+agreed, so they are issued in the same order everywhere; a use that launches nothing (its unit is
+held or was prefetched) needs no collective of its own, its agreement rides with the next check.
+Both ranks of a disagreement reach a check (every pass ends with one), so they raise at the same
+check, each naming the module each rank was about to run. With a recorded order, a pass's
+prefetches are launched at few uses, so a pass costs a few checks, not one per use.
+
+Each unit (``unit.py``) is gathered with one all-gather of its parameters' shards. The checks
+and the gathers run on two process groups of their own (the same ranks): gathers are never
+interleaved with the gradient reductions that autograd hooks launch on the engine's group and do
+not queue behind them, and a check does not queue behind a prefetch's gathers.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from ...ops.zero import make_fetch_schedule
 from ...utils.logging import logger
 from ...utils.z3_leaf_modules import LEAF_PARAMETER_ATTRIBUTE, z3_leaf_module
 from . import partition_parameters as pp
+from .unit import ZeroUnit
 
 
 class ParameterCoordinator:
@@ -69,7 +76,7 @@ class ParameterCoordinator:
         # host must not wait for a device stream.
         self.check_group = new_group(ranks, backend="gloo") if self.world_size > 1 else None
         self.unit_of_module: dict[int, int] = {}
-        self.units: list[list[torch.nn.Parameter]] = []
+        self.units: list[ZeroUnit] = []
         self.unit_names: list[str] = []
         # Modules inside a leaf's subtree (z3_leaf_module): no unit, no hooks of their own.
         self._inside_leaf: set[int] = set()
@@ -90,16 +97,13 @@ class ParameterCoordinator:
                         params[id(param)] = param
             if params:
                 self.unit_of_module[id(submodule)] = len(self.units)
-                self.units.append(list(params.values()))
+                self.units.append(ZeroUnit(list(params.values()), name or "<root>"))
                 self.unit_names.append(name or "<root>")
                 if leaf:
                     for param in params.values():
                         setattr(param, LEAF_PARAMETER_ATTRIBUTE, submodule)
         self.schedule = make_fetch_schedule(
-            [
-                sum(pp.padded_numel(p.ds_numel, self.world_size) for p in unit)
-                for unit in self.units
-            ],
+            [unit.padded_numel(self.world_size) for unit in self.units],
             prefetch_bucket_size=int(prefetch_bucket_size),
             max_live_parameters=int(max_live_parameters),
             max_reuse_distance=int(max_reuse_distance),
@@ -113,6 +117,8 @@ class ParameterCoordinator:
                 self._units_of_param.setdefault(id(param), []).append(index)
         self._pass_open = False
         self._pending = None  # (agreement in flight, gathers to launch once it succeeds)
+        self._uses_unchecked = 0  # uses since the last check, and their digest
+        self._digest = 0
         self._logged_divergence = 0
         self._hooks = []
         # A destroyed engine's guards would refuse every forward of this new one.
@@ -208,9 +214,10 @@ class ParameterCoordinator:
         are points every rank reaches in the same order, so the gathers interleave with the
         gradient reductions identically on every rank (NCCL needs that across groups)."""
         self._settle()
-        check = self._start_check(unit)
+        self._record_use(unit)
         launches = self.schedule.on_use(unit)
-        self._pending = (check, launches)
+        if launches:
+            self._pending = (self._start_check(unit), launches)
         if unit in launches:
             self._settle()
         if self.schedule.diverged() and self._logged_divergence < self.schedule.divergences():
@@ -221,8 +228,7 @@ class ParameterCoordinator:
                     "recorded pass (at %s); fetching on demand and recording again",
                     self.unit_names[unit],
                 )
-        for param in self.units[unit]:
-            pp.wait_gather(param)
+        self.units[unit].wait()
 
     def _settle(self) -> None:
         """Waits for the pending agreement and launches the gathers decided with it."""
@@ -233,8 +239,7 @@ class ParameterCoordinator:
         self._finish_check(check)
         for gathered in launches:
             self._held[gathered] = True
-            for param in self.units[gathered]:
-                pp.launch_gather(param, self.fetch_group)
+            self.units[gathered].unshard(self.fetch_group)
 
     def done(self, unit: int) -> None:
         self._settle()
@@ -243,18 +248,26 @@ class ParameterCoordinator:
 
     def _release(self, unit: int) -> None:
         self._held[unit] = False
-        for param in self.units[unit]:
-            pp.release(param)
+        self.units[unit].reshard()
 
     _END = -1
 
+    _DIGEST_MODULUS = (1 << 61) - 1  # a prime: uses in another order give another digest
+
+    def _record_use(self, unit: int) -> None:
+        self._uses_unchecked += 1
+        self._digest = (self._digest * 1_000_003 + unit + 2) % self._DIGEST_MODULUS
+
     def _start_check(self, unit: int):
-        """Starts agreeing that every rank is about to use ``unit`` (``_END``: ends the pass):
-        a one-integer-per-rank all-gather; ``_finish_check`` raises on every rank if not."""
+        """Starts agreeing that every rank made the same uses since the last check and is about
+        to use ``unit`` (``_END``: ends the pass): a three-integers-per-rank all-gather;
+        ``_finish_check`` raises on every rank if not."""
+        mine = torch.tensor([unit, self._uses_unchecked, self._digest], dtype=torch.int64)
+        self._uses_unchecked = 0
+        self._digest = 0
         if self.check_group is None:
             return None
-        mine = torch.tensor([unit], dtype=torch.int64)
-        every = torch.empty(self.world_size, dtype=torch.int64)
+        every = torch.empty(3 * self.world_size, dtype=torch.int64)
         work = dist.all_gather_into_tensor(every, mine, group=self.check_group, async_op=True)
         return work, every
 
@@ -264,9 +277,10 @@ class ParameterCoordinator:
         work, every = check
         with named_collective("all_gather of the ZeRO-3 unit check"):
             work.wait()
-        uses = every.tolist()
-        if len(set(uses)) == 1:
+        rows = every.view(self.world_size, 3).tolist()
+        if all(row == rows[0] for row in rows):
             return
+        uses = [row[0] for row in rows]
         described = ", ".join(
             f"rank {r}: {'end of the pass' if u == self._END else repr(self.unit_names[u])}"
             for r, u in enumerate(uses)

@@ -131,6 +131,13 @@ def launch_gather(param: torch.nn.Parameter, group=None) -> None:
     """Starts gathering ``param`` (and counts one more holder) over ``group`` (default: the
     group it was partitioned over, or another of the same ranks); a parameter already whole or
     in flight is only counted. Every rank must launch the same gathers in the same order."""
+    if claim(param):
+        start_gather(param, group)
+
+
+def claim(param: torch.nn.Parameter) -> bool:
+    """Counts one more holder of ``param``; True when it must be gathered (only its shard is
+    here), False when it is persistent, whole or already in flight."""
     if param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.data.numel() != 0:
         raise RuntimeError(
             f"ZeRO-3 parameter {describe(param)} was given new "
@@ -138,12 +145,16 @@ def launch_gather(param: torch.nn.Parameter, group=None) -> None:
             f"parameter inside deepspeed_cpp.zero.GatheredParameters(..., modifier_rank=...)"
         )
     param.ds_active += 1
-    if param.ds_persist or param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-        return
+    return not param.ds_persist and param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+
+
+def start_gather(param: torch.nn.Parameter, group=None) -> None:
+    """Launches the gather of a claimed ``param`` on its own (``unit.py`` gathers several in
+    one collective)."""
     group = group if group is not None else param.ds_group
     world, rank = _world(group)
     shard = param.ds_tensor
-    full = _whole_buffer(param, shard.numel() * world)
+    full = whole_buffer(param, shard.numel() * world)
     home = getattr(param, "ds_home", None)
     if home is not None:  # offloaded: the shard comes from the host or NVMe into its place
         own = full.narrow(0, rank * shard.numel(), shard.numel())
@@ -162,6 +173,9 @@ def launch_gather(param: torch.nn.Parameter, group=None) -> None:
 def wait_gather(param: torch.nn.Parameter) -> None:
     """Waits for ``param``'s gather, after which it is whole (views the gathered flat tensor)."""
     if param.ds_status != ZeroParamStatus.INFLIGHT:
+        return
+    if hasattr(param.ds_works, "finish"):  # one gather of several parameters (unit.py)
+        param.ds_works.finish()
         return
     full, works = param.ds_works
     with named_collective(lambda: f"all_gather (fetch) of ZeRO-3 parameter {describe(param)}"):
@@ -187,7 +201,7 @@ def release(param: torch.nn.Parameter) -> None:
             f"{list(param.ds_shape)}, it is {list(param.data.shape)}; a partitioned parameter's "
             f"shape is fixed (re-create it under zero.Init to change it)"
         )
-    param.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=_device_of(param))
+    param.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=device_of(param))
     # Autograd keeps views of the whole parameter that the forward made (a linear layer saves
     # weight.t()), which would keep every gathered tensor alive until the backward; emptying
     # the storage frees the memory now, and the next gather refills the same storage, so those
@@ -196,11 +210,11 @@ def release(param: torch.nn.Parameter) -> None:
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
-def _whole_buffer(param: torch.nn.Parameter, numel: int) -> torch.Tensor:
+def whole_buffer(param: torch.nn.Parameter, numel: int) -> torch.Tensor:
     """The parameter's flat, padded whole tensor: one storage for its lifetime, emptied between
     uses (see ``release``)."""
     whole = getattr(param, "ds_whole", None)
-    dtype, device = param.ds_tensor.dtype, _device_of(param)
+    dtype, device = param.ds_tensor.dtype, device_of(param)
     if whole is None or whole.dtype != dtype or whole.device != device:
         whole = torch.empty(numel, dtype=dtype, device=device)
         param.ds_whole = whole
@@ -253,7 +267,7 @@ def store_shard(param: torch.nn.Parameter, values: torch.Tensor) -> None:
             home.store(param, values)
 
 
-def _device_of(param: torch.nn.Parameter) -> torch.device:
+def device_of(param: torch.nn.Parameter) -> torch.device:
     """The device ``param`` is used on (its shard may live on the host or NVMe)."""
     home = getattr(param, "ds_home", None)
     return param.ds_tensor.device if home is None else home.device

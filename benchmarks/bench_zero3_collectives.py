@@ -1,0 +1,163 @@
+"""Collectives per training step of ZeRO-3: deepspeed_cpp's against FSDP2 on the same model.
+
+A collective is counted by every process group's own sequence number (C++ and Python collectives
+alike, whatever group issued them), before and after a step, so the count includes the
+coordinator's gathers and use checks, the reducer's reduce-scatters and any broadcast a gather
+is built from. Two models, 2 gloo processes by default:
+
+- ``encoder``: a 6-layer ``nn.TransformerEncoder`` (width 64) and a linear head (74 parameters);
+- ``deep``: 48 blocks of ``Linear(256, 256)`` + ``LayerNorm(256)`` (biases and norms: many small
+  parameters, a latency-bound model).
+
+FSDP2 wraps each layer/block and the root (``fully_shard``). Our ZeRO-3 runs with
+``stage3_param_persistence_threshold`` 0 (every parameter partitioned, the worst case for a
+per-parameter design) unless ``--persistence`` is given.
+
+    python benchmarks/bench_zero3_collectives.py [--procs 2] [--steps 5] [--models encoder deep]
+
+"Before" is the same script with another checkout's package first on the path
+(``PYTHONPATH=/path/to/other/checkout``). Measured 2026-11-27, 2 gloo ranks on the shared 2-core
+dev machine, 8 steps (step times are noisy there: other jobs share the cores):
+
+    model    implementation             units  collectives/step  step ms
+    encoder  ours, per parameter (main)    37               298    931
+    encoder  ours, units (i27-units)       37               114   1733
+    encoder  FSDP2                          7                20     86
+    deep     ours, per parameter (main)    97               778    490
+    deep     ours, units (i27-units)       97               294    463
+    deep     FSDP2                         49               146    740
+
+Of ours' 114 on the encoder, 74 are still the per-parameter gradient reductions (``unit.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gloo_ranks import run_on_ranks  # noqa: E402
+
+OURS3 = "deepspeed_cpp ZeRO-3"
+FSDP2 = "FSDP2 (fully_shard per layer)"
+
+
+def make_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "encoder":
+        layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        body = torch.nn.TransformerEncoder(layer, 6, enable_nested_tensor=False)
+        return torch.nn.Sequential(body, torch.nn.Linear(64, 8))
+    if name == "deep":
+        blocks = [
+            torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256), torch.nn.GELU())
+            for _ in range(48)
+        ]
+        return torch.nn.Sequential(*blocks, torch.nn.Linear(256, 8))
+    raise ValueError(f"unknown model {name!r}")
+
+
+def make_input(name: str, generator: torch.Generator) -> torch.Tensor:
+    if name == "encoder":
+        return torch.randn(4, 16, 64, generator=generator)
+    return torch.randn(32, 256, generator=generator)
+
+
+def layers_of(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
+    if name == "encoder":
+        return list(model[0].layers)
+    return list(model)[:-1]
+
+
+def collectives_so_far() -> int:
+    """The sum of every live process group's sequence number."""
+    total = 0
+    for group in list(dist.distributed_c10d._world.pg_map):
+        try:
+            total += int(group._get_sequence_number_for_group())
+        except RuntimeError:
+            pass
+    return total
+
+
+def build(kind: str, model_name: str, persistence: int):
+    """(step function, closer) of one implementation over a fresh model."""
+    model = make_model(model_name)
+    if kind == OURS3:
+        import deepspeed_cpp
+
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persistence},
+            "steps_per_print": 10**9,
+        }
+        engine, *_ = deepspeed_cpp.initialize(model=model, config=config)
+
+        def step(x):
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+
+        return step, engine.destroy, len(engine._zero_stage.coordinator.units)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers_of(model, model_name):
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(x):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, lambda: None, len(layers_of(model, model_name)) + 1
+
+
+def worker(rank: int, args) -> list:
+    rows = []
+    generator = torch.Generator().manual_seed(rank)
+    for model_name in args.models:
+        for kind in (OURS3, FSDP2):
+            step, close, units = build(kind, model_name, args.persistence)
+            counts, times = [], []
+            for index in range(args.warmup + args.steps):
+                x = make_input(model_name, generator)
+                dist.barrier()
+                before = collectives_so_far()
+                start = time.perf_counter()
+                step(x)
+                elapsed = time.perf_counter() - start
+                after = collectives_so_far()
+                if index >= args.warmup:
+                    counts.append(after - before)
+                    times.append(elapsed)
+            close()
+            rows.append((model_name, kind, units, max(counts), statistics.median(times)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--persistence", type=int, default=0)
+    parser.add_argument("--models", nargs="+", default=["encoder", "deep"])
+    args = parser.parse_args()
+    rows = run_on_ranks(args.procs, worker, args)[0]
+    print(f"{args.procs} gloo processes; step = forward + backward + optimizer step")
+    print(f"{'model':8} {'implementation':32} {'units':>5} {'collectives/step':>16} {'step ms':>8}")
+    for model_name, kind, units, count, seconds in rows:
+        print(f"{model_name:8} {kind:32} {units:5d} {count:16d} {seconds * 1e3:8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""A ZeRO-3 fetch unit: the partitioned parameters one module (or a leaf module's subtree) needs,
+gathered with one collective instead of one per parameter.
+
+Every parameter keeps its own padded shard (``ds_tensor``: the layout the optimizer, offload homes
+and checkpoints rely on). ``unshard`` concatenates the unit's shards into one flat send buffer and
+all-gathers it once into one buffer laid out rank by rank; ``wait`` copies each parameter's
+pieces out of it into the parameter's whole tensor (``ds_whole``, whose storage is kept for the
+parameter's lifetime and emptied on release, so the views autograd saved stay valid) and frees
+the gathered buffer. A unit of one parameter gathers straight into its whole tensor, no copy.
+
+The copy-out is what FSDP2's ``FSDPParamGroup`` does too (per-parameter shards, one all-gather
+per group): it trades one memory pass over the unit for one collective per unit, and on every
+backend a collective's launch costs more than copying a module's parameters.
+
+A parameter that is already whole or in flight (tied to another unit, held by
+``GatheredParameters``) is only counted as held, not gathered again: every rank holds the same
+parameters at the same point of a pass (the coordinator agrees on the uses first), so every rank
+gathers the same set in the same order.
+
+Not yet per unit: gradients. ``Stage3Optimizer`` still reduces each partitioned parameter's
+gradient with a collective of its own (a bucket per parameter, whose rank-r slice is the
+parameter's shard); one reduce-scatter per unit needs the reducer to lay a unit's gradients out
+rank by rank (the layout ``unshard`` gathers), with the masters kept per parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...comm.collective_errors import named_collective
+from . import partition_parameters as pp
+
+
+class ZeroUnit:
+    """The partitioned parameters of one fetch unit (``name``: the module's, for messages)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], name: str):
+        self.params = params
+        self.name = name
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def padded_numel(self, world_size: int) -> int:
+        return sum(pp.padded_numel(p.ds_numel, world_size) for p in self.params)
+
+    def unshard(self, group) -> None:
+        """Starts gathering the unit's parameters (one collective per dtype among those not yet
+        whole; one in practice) and counts one more holder of each."""
+        world = dist.get_world_size(group) if group is not None else 1
+        todo: dict[tuple, list[torch.nn.Parameter]] = {}
+        for param in self.params:
+            if pp.claim(param):
+                key = (param.ds_tensor.dtype, pp.device_of(param))
+                todo.setdefault(key, []).append(param)
+        for params in todo.values():
+            if world == 1:
+                for param in params:
+                    pp.start_gather(param, group)
+            else:
+                _FlatGather(params, group, world).launch()
+
+    def wait(self) -> None:
+        """Waits for the unit's gathers: afterwards every parameter is whole."""
+        for param in self.params:
+            pp.wait_gather(param)
+
+    def reshard(self) -> None:
+        """Lets go of the unit's parameters (each freed when its last holder lets go)."""
+        for param in self.params:
+            pp.release(param)
+
+
+class _FlatGather:
+    """One all-gather of several parameters' shards; ``finish`` (reached through any of them,
+    ``pp.wait_gather``) makes all of them whole."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group, world: int):
+        self.params = params
+        self.group = group
+        self.world = world
+        self.sizes = [p.ds_tensor.numel() for p in params]
+        self.work = None
+        self.gathered = None
+
+    def launch(self) -> None:
+        rank = dist.get_rank(self.group)
+        first = self.params[0]
+        if len(self.params) == 1:  # straight into the parameter's whole tensor
+            size = self.sizes[0]
+            self.gathered = pp.whole_buffer(first, size * self.world)
+            send = self.gathered.narrow(0, rank * size, size)
+            _read_shard_into(first, send)
+        else:
+            total = sum(self.sizes)
+            dtype, device = first.ds_tensor.dtype, pp.device_of(first)
+            send = torch.empty(total, dtype=dtype, device=device)
+            for param, piece in zip(self.params, send.split(self.sizes)):
+                _read_shard_into(param, piece)
+            self.gathered = torch.empty(total * self.world, dtype=dtype, device=device)
+        self.work = dist.all_gather_into_tensor(
+            self.gathered, send, group=self.group, async_op=True
+        )
+        for param in self.params:
+            param.ds_works = self
+            param.ds_status = pp.ZeroParamStatus.INFLIGHT
+
+    def finish(self) -> None:
+        if self.work is None:
+            return
+        with named_collective(
+            lambda: f"all_gather (fetch) of ZeRO-3 parameters {pp.describe(self.params[0])}"
+            + (f" and {len(self.params) - 1} more" if len(self.params) > 1 else "")
+        ):
+            self.work.wait()
+        self.work = None
+        if len(self.params) == 1:
+            wholes = [self.gathered]
+        else:
+            rows = self.gathered.view(self.world, -1).split(self.sizes, dim=1)
+            wholes = []
+            for param, size, row in zip(self.params, self.sizes, rows):
+                whole = pp.whole_buffer(param, size * self.world)
+                whole.view(self.world, size).copy_(row)
+                wholes.append(whole)
+        self.gathered = None  # frees the rank-by-rank buffer
+        for param, whole in zip(self.params, wholes):
+            param.ds_works = None
+            param.data = whole.narrow(0, 0, param.ds_numel).view(param.ds_shape)
+            param.ds_status = pp.ZeroParamStatus.AVAILABLE
+
+
+def _read_shard_into(param: torch.nn.Parameter, destination: torch.Tensor) -> None:
+    home = getattr(param, "ds_home", None)
+    if home is not None:  # offloaded: read from the host or NVMe into place
+        home.read_into(param, destination)
+    else:
+        destination.copy_(param.ds_tensor)

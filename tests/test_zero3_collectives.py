@@ -1,0 +1,65 @@
+"""ZeRO-3 moves whole units: collectives per training step, counted by every process group's own
+sequence number (2 real gloo processes), stay within a bound set by the number of fetch units,
+not the number of parameters or uses."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+JOB_TIMEOUT = 180.0
+
+
+def _collectives(groups) -> int:
+    return sum(int(group._get_sequence_number_for_group()) for group in groups)
+
+
+def count_job(layers: int, steps: int):
+    import deepspeed_cpp as deepspeed
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = torch.nn.Sequential(
+        torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False),
+        torch.nn.Linear(32, 4),
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    try:
+        coordinator = engine._zero_stage.coordinator
+        fetching = [coordinator.fetch_group, coordinator.check_group]
+        everything = list(dist.distributed_c10d._world.pg_map)
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        counts = []
+        for _ in range(steps):
+            x = torch.randn(2, 8, 32, generator=generator)
+            before = (_collectives(fetching), _collectives(everything))
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+            after = (_collectives(fetching), _collectives(everything))
+            counts.append((after[0] - before[0], after[1] - before[1]))
+        partitioned = sum(1 for u in coordinator.units for _ in u)
+        return {"units": len(coordinator.units), "params": partitioned, "counts": counts}
+    finally:
+        engine.destroy()
+
+
+def test_gathers_and_checks_per_step_are_bounded_by_units(pool2):
+    first, second = pool2.run(count_job, 3, 3, timeout=JOB_TIMEOUT)
+    assert first["counts"] == second["counts"]  # every collective is paired across the ranks
+    units = first["units"]
+    recording, *traced = first["counts"]
+    # The first pass records the order and fetches on demand: one check per gather.
+    assert recording[0] <= 2 * (2 * units) + 4, (recording, first)
+    for fetching, total in traced:
+        # Then one gather per unit in the forward and at most one in the backward, and a few use
+        # checks: not one collective per parameter (x ranks on gloo) plus one per use, as before
+        # units.
+        assert fetching <= 2 * units + 4, (fetching, first)
+        # Gradients are still reduced one partitioned parameter at a time (see unit.py's note).
+        assert total <= 2 * units + first["params"] + 8, (total, first)
