@@ -28,6 +28,22 @@ import torch.distributed as dist
 from ...comm.collective_errors import named_collective
 from .shard_gather import backend_for, launch_all_gather
 
+# DeepSpeed's module-level names that transformers reads (and swaps) here while it builds a model
+# under a live stage-3 config; ``Init.__enter__`` looks the wrapper up in this module's globals.
+from .tensor_constructors import (  # noqa: F401  (re-exported under DeepSpeed's module path)
+    ORIGINAL_CONSTRUCTORS,
+    _orig_torch_arange,
+    _orig_torch_empty,
+    _orig_torch_eye,
+    _orig_torch_full,
+    _orig_torch_ones,
+    _orig_torch_randn,
+    _orig_torch_tensor,
+    _orig_torch_zeros,
+    get_accelerator,
+    zero_wrapper_for_fp_tensor_constructor,
+)
+
 SHARD_ALIGNMENT = 16  # elements; the bucket planner pads with the same multiple
 
 
@@ -352,6 +368,13 @@ class Init:
     offload is not built yet) and ``mpu`` (no model parallelism). ``mem_efficient_linear`` is
     accepted and has no effect (a partitioned weight is gathered again for the backward anyway).
 
+    Inside the block, as in DeepSpeed, torch's tensor constructors (``torch.empty``, ``zeros``,
+    ``arange``, ...; tensor_constructors.py) make tensors given no ``device=`` on the rank's
+    accelerator and cast floating-point ones to the ZeRO-3 dtype, so buffers built in
+    ``__init__`` match the parameters. This is what transformers' ``from_pretrained`` and
+    ``from_config`` enter while a stage-3 ``HfDeepSpeedConfig`` is alive (under the
+    ``import deepspeed`` alias).
+
     A module's own parameters are partitioned when its ``__init__`` returns: initialise weights
     inside ``__init__`` (or under ``GatheredParameters(..., modifier_rank=0)`` afterwards).
     Models built inside go straight into ``initialize``, which takes the partitioned parameters
@@ -447,6 +470,12 @@ class Init:
 
         torch.nn.Module.__init_subclass__ = classmethod(wrap_new_class)
         self._patched.append((torch.nn.Module, "__init_subclass__", original_init_subclass))
+        # Looked up now, by name, in this module: transformers swaps the wrapper around the block
+        # (prevent_arange_dtype_change) to keep torch.arange's explicit dtypes.
+        wrap = globals()["zero_wrapper_for_fp_tensor_constructor"]
+        for name, original in ORIGINAL_CONSTRUCTORS.items():
+            self._patched.append((torch, name, getattr(torch, name)))
+            setattr(torch, name, wrap(original, self.dtype, target_device=self.device))
         return self
 
     def __exit__(self, *exc_info):
@@ -478,24 +507,3 @@ def _init_settings(config) -> tuple[int, torch.dtype | None]:
         dtype = torch.bfloat16
     return threshold, dtype
 
-
-# Names private to DeepSpeed's version of this module that transformers' own ZeRO-3 model
-# construction (``from_pretrained``/``from_config`` while a stage-3 config is alive) reads and
-# swaps around ``zero.Init``: DeepSpeed's Init re-types tensor constructors, ours does not, and
-# transformers' construction path on top of ours is not verified. A clear stop instead of a bare
-# AttributeError (reached under the ``import deepspeed`` alias).
-_DEEPSPEED_PRIVATE_NAMES = frozenset(
-    {"zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange"}
-)
-
-
-def __getattr__(name: str):
-    if name in _DEEPSPEED_PRIVATE_NAMES:
-        raise AttributeError(
-            f"deepspeed_cpp's zero.Init has no {name!r} (DeepSpeed's private patching of tensor "
-            "constructors, which transformers' from_pretrained/from_config reach for under "
-            "ZeRO-3): build the model with its class, Model(config), which the engine "
-            "partitions, or load it with deepspeed_cpp.hf.from_pretrained_zero3(model_class, "
-            "path)"
-        )
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
