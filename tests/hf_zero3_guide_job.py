@@ -8,7 +8,8 @@ Each rank writes ``REPORT_DIR/rank<N>.json``: for ``from_pretrained``, every par
 state and whether its gathered value equals the saved tensor bit for bit; for ``from_config``,
 whether every parameter was partitioned and a digest of its gathered (initialised) value, which
 must agree across ranks; and the peak host memory of the ``from_pretrained`` call
-(``construction_memory.py``).
+(``construction_memory.py``). benchmarks/bench_hf_zero3_construction.py sets ``MEMORY_ONLY``,
+``WARMUP_DIR`` and ``ZERO3``.
 """
 
 import json
@@ -34,12 +35,18 @@ ds_config = {
     # would be all of a tiny model's).
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
 }
-dschf = HfDeepSpeedConfig(ds_config)  # keep this object alive
+if os.environ.get("ZERO3", "1") == "1":  # the benchmark's reference sets 0: no ZeRO-3
+    dschf = HfDeepSpeedConfig(ds_config)  # keep this object alive
 
 deepspeed.init_distributed()
 rank = torch.distributed.get_rank()
+if os.environ.get("WARMUP_DIR"):  # the first from_pretrained imports and maps what it needs
+    AutoModelForCausalLM.from_pretrained(os.environ["WARMUP_DIR"])
 with PeakMemory() as peak:
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
+    if os.environ.get("ZERO3") == "0":  # whole weights, mapped from the file until read
+        for param in model.parameters():
+            param.data.sum()
 if os.environ.get("MEMORY_ONLY") == "1":  # the benchmark's large model: no value checks
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
     (REPORT_DIR / f"rank{rank}.json").write_text(json.dumps({"memory": peak.report()}))

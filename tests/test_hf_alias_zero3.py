@@ -65,7 +65,9 @@ def _launch(script: Path, args: list[str], pythonpath: str, cwd: Path, **env) ->
 
 
 @pytest.mark.parametrize("end", ["newest", "lowest"])
-def test_guide_pattern_builds_partitioned_from_pretrained_and_from_config(saved_gpt2, tmp_path, end):
+def test_guide_pattern_builds_partitioned_from_pretrained_and_from_config(
+    saved_gpt2, tmp_path, end
+):
     """``HfDeepSpeedConfig(ds_config)`` kept alive, then ``AutoModelForCausalLM.from_pretrained``:
     every parameter is partitioned (an empty local tensor, a shard of the padded size) and its
     gathered value is the saved tensor bit for bit; the output layer stays tied to the input

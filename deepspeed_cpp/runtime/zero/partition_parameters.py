@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
+from .construction_heap import note_freed
 from .shard_gather import backend_for, launch_all_gather
 
 # DeepSpeed's module-level names that transformers reads (and swaps) here while it builds a model
@@ -121,10 +122,15 @@ def partition_parameter(
             param.ds_tensor = data
             param.ds_status = ZeroParamStatus.AVAILABLE
             return
+        # Only this rank's part is copied out (zero padding past the end): a padded copy of the
+        # whole would double the memory that building a model under zero.Init holds per module.
         shard = padded_numel(data.numel(), world) // world
-        flat = torch.zeros(shard * world, dtype=data.dtype, device=data.device)
-        flat[: data.numel()].copy_(data.reshape(-1))
-        param.ds_tensor = flat.narrow(0, rank * shard, shard).clone()
+        flat = data.reshape(-1)
+        start = min(rank * shard, flat.numel())
+        end = min(start + shard, flat.numel())
+        param.ds_tensor = torch.zeros(shard, dtype=data.dtype, device=data.device)
+        param.ds_tensor[: end - start].copy_(flat[start:end])
+        del flat
         param.data = torch.empty(0, dtype=data.dtype, device=data.device)
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
@@ -343,6 +349,7 @@ class GatheredParameters:
                     write_back(param)
         for param in self.params:
             release(param)
+        note_freed(self.params)  # loading module by module frees a whole module each time
         return False
 
 
@@ -422,6 +429,7 @@ class Init:
                 self._partition_own(submodule)
 
     def _partition_own(self, module: torch.nn.Module) -> None:
+        partitioned = []
         for param in module.parameters(recurse=False):
             if not is_zero_param(param):
                 partition_parameter(
@@ -431,6 +439,8 @@ class Init:
                     dtype=self.dtype if param.is_floating_point() else None,
                     device=self.device,
                 )
+                partitioned.append(param)
+        note_freed(partitioned)  # the whole tensors just dropped leave the process
 
     def _wrap(self, cls: type) -> None:
         original = cls.__dict__.get("__init__")
@@ -506,4 +516,3 @@ def _init_settings(config) -> tuple[int, torch.dtype | None]:
     elif (config.get("bf16") or config.get("bfloat16") or {}).get("enabled") is True:
         dtype = torch.bfloat16
     return threshold, dtype
-
