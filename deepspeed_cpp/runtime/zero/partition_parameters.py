@@ -27,7 +27,24 @@ import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
 from ...comm.entry_agreement import agree_on_entries
+from .construction_heap import note_freed
 from .shard_gather import backend_for, launch_all_gather
+
+# DeepSpeed's module-level names that transformers reads (and swaps) here while it builds a model
+# under a live stage-3 config; ``Init.__enter__`` looks the wrapper up in this module's globals.
+from .tensor_constructors import (  # noqa: F401  (re-exported under DeepSpeed's module path)
+    ORIGINAL_CONSTRUCTORS,
+    _orig_torch_arange,
+    _orig_torch_empty,
+    _orig_torch_eye,
+    _orig_torch_full,
+    _orig_torch_ones,
+    _orig_torch_randn,
+    _orig_torch_tensor,
+    _orig_torch_zeros,
+    get_accelerator,
+    zero_wrapper_for_fp_tensor_constructor,
+)
 
 SHARD_ALIGNMENT = 16  # elements; the bucket planner pads with the same multiple
 
@@ -109,10 +126,15 @@ def partition_parameter(
             param.ds_tensor = data
             param.ds_status = ZeroParamStatus.AVAILABLE
             return
+        # Only this rank's part is copied out (zero padding past the end): a padded copy of the
+        # whole would double the memory that building a model under zero.Init holds per module.
         shard = padded_numel(data.numel(), world) // world
-        flat = torch.zeros(shard * world, dtype=data.dtype, device=data.device)
-        flat[: data.numel()].copy_(data.reshape(-1))
-        param.ds_tensor = flat.narrow(0, rank * shard, shard).clone()
+        flat = data.reshape(-1)
+        start = min(rank * shard, flat.numel())
+        end = min(start + shard, flat.numel())
+        param.ds_tensor = torch.zeros(shard, dtype=data.dtype, device=data.device)
+        param.ds_tensor[: end - start].copy_(flat[start:end])
+        del flat
         param.data = torch.empty(0, dtype=data.dtype, device=data.device)
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
@@ -345,6 +367,7 @@ class GatheredParameters:
                     write_back(param)
         for param in self.params:
             release(param)
+        note_freed(self.params)  # loading module by module frees a whole module each time
         return False
 
 
@@ -369,6 +392,13 @@ class Init:
     is None, the fp16/bf16 dtype. Refused: ``remote_device`` other than None/"none" (parameter
     offload is not built yet) and ``mpu`` (no model parallelism). ``mem_efficient_linear`` is
     accepted and has no effect (a partitioned weight is gathered again for the backward anyway).
+
+    Inside the block, as in DeepSpeed, torch's tensor constructors (``torch.empty``, ``zeros``,
+    ``arange``, ...; tensor_constructors.py) make tensors given no ``device=`` on the rank's
+    accelerator and cast floating-point ones to the ZeRO-3 dtype, so buffers built in
+    ``__init__`` match the parameters. This is what transformers' ``from_pretrained`` and
+    ``from_config`` enter while a stage-3 ``HfDeepSpeedConfig`` is alive (under the
+    ``import deepspeed`` alias).
 
     A module's own parameters are partitioned when its ``__init__`` returns: initialise weights
     inside ``__init__`` (or under ``GatheredParameters(..., modifier_rank=0)`` afterwards).
@@ -437,6 +467,9 @@ class Init:
                 device=self.device,
                 synced=data,
             )
+        # The broadcast copies die here, before the heap is trimmed for the whole tensors.
+        del synced, data
+        note_freed([param for _, param in own])
 
     def _broadcast_together(self, module: torch.nn.Module, own: list) -> list[torch.Tensor]:
         """Rank 0's values of the module's own parameters (cast and moved as partitioning
@@ -525,6 +558,12 @@ class Init:
 
         torch.nn.Module.__init_subclass__ = classmethod(wrap_new_class)
         self._patched.append((torch.nn.Module, "__init_subclass__", original_init_subclass))
+        # Looked up now, by name, in this module: transformers swaps the wrapper around the block
+        # (prevent_arange_dtype_change) to keep torch.arange's explicit dtypes.
+        wrap = globals()["zero_wrapper_for_fp_tensor_constructor"]
+        for name, original in ORIGINAL_CONSTRUCTORS.items():
+            self._patched.append((torch, name, getattr(torch, name)))
+            setattr(torch, name, wrap(original, self.dtype, target_device=self.device))
         return self
 
     def __exit__(self, *exc_info):
@@ -555,25 +594,3 @@ def _init_settings(config) -> tuple[int, torch.dtype | None]:
     elif (config.get("bf16") or config.get("bfloat16") or {}).get("enabled") is True:
         dtype = torch.bfloat16
     return threshold, dtype
-
-
-# Names private to DeepSpeed's version of this module that transformers' own ZeRO-3 model
-# construction (``from_pretrained``/``from_config`` while a stage-3 config is alive) reads and
-# swaps around ``zero.Init``: DeepSpeed's Init re-types tensor constructors, ours does not, and
-# transformers' construction path on top of ours is not verified. A clear stop instead of a bare
-# AttributeError (reached under the ``import deepspeed`` alias).
-_DEEPSPEED_PRIVATE_NAMES = frozenset(
-    {"zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange"}
-)
-
-
-def __getattr__(name: str):
-    if name in _DEEPSPEED_PRIVATE_NAMES:
-        raise AttributeError(
-            f"deepspeed_cpp's zero.Init has no {name!r} (DeepSpeed's private patching of tensor "
-            "constructors, which transformers' from_pretrained/from_config reach for under "
-            "ZeRO-3): build the model with its class, Model(config), which the engine "
-            "partitions, or load it with deepspeed_cpp.hf.from_pretrained_zero3(model_class, "
-            "path)"
-        )
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

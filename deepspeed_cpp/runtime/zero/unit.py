@@ -113,8 +113,10 @@ class _FlatGather:
         if self.work is None:
             return
         with named_collective(
-            lambda: f"all_gather (fetch) of ZeRO-3 parameters {pp.describe(self.params[0])}"
-            + (f" and {len(self.params) - 1} more" if len(self.params) > 1 else "")
+            lambda: (
+                f"all_gather (fetch) of ZeRO-3 parameters {pp.describe(self.params[0])}"
+                + (f" and {len(self.params) - 1} more" if len(self.params) > 1 else "")
+            )
         ):
             self.work.wait()
         self.work = None

@@ -67,7 +67,7 @@ def return_large_frees_to_the_kernel() -> int | None:
     threshold = _requested_threshold()
     if threshold is None or _applied == threshold:
         return threshold
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         return None  # not glibc: its allocator has no such threshold to fix
     if libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(threshold)) != 1:
@@ -88,21 +88,24 @@ def return_large_frees_to_the_kernel() -> int | None:
 def give_back_free_heap() -> None:
     """Once an engine that swaps is ready: hands the heap's free pages back (see the module
     docstring). Only where the threshold was fixed, under the same switch."""
-    libc = _glibc()
+    libc = glibc()
     if _applied is not None and libc is not None:
         libc.malloc_trim(0)
 
 
-def _glibc() -> ctypes.CDLL | None:
+def glibc() -> ctypes.CDLL | None:
     """The C library when it is glibc (it has mallopt, malloc_trim and gnu_get_libc_version),
-    else None."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is None or not all(
-            hasattr(libc, f) for f in ("mallopt", "malloc_trim", "gnu_get_libc_version")
-        ):
-            return None
-    except OSError:
-        return None
-    return libc
+    else None; looked up once (find_library runs ldconfig)."""
+    global _libc
+    if _libc is False:
+        name = ctypes.util.find_library("c")
+        try:
+            libc = ctypes.CDLL(name) if name else None
+        except OSError:
+            libc = None
+        functions = ("mallopt", "malloc_trim", "gnu_get_libc_version")
+        _libc = libc if libc is not None and all(hasattr(libc, f) for f in functions) else None
+    return _libc
+
+
+_libc: ctypes.CDLL | None | bool = False  # False: not looked up yet
