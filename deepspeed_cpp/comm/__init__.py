@@ -22,6 +22,7 @@ from .collectives import (
     reduce,
     reduce_scatter_tensor,
 )
+from .comms_logger import comms_logger
 from .distributed import (
     barrier,
     destroy_process_group,
@@ -31,6 +32,7 @@ from .distributed import (
     init_distributed,
     is_initialized,
 )
+from .logging_api import configure, log_summary
 from .rendezvous import RendezvousError
 
 __all__ = [
@@ -43,6 +45,8 @@ __all__ = [
     "all_to_all_single",
     "barrier",
     "broadcast",
+    "comms_logger",
+    "configure",
     "destroy_process_group",
     "get_backend",
     "get_global_rank",
@@ -56,6 +60,7 @@ __all__ = [
     "init_distributed",
     "is_available",
     "is_initialized",
+    "log_summary",
     "new_group",
     "reduce",
     "reduce_scatter_tensor",

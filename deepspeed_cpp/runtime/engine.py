@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..accelerator import get_accelerator
 from ..comm.collective_errors import named_collective
+from ..comm.logging_api import configure as configure_comms_logger
 from ..utils import groups as moe_groups
 from ..utils.logging import logger
 from .call_order import CallOrder, refuse_foreign_parameters
@@ -74,6 +75,7 @@ class DeepSpeedEngine(torch.nn.Module):
         # Before any collective: a monitor whose package is missing fails on every rank alike.
         self._report = TrainingReport(config, self.global_rank)
         self.monitor, self.timers = self._report.monitor, self._report.timers
+        configure_comms_logger(config)  # before the first collective it should count
         self.world_size = dist.get_world_size()
         # DeepSpeed's launcher passes --local_rank; torchrun sets LOCAL_RANK.
         from_args = getattr(args, "local_rank", None)

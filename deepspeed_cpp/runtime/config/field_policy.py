@@ -88,7 +88,7 @@ FIELDS: dict[str, FieldUse] = {
         for name in names.split()
     },
     **{
-        f"comms_logger.{name}": FieldUse(Use.NO_EFFECT, reason=_NOT_YET)
+        f"comms_logger.{name}": _read("comm/comms_logger.py")
         for name in "enabled verbose prof_all prof_ops debug".split()
     },
     **{
