@@ -52,9 +52,10 @@ def _worker(rank: int, stage: int, logger: bool, steps: int, warmup: int) -> flo
 
 def _measure(pythonpath: str, stage: int, logger: bool, steps: int, warmup: int) -> float:
     code = (
-        "import sys; sys.path.insert(0, %r); import bench_comms_logger as b, gloo_ranks as g, json;"
-        "print(json.dumps(max(g.run_on_ranks(2, b._worker, %d, %r, %d, %d))))"
-        % (str(HERE), stage, logger, steps, warmup)
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); import json;"
+        "import bench_comms_logger as b, gloo_ranks as g;"
+        f"print(json.dumps(max(g.run_on_ranks(2, b._worker, {stage}, {logger}, {steps}, "
+        f"{warmup}))))"
     )
     env = dict(os.environ, PYTHONPATH=pythonpath)
     out = subprocess.run(

@@ -160,3 +160,68 @@ def test_disabled_monitors_import_nothing():
     config = DeepSpeedConfig.parse({})
     monitor = MonitorMaster(config, rank=0)
     assert not monitor.enabled and monitor.monitors == []
+
+
+def _train_with_timers(root: str):
+    import logging
+
+    import deepspeed_cpp as deepspeed
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("deepspeed_cpp").addHandler(handler)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "steps_per_print": 2,
+        "wall_clock_breakdown": True,
+        "memory_breakdown": True,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2},
+        "csv_monitor": {"enabled": True, "output_path": root, "job_name": "timers"},
+        "flops_profiler": {
+            "enabled": True,
+            "profile_step": 1,
+            "output_file": os.path.join(root, f"flops_rank{dist.get_rank()}.txt"),
+        },
+    }
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    try:
+        for _ in range(STEPS * GAS):
+            engine.backward(engine(torch.randn(MICRO, 5)).pow(2).mean())
+            engine.step()
+    finally:
+        logging.getLogger("deepspeed_cpp").removeHandler(handler)
+        engine.destroy()
+    return [line for line in lines if line.startswith("time (ms)")]
+
+
+def test_wall_clock_breakdown_logs_deepspeed_timers(pool2, tmp_path):
+    lines = pool2.run(_train_with_timers, str(tmp_path))
+    assert lines[1] == []  # rank 0 logs
+    micro = [line for line in lines[0] if "fwd_microstep" in line]
+    global_ = [line for line in lines[0] if "| fwd:" in line]
+    assert len(micro) == STEPS * GAS  # every step() call, as DeepSpeed
+    for name in ("fwd_microstep", "bwd_microstep", "bwd_inner_microstep",
+                 "bwd_allreduce_microstep", "step_microstep", "host_rss"):  # fmt: skip
+        assert f"| {name}: " in micro[-1], (name, micro[-1])
+    assert len(global_) == STEPS // 2  # every steps_per_print optimizer steps
+    for name in ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step"):
+        assert f"| {name}: " in global_[-1]
+    # The monitors get DeepSpeed's elapsed-time events at every boundary.
+    names = {p.name for p in (tmp_path / "timers").iterdir()}
+    for event in ("forward", "backward", "backward_inner", "backward_allreduce", "step"):
+        assert f"Train_Samples_elapsed_time_ms_{event}.csv" in names
+    _, rows = _read_csv(tmp_path / "timers" / "Train_Samples_elapsed_time_ms_forward.csv")
+    assert len(rows) == STEPS and all(value > 0 for _, value in rows)
+    # flops_profiler: rank 0 profiles step 1's forward: MICRO x (5*7 + 7*1) multiply-adds.
+    assert not (tmp_path / "flops_rank1.txt").exists()
+    profile = (tmp_path / "flops_rank0.txt").read_text()
+    assert "Profile Summary at step 1:" in profile
+    assert f"{'fwd MACs per GPU:':<60}{MICRO * (5 * 7 + 7 * 1)} MACs" in profile

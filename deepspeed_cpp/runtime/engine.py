@@ -296,13 +296,13 @@ class DeepSpeedEngine(torch.nn.Module):
     # --- the training step --------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         self._failed_step.check("engine.forward")
-        self._report.begin("fwd")
+        self._report.before_forward(self)
         if self.fp16_auto_cast():
             # fp16.auto_cast (DeepSpeed's): floating-point inputs, however nested, become fp16
             # to match the fp16 module; integer inputs (token ids, labels) are left as they are.
             inputs, kwargs = cast_floating_to_half((inputs, kwargs))
         output = self.module(*inputs, **kwargs)
-        self._report.end("fwd")
+        self._report.after_forward(self)
         return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
@@ -341,6 +341,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._call_order.before_step(self.global_steps)
         skipped = None
         boundary = self.is_gradient_accumulation_boundary()
+        profiled = self._report.before_step(self)
         self._report.begin("step")
         if boundary:
             try:
@@ -366,7 +367,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._report.end("step")
         if boundary:
             self._log_progress()
-        self._report.after_step(self, boundary)
+        self._report.after_step(self, boundary, profiled)
         self.micro_steps += 1
         self._call_order.after_step()
         if skipped is not None:

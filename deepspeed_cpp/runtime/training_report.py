@@ -8,7 +8,9 @@ step), then after the step ``Train/Samples/lr`` (the first param group's, after 
 stepped) and, with fp16, ``Train/Samples/loss_scale``, at the samples seen after it. With
 ``wall_clock_breakdown`` the micro timers are logged at every ``step()`` call and the global
 ones every ``steps_per_print`` steps (with the monitors also getting ``Train/Samples/
-elapsed_time_ms_*`` at every boundary).
+elapsed_time_ms_*`` at every boundary). With ``flops_profiler`` rank 0 profiles the forward
+passes of step ``profile_step`` (counted from 0, before it is taken) and prints the profile when
+that step is taken, as DeepSpeed does.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class TrainingReport:
         self.steps_per_print = config.steps_per_print
         self._writes = bool(self.monitor.monitors)  # rank 0 with a back-end enabled
         self._losses: torch.Tensor | None = None
+        self.flops = config.flops_profiler
+        self.flops_profiler = None  # built on rank 0 at its first forward
+        self._rank = rank
 
     # --- timers: "fwd", "bwd", "bwd_inner", "bwd_allreduce", "step" (micro and global) ----------
     def begin(self, name: str) -> None:
@@ -50,6 +55,43 @@ class TrainingReport:
         if self.wall_clock_breakdown:
             self.timers(f"{name}_microstep").stop()
             self.timers(name).stop()
+
+    def before_forward(self, engine) -> None:
+        self.begin("fwd")
+        if self._profiles(engine):
+            if self.flops_profiler is None:
+                from ..profiling.flops_profiler import FlopsProfiler
+
+                self.flops_profiler = FlopsProfiler(
+                    engine.module, engine, self.flops.recompute_fwd_factor
+                )
+            self.flops_profiler.start_profile()  # each micro-step anew: the last one is shown
+
+    def after_forward(self, engine) -> None:
+        if self.flops_profiler is not None and self.flops_profiler.started:
+            self.flops_profiler.stop_profile()
+        self.end("fwd")
+
+    def _profiles(self, engine) -> bool:
+        return (
+            self.flops.enabled
+            and self._rank == 0
+            and engine.global_steps == self.flops.profile_step
+        )
+
+    def before_step(self, engine) -> bool:
+        """Whether this step() is the profiled one (asked before global_steps moves on)."""
+        return self._profiles(engine) and self.flops_profiler is not None
+
+    def print_flops_profile(self, engine) -> None:
+        self.flops_profiler.print_model_profile(
+            profile_step=self.flops.profile_step,
+            module_depth=self.flops.module_depth,
+            top_modules=self.flops.top_modules,
+            detailed=self.flops.detailed,
+            output_file=self.flops.output_file,
+        )
+        self.flops_profiler.end_profile()
 
     # --- events -----------------------------------------------------------------------------
     def after_backward(self, loss: torch.Tensor, divisor: int, boundary: bool, samples: int):
@@ -65,7 +107,9 @@ class TrainingReport:
             self.monitor.write_events([("Train/Samples/train_loss", self._losses.item(), samples)])
             self._losses = None
 
-    def after_step(self, engine, boundary: bool) -> None:
+    def after_step(self, engine, boundary: bool, profiled: bool = False) -> None:
+        if profiled and boundary:
+            self.print_flops_profile(engine)
         if boundary and self._writes:
             lrs = engine.get_lr()
             events = [("Train/Samples/lr", lrs[0], engine.global_samples)] if lrs else []

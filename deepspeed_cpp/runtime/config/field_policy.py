@@ -62,7 +62,6 @@ _CONFIG = "runtime/config/deepspeed_config.py"
 _OPTIMIZER = "runtime/config_optimizer.py"
 _REPORT = "runtime/training_report.py"
 _MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
-_NOT_YET = "not built yet"
 
 FIELDS: dict[str, FieldUse] = {
     "train_batch_size": _read(_ENGINE),
@@ -92,7 +91,7 @@ FIELDS: dict[str, FieldUse] = {
         for name in "enabled verbose prof_all prof_ops debug".split()
     },
     **{
-        f"flops_profiler.{name}": FieldUse(Use.NO_EFFECT, reason=_NOT_YET)
+        f"flops_profiler.{name}": _read(_REPORT)
         for name in "enabled recompute_fwd_factor profile_step module_depth top_modules "
         "detailed output_file".split()
     },
