@@ -225,3 +225,32 @@ def test_wall_clock_breakdown_logs_deepspeed_timers(pool2, tmp_path):
     profile = (tmp_path / "flops_rank0.txt").read_text()
     assert "Profile Summary at step 1:" in profile
     assert f"{'fwd MACs per GPU:':<60}{MICRO * (5 * 7 + 7 * 1)} MACs" in profile
+
+
+@pytest.mark.parametrize("backend", ["csv_monitor", "tensorboard"])
+def test_plot_draws_a_runs_curves(tmp_path, backend):
+    pytest.importorskip("matplotlib")
+    if backend == "tensorboard":
+        pytest.importorskip("tensorboard")
+    from deepspeed_cpp.plot import read_run
+    from deepspeed_cpp.plot.__main__ import main
+
+    config = DeepSpeedConfig.parse(
+        {backend: {"enabled": True, "output_path": str(tmp_path), "job_name": "run"}}
+    )
+    monitor = MonitorMaster(config, rank=0)
+    for step in range(1, 6):
+        monitor.write_events(
+            [
+                ("Train/Samples/train_loss", 1.0 / step, 8 * step),
+                ("Train/Samples/lr", 0.1 * step, 8 * step),
+            ]
+        )
+    monitor.close()
+    curves = read_run(tmp_path / "run")
+    assert set(curves) == {"Train/Samples/train_loss", "Train/Samples/lr"}
+    _assert_points(curves["Train/Samples/lr"], [(8 * s, 0.1 * s) for s in range(1, 6)], 1e-6)
+    out = tmp_path / "curves.png"
+    assert main([str(tmp_path / "run"), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([str(tmp_path / "missing")]) == 1
