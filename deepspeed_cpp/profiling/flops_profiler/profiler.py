@@ -15,6 +15,7 @@ formulas add it, so its totals are a little higher for the same net.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections import defaultdict
@@ -47,6 +48,15 @@ def _extra_formulas() -> dict:
     return extra
 
 
+@functools.cache
+def _warm_up_counting() -> None:
+    """The first op counted in a process pays for torch's one-time set-up (about a second on a
+    CPU); paid here, it does not land in the first profiled module's latency."""
+    with FlopCounterMode(display=False, custom_mapping=_extra_formulas()):
+        torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+        torch.nn.functional.conv2d(torch.ones(1, 1, 3, 3), torch.ones(1, 1, 1, 1))
+
+
 def _numel(param: torch.nn.Parameter) -> int:
     return int(getattr(param, "ds_numel", param.numel()))  # ZeRO-3: the whole parameter's
 
@@ -68,6 +78,7 @@ class FlopsProfiler:
     # --- DeepSpeed's API ------------------------------------------------------------------------
     def start_profile(self, ignore_list=None) -> None:
         self.reset_profile()
+        _warm_up_counting()
         ignored = tuple(ignore_list or ())
         for module in self.model.modules():
             if ignored and isinstance(module, ignored):

@@ -153,7 +153,7 @@ def model_profile_text(profiler, profile_step, module_depth, top_modules, detail
         # DeepSpeed's estimate: backward costs twice forward, plus recomputed forwards.
         f"{'bwd flops per GPU = 2 * fwd flops per GPU:':<60}"
         f"{flops_to_string((2 + profiler.recompute_fwd_factor) * flops).replace('FLOPS', '')}",
-        f"{'fwd+bwd flops per GPU = (3 + recompute_fwd_factor) * fwd flops:':<60}"
+        f"{'fwd+bwd flops per GPU:':<60}"
         f"{flops_to_string((3 + profiler.recompute_fwd_factor) * flops).replace('FLOPS', '')}",
         "",
         aggregated_profile_text(profiler, module_depth, top_modules),
