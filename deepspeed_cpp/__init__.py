@@ -22,7 +22,19 @@ _LAZY = {
     "git_hash": ".git_version_info",
     "git_branch": ".git_version_info",
 }
-_LAZY_MODULES = ("accelerator", "comm", "moe", "ops", "optim", "pipe", "runtime", "utils", "zero")
+_LAZY_MODULES = (
+    "accelerator",
+    "comm",
+    "moe",
+    "monitor",
+    "ops",
+    "optim",
+    "pipe",
+    "profiling",
+    "runtime",
+    "utils",
+    "zero",
+)
 
 
 def __getattr__(name: str):

@@ -338,10 +338,12 @@ def test_deprecated_and_harmless_keys_warn_exactly_once_through_load_and_finaliz
         "zero_optimization.allgather_partitions",
         "zero_optimization.elastic_checkpoint",
         "zero_optimization.stage3_gather_fp16_weights_on_model_save",
-        "tensorboard",
     ):
         assert len(_warnings_about(ds_log, key)) == 1, key
-    assert len(ds_log.records) == 10
+    # tensorboard is honoured now (issue 30): no warning, a typed section.
+    assert not _warnings_about(ds_log, "tensorboard")
+    assert final.tensorboard.enabled is True and final.tensorboard.output_path == "runs"
+    assert len(ds_log.records) == 9
 
 
 def test_deprecated_spelling_given_with_its_current_key_is_an_error():

@@ -22,6 +22,7 @@ from .collectives import (
     reduce,
     reduce_scatter_tensor,
 )
+from .comms_logger import comms_logger
 from .distributed import (
     barrier,
     destroy_process_group,
@@ -32,6 +33,7 @@ from .distributed import (
     is_initialized,
 )
 from .entry_agreement import RankDisagreementError
+from .logging_api import configure, log_summary
 from .rendezvous import RendezvousError
 
 __all__ = [
@@ -45,6 +47,8 @@ __all__ = [
     "all_to_all_single",
     "barrier",
     "broadcast",
+    "comms_logger",
+    "configure",
     "destroy_process_group",
     "get_backend",
     "get_global_rank",
@@ -58,6 +62,7 @@ __all__ = [
     "init_distributed",
     "is_available",
     "is_initialized",
+    "log_summary",
     "new_group",
     "reduce",
     "reduce_scatter_tensor",

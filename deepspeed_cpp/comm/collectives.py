@@ -3,8 +3,8 @@ dist``), under DeepSpeed's names and signatures.
 
 Each is torch.distributed's own collective, inside ``named_collective`` so that a rank that
 stopped answering is named instead of surfacing as the backend's generic text. Nothing else is
-added: DeepSpeed's comms logger and its ``prof``/``log_name``/``debug`` keywords are accepted and
-ignored (they only label a profile).
+added here: the comms logger (``comms_logger.py``) times them through torch.distributed while it
+is on; DeepSpeed's ``prof``/``log_name``/``debug`` keywords are accepted and ignored.
 """
 
 from __future__ import annotations

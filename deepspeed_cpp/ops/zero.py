@@ -118,7 +118,9 @@ def make_gradient_reducer(
     """
     if not _op.ready:
         load_zero()
-    return torch.classes.deepspeed_cpp.GradientReducer(
+    from ..comm.reducer_tap import logged_if_enabled
+
+    reducer = torch.classes.deepspeed_cpp.GradientReducer(
         group.group_name,
         plan.param_bucket,
         plan.param_offset,
@@ -128,6 +130,7 @@ def make_gradient_reducer(
         scatter_method,
         str(device),
     )
+    return logged_if_enabled(reducer, plan, group)  # counted only with comms_logger on
 
 
 def make_fetch_schedule(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -13,6 +12,7 @@ import torch.distributed as dist
 
 from ..accelerator import get_accelerator
 from ..comm.collective_errors import named_collective
+from ..comm.logging_api import configure as configure_comms_logger
 from ..utils import groups as moe_groups
 from ..utils.logging import logger
 from .call_order import CallOrder, refuse_foreign_parameters
@@ -24,6 +24,7 @@ from .half_inputs import cast_floating_to_half
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
 from .nonfinite_gradients import raise_if_asked, report_skipped_step
+from .training_report import TrainingReport
 from .zero.moe_stage import (
     DENSE,
     ExpertParallelZeroStage,
@@ -71,6 +72,10 @@ class DeepSpeedEngine(torch.nn.Module):
         self.config = config
         self.group = dist.group.WORLD
         self.global_rank = dist.get_rank()
+        # Before any collective: a monitor whose package is missing fails on every rank alike.
+        self._report = TrainingReport(config, self.global_rank)
+        self.monitor, self.timers = self._report.monitor, self._report.timers
+        configure_comms_logger(config)  # before the first collective it should count
         self.world_size = dist.get_world_size()
         # DeepSpeed's launcher passes --local_rank; torchrun sets LOCAL_RANK.
         from_args = getattr(args, "local_rank", None)
@@ -102,7 +107,6 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self._timers: dict[str, float] = defaultdict(float)
         self._failed_step = FailedStepGuard()
         self._call_order = CallOrder(self.module)
         self._last_log = (time.perf_counter(), 0)
@@ -292,13 +296,13 @@ class DeepSpeedEngine(torch.nn.Module):
     # --- the training step --------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         self._failed_step.check("engine.forward")
-        start = time.perf_counter()
+        self._report.before_forward(self)
         if self.fp16_auto_cast():
             # fp16.auto_cast (DeepSpeed's): floating-point inputs, however nested, become fp16
             # to match the fp16 module; integer inputs (token ids, labels) are left as they are.
             inputs, kwargs = cast_floating_to_half((inputs, kwargs))
         output = self.module(*inputs, **kwargs)
-        self._timers["forward"] += time.perf_counter() - start
+        self._report.after_forward(self)
         return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
@@ -307,7 +311,8 @@ class DeepSpeedEngine(torch.nn.Module):
             raise RuntimeError("engine.backward needs an optimizer (in the config or initialize)")
         self._failed_step.check("engine.backward")
         self._call_order.before_backward()
-        start = time.perf_counter()
+        self._report.begin("bwd")
+        self._report.begin("bwd_inner")
         scale = 1.0
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scale /= self.gradient_accumulation_steps()
@@ -315,11 +320,15 @@ class DeepSpeedEngine(torch.nn.Module):
             scale *= self.loss_scaler.loss_scale
         self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-        backward_done = time.perf_counter()
+        self._report.end("bwd_inner")
+        self._report.begin("bwd_allreduce")
         self.optimizer.end_backward()
+        self._report.end("bwd_allreduce")
+        self._report.end("bwd")
         self._call_order.after_backward()
-        self._timers["backward"] += backward_done - start
-        self._timers["reduce"] += time.perf_counter() - backward_done
+        divisor = self.gradient_accumulation_steps() if scale_wrt_gas else 1
+        boundary = self.is_gradient_accumulation_boundary()
+        self._report.after_backward(loss, divisor, boundary, self.global_samples)
         return loss
 
     def step(self, lr_kwargs=None) -> None:
@@ -331,8 +340,10 @@ class DeepSpeedEngine(torch.nn.Module):
         self._failed_step.check("engine.step")
         self._call_order.before_step(self.global_steps)
         skipped = None
-        if self.is_gradient_accumulation_boundary():
-            start = time.perf_counter()
+        boundary = self.is_gradient_accumulation_boundary()
+        profiled = self._report.before_step(self)
+        self._report.begin("step")
+        if boundary:
             try:
                 stepped = self.optimizer.step()
             except BaseException as error:  # an interrupt part-way leaves the same mix
@@ -353,8 +364,10 @@ class DeepSpeedEngine(torch.nn.Module):
                 )
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            self._timers["step"] += time.perf_counter() - start
+        self._report.end("step")
+        if boundary:
             self._log_progress()
+        self._report.after_step(self, boundary, profiled)
         self.micro_steps += 1
         self._call_order.after_step()
         if skipped is not None:
@@ -369,6 +382,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """Removes every hook the engine installed on the model; a ZeRO-3 model stays
         partitioned (calling it afterwards raises an error naming a parameter)."""
         self._call_order.remove()
+        self._report.close()
         if self._zero_stage is not None:
             self._zero_stage.destroy()
         engine_ref = getattr(self.module, "_deepspeed_cpp_engine", None)
@@ -431,10 +445,6 @@ class DeepSpeedEngine(torch.nn.Module):
             scale,
             samples_per_second,
         )
-        if self.config.wall_clock_breakdown:
-            breakdown = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self._timers.items())
-            logger.info("deepspeed_cpp: time over the last %d steps: %s", every, breakdown)
-            self._timers.clear()
 
     # --- checkpoints (deepspeed_cpp.runtime.checkpoint) ---------------------------------------
     def save_checkpoint(

@@ -34,6 +34,14 @@ from .key_policy import (
     policy_key_paths,
 )
 from .not_built_yet import refuse_features_not_built_yet
+from .observability import (
+    CometConfig,
+    CommsLoggerConfig,
+    CSVConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from .optimizer import PARAMS_BY_TYPE as OPTIMIZER_PARAMS
 from .optimizer import OptimizerConfig, validate_optimizer_params
 from .scheduler import PARAMS_BY_TYPE as SCHEDULER_PARAMS
@@ -61,6 +69,15 @@ class DeepSpeedConfig(ConfigSection):
     steps_per_print: print_interval() = 10
     """Steps between progress lines; infinity (0 once read) prints none."""
     wall_clock_breakdown: boolean() = False
+    """Log the forward/backward/step times (DeepSpeed's timer names) every steps_per_print."""
+    memory_breakdown: boolean() = False
+    """Add host RSS and device memory to the wall_clock_breakdown lines."""
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CSVConfig = Field(default_factory=CSVConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     gradient_clipping: number(minimum=0.0) = 0.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     optimizer: OptimizerConfig | None = None

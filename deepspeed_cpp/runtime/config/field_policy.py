@@ -60,13 +60,41 @@ _STAGE3 = "runtime/zero/stage3.py"
 _AIO = "runtime/zero/offload/swap_transfers.py"
 _CONFIG = "runtime/config/deepspeed_config.py"
 _OPTIMIZER = "runtime/config_optimizer.py"
+_REPORT = "runtime/training_report.py"
+_MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
 
 FIELDS: dict[str, FieldUse] = {
     "train_batch_size": _read(_ENGINE),
     "train_micro_batch_size_per_gpu": _read(_ENGINE),
     "gradient_accumulation_steps": _read(_ENGINE),
     "steps_per_print": _read(_ENGINE),
-    "wall_clock_breakdown": _read(_ENGINE),
+    "wall_clock_breakdown": _read(_REPORT),
+    "memory_breakdown": _read(_REPORT),
+    **{f"{section}.enabled": _read("monitor/monitor.py") for section in _MONITORS},
+    **{
+        f"{section}.{name}": _read(f"monitor/{module}.py")
+        for section, module, names in (
+            ("tensorboard", "tensorboard", "output_path job_name"),
+            ("csv_monitor", "csv_monitor", "output_path job_name"),
+            ("wandb", "wandb", "group team project"),
+            (
+                "comet",
+                "comet",
+                "samples_log_interval project workspace api_key experiment_name "
+                "experiment_key online mode",
+            ),
+        )
+        for name in names.split()
+    },
+    **{
+        f"comms_logger.{name}": _read("comm/comms_logger.py")
+        for name in "enabled verbose prof_all prof_ops debug".split()
+    },
+    **{
+        f"flops_profiler.{name}": _read(_REPORT)
+        for name in "enabled recompute_fwd_factor profile_step module_depth top_modules "
+        "detailed output_file".split()
+    },
     "gradient_clipping": _read(_ENGINE),
     "dataloader_drop_last": _read(_ENGINE),
     "nonfinite_gradients": _read(_ENGINE),

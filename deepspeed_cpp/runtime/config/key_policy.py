@@ -5,9 +5,9 @@ therefore either
 
 * **honoured**: a field of the typed schema (``deepspeed_config.py``, ``sections.py``,
   ``optimizer.py``, ``scheduler.py``); those keys are not listed here;
-* **ignored** (``_ignored``): accepted with one warning, because it only changes logging or
-  monitoring, or configures a DeepSpeed API that scripts call themselves and that
-  deepspeed_cpp does not provide (its use would fail at that call, not silently);
+* **ignored** (``_ignored``): accepted with one warning, because it only changes logging, or
+  configures a DeepSpeed API that scripts call themselves and that deepspeed_cpp does not
+  provide (its use would fail at that call, not silently);
 * **deprecated** (``_deprecated``): an old spelling, accepted with one warning and moved to its
   current key where it has one;
 * **harmless only at some values** (``_harmless_at``): accepted with one warning while its value
@@ -132,38 +132,12 @@ def _stage3_only(*keys: str) -> list[KeyPolicy]:
     return policies
 
 
-_MONITOR = "deepspeed_cpp does not write to monitoring back-ends yet"
 _NO_API = "it configures a DeepSpeed API that deepspeed_cpp does not provide yet"
 
 POLICIES: tuple[KeyPolicy, ...] = (
     # --- logging, monitoring and profiling: no effect on training -----------------------------
-    _ignored("tensorboard", _MONITOR, {"enabled", "output_path", "job_name"}),
-    _ignored("csv_monitor", _MONITOR, {"enabled", "output_path", "job_name"}),
-    _ignored("wandb", _MONITOR, {"enabled", "group", "team", "project"}),
-    _ignored(
-        "comet",
-        _MONITOR,
-        (
-            "enabled samples_log_interval project workspace api_key "
-            "experiment_name experiment_key online mode"
-        ).split(),
-    ),
-    _ignored(
-        "comms_logger",
-        "deepspeed_cpp does not log collectives yet",
-        {"enabled", "verbose", "prof_all", "debug", "prof_ops"},
-    ),
-    _ignored(
-        "flops_profiler",
-        "deepspeed_cpp has no flops profiler yet",
-        (
-            "enabled recompute_fwd_factor profile_step module_depth "
-            "top_modules detailed output_file"
-        ).split(),
-    ),
     _ignored("timers", "deepspeed_cpp's timers are set by wall_clock_breakdown"),
     _ignored("dump_state", "deepspeed_cpp does not print its state after initialisation"),
-    _ignored("memory_breakdown", "deepspeed_cpp does not log memory use per step yet"),
     _ignored("vocabulary_size", "DeepSpeed only uses it for a tensor-core alignment warning"),
     _ignored("log_level", "deepspeed_cpp's log level is set on the 'deepspeed_cpp' logger"),
     # --- configure APIs that a script calls itself; deepspeed_cpp does not provide them yet ---

@@ -1,0 +1,136 @@
+"""What the engine reports about its steps: monitor events and wall-clock timers, at DeepSpeed's
+cadence. The engine calls ``begin``/``end`` around its phases and ``after_backward``/
+``after_step``; everything else (names, cadence, ranks) is decided here.
+
+DeepSpeed's cadence, kept: at every accumulation boundary rank 0 writes ``Train/Samples/
+train_loss`` (the mean of the micro-steps' losses, rank 0's own, at the samples seen before the
+step), then after the step ``Train/Samples/lr`` (the first param group's, after the schedule
+stepped) and, with fp16, ``Train/Samples/loss_scale``, at the samples seen after it. With
+``wall_clock_breakdown`` the micro timers are logged at every ``step()`` call and the global
+ones every ``steps_per_print`` steps (with the monitors also getting ``Train/Samples/
+elapsed_time_ms_*`` at every boundary). With ``flops_profiler`` rank 0 profiles the forward
+passes of step ``profile_step`` (counted from 0, before it is taken) and prints the profile when
+that step is taken, as DeepSpeed does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..monitor import MonitorMaster
+from ..utils.timer import GLOBAL_TIMERS, MICRO_TIMERS, NoopTimer, SynchronizedWallClockTimer
+
+# Global timer -> the monitor event DeepSpeed writes for it.
+_ELAPSED_EVENTS = {
+    "fwd": "Train/Samples/elapsed_time_ms_forward",
+    "bwd": "Train/Samples/elapsed_time_ms_backward",
+    "bwd_inner": "Train/Samples/elapsed_time_ms_backward_inner",
+    "bwd_allreduce": "Train/Samples/elapsed_time_ms_backward_allreduce",
+    "step": "Train/Samples/elapsed_time_ms_step",
+}
+
+
+class TrainingReport:
+    def __init__(self, config, rank: int) -> None:
+        self.monitor = MonitorMaster(config, rank)
+        self.wall_clock_breakdown = bool(config.wall_clock_breakdown)
+        self.memory_breakdown = bool(config.memory_breakdown)
+        self.timers = SynchronizedWallClockTimer() if self.wall_clock_breakdown else NoopTimer()
+        self.steps_per_print = config.steps_per_print
+        self._writes = bool(self.monitor.monitors)  # rank 0 with a back-end enabled
+        self._losses: torch.Tensor | None = None
+        self.flops = config.flops_profiler
+        self.flops_profiler = None  # built on rank 0 at its first forward
+        self._rank = rank
+
+    # --- timers: "fwd", "bwd", "bwd_inner", "bwd_allreduce", "step" (micro and global) ----------
+    def begin(self, name: str) -> None:
+        if self.wall_clock_breakdown:
+            for timer in (self.timers(f"{name}_microstep"), self.timers(name)):
+                if timer.started_:  # a phase that raised part-way never ended
+                    timer.reset()
+                timer.start()
+
+    def end(self, name: str) -> None:
+        if self.wall_clock_breakdown:
+            self.timers(f"{name}_microstep").stop()
+            self.timers(name).stop()
+
+    def before_forward(self, engine) -> None:
+        self.begin("fwd")
+        if self._profiles(engine):
+            if self.flops_profiler is None:
+                from ..profiling.flops_profiler import FlopsProfiler
+
+                self.flops_profiler = FlopsProfiler(
+                    engine.module, engine, self.flops.recompute_fwd_factor
+                )
+            self.flops_profiler.start_profile()  # each micro-step anew: the last one is shown
+
+    def after_forward(self, engine) -> None:
+        if self.flops_profiler is not None and self.flops_profiler.started:
+            self.flops_profiler.stop_profile()
+        self.end("fwd")
+
+    def _profiles(self, engine) -> bool:
+        return (
+            self.flops.enabled
+            and self._rank == 0
+            and engine.global_steps == self.flops.profile_step
+        )
+
+    def before_step(self, engine) -> bool:
+        """Whether this step() is the profiled one (asked before global_steps moves on)."""
+        return self._profiles(engine) and self.flops_profiler is not None
+
+    def print_flops_profile(self, engine) -> None:
+        self.flops_profiler.print_model_profile(
+            profile_step=self.flops.profile_step,
+            module_depth=self.flops.module_depth,
+            top_modules=self.flops.top_modules,
+            detailed=self.flops.detailed,
+            output_file=self.flops.output_file,
+        )
+        self.flops_profiler.end_profile()
+
+    # --- events -----------------------------------------------------------------------------
+    def after_backward(self, loss: torch.Tensor, divisor: int, boundary: bool, samples: int):
+        """Adds this micro-step's loss (divided as backward divided it); writes the sum at the
+        boundary."""
+        if not self._writes:
+            return
+        mean = loss.detach().float().mean()
+        if divisor > 1:
+            mean = mean / divisor
+        self._losses = mean if self._losses is None else self._losses + mean
+        if boundary:
+            self.monitor.write_events([("Train/Samples/train_loss", self._losses.item(), samples)])
+            self._losses = None
+
+    def after_step(self, engine, boundary: bool, profiled: bool = False) -> None:
+        if profiled and boundary:
+            self.print_flops_profile(engine)
+        if boundary and self._writes:
+            lrs = engine.get_lr()
+            events = [("Train/Samples/lr", lrs[0], engine.global_samples)] if lrs else []
+            if engine.fp16_enabled():
+                events.append(
+                    ("Train/Samples/loss_scale", engine.get_loss_scale(), engine.global_samples)
+                )
+            self.monitor.write_events(events)
+        if not self.wall_clock_breakdown:
+            return
+        self.timers.log(MICRO_TIMERS, memory_breakdown=self.memory_breakdown)
+        if not boundary:
+            return
+        if self._writes:
+            self.monitor.write_events(
+                (event, self.timers(name).elapsed(reset=False) * 1000.0, engine.global_samples)
+                for name, event in _ELAPSED_EVENTS.items()
+            )
+        every = self.steps_per_print
+        if every and engine.global_steps % every == 0:
+            self.timers.log(GLOBAL_TIMERS)
+
+    def close(self) -> None:
+        self.monitor.close()

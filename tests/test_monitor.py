@@ -1,0 +1,256 @@
+"""Monitors (issue 30): DeepSpeed's tensorboard / csv_monitor sections on 2 gloo ranks write the
+engine's own losses, learning rates and loss scales, from rank 0 only, read back with each
+back-end's own reader; a missing back-end package is a named error on every rank."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_checkpoint import start_pool
+
+from deepspeed_cpp.monitor import MissingMonitorPackageError, MonitorMaster
+from deepspeed_cpp.runtime.config import DeepSpeedConfig
+
+STEPS, GAS, MICRO = 4, 2, 3
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    pool = start_pool(2)
+    yield pool
+    pool.close()
+
+
+def _train_with_monitors(root: str, stage: int, fp16: bool):
+    import deepspeed_cpp as deepspeed
+
+    rank = dist.get_rank()
+    out = os.path.join(root, f"rank{rank}")  # per rank, to see that only rank 0 writes
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "steps_per_print": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3},
+        },
+        "zero_optimization": {"stage": stage},
+        "tensorboard": {"enabled": True, "output_path": out, "job_name": "tb_job"},
+        "csv_monitor": {"enabled": True, "output_path": out, "job_name": "csv_job"},
+    }
+    if fp16:
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
+    engine, _, _, scheduler = deepspeed.initialize(model=model, config=config)
+    dtype = next(engine.module.parameters()).dtype
+    generator = torch.Generator().manual_seed(1 + rank)
+    losses, lrs, scales = [], [], []
+    for _ in range(STEPS):
+        step_loss = 0.0
+        for _ in range(GAS):
+            x = torch.randn(MICRO, 5, generator=generator).to(dtype)
+            loss = engine(x).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / GAS
+        losses.append(step_loss)
+        lrs.append(scheduler.get_last_lr()[0])
+        scales.append(engine.get_loss_scale())
+    engine.destroy()
+    return losses, lrs, scales, engine.train_batch_size()
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[tuple[int, float]]]:
+    with open(path, newline="") as file:
+        rows = list(csv.reader(file))
+    return rows[0], [(int(step), float(value)) for step, value in rows[1:]]
+
+
+def _assert_points(got, expected, rel):
+    assert [step for step, _ in got] == [step for step, _ in expected]
+    assert [value for _, value in got] == pytest.approx([v for _, v in expected], rel=rel)
+
+
+def _read_tensorboard(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(folder))
+    accumulator.Reload()
+    return {
+        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+        for tag in accumulator.Tags()["scalars"]
+    }
+
+
+@pytest.mark.parametrize("stage, fp16", [(2, False), (3, True)])
+def test_rank0_writes_engine_losses_and_lrs(pool2, tmp_path, stage, fp16):
+    pytest.importorskip("tensorboard")
+    results = pool2.run(_train_with_monitors, str(tmp_path), stage, fp16)
+    losses, lrs, scales, batch = results[0]
+    assert not (tmp_path / "rank1").exists(), "rank 1 must not write monitor files"
+    # DeepSpeed's cadence: the loss at the samples seen before the step, lr (and loss scale)
+    # at those seen after it.
+    loss_points = [(batch * i, loss) for i, loss in enumerate(losses)]
+    lr_points = [(batch * (i + 1), lr) for i, lr in enumerate(lrs)]
+    scale_points = [(batch * (i + 1), s) for i, s in enumerate(scales)]
+
+    csv_dir = tmp_path / "rank0" / "csv_job"
+    expected_files = {"Train_Samples_train_loss.csv", "Train_Samples_lr.csv"}
+    if fp16:
+        expected_files.add("Train_Samples_loss_scale.csv")
+    assert {p.name for p in csv_dir.iterdir()} == expected_files
+    header, rows = _read_csv(csv_dir / "Train_Samples_train_loss.csv")
+    assert header == ["step", "train_loss"]
+    _assert_points(rows, loss_points, rel=1e-6)
+    header, rows = _read_csv(csv_dir / "Train_Samples_lr.csv")
+    assert header == ["step", "lr"]
+    _assert_points(rows, lr_points, rel=1e-12)
+
+    scalars = _read_tensorboard(tmp_path / "rank0" / "tb_job")
+    expected_tags = {"Train/Samples/train_loss", "Train/Samples/lr"}
+    if fp16:
+        expected_tags.add("Train/Samples/loss_scale")
+        _assert_points(scalars["Train/Samples/loss_scale"], scale_points, rel=0)
+    assert set(scalars) == expected_tags
+    # TensorBoard stores float32.
+    _assert_points(scalars["Train/Samples/train_loss"], loss_points, rel=1e-6)
+    _assert_points(scalars["Train/Samples/lr"], lr_points, rel=1e-6)
+
+
+def test_write_events_for_user_scalars(tmp_path):
+    config = DeepSpeedConfig.parse(
+        {"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "j"}}
+    )
+    monitor = MonitorMaster(config, rank=0)
+    monitor.write_events([("Train/Eval/accuracy", 0.5, 10), ("my loss", torch.tensor(2.0), 10)])
+    monitor.write_events([("Train/Eval/accuracy", 0.75, 20)])
+    assert _read_csv(tmp_path / "j" / "Train_Eval_accuracy.csv") == (
+        ["step", "accuracy"],
+        [(10, 0.5), (20, 0.75)],
+    )
+    assert _read_csv(tmp_path / "j" / "my_loss.csv") == (["step", "my loss"], [(10, 2.0)])
+    # Other ranks build no back-end and write nothing.
+    other = MonitorMaster(config, rank=1)
+    assert other.enabled and other.monitors == []
+
+
+def test_missing_package_is_a_named_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    config = DeepSpeedConfig.parse({"wandb": {"enabled": True}})
+    for rank in (0, 1):  # every rank, not only the writing one
+        with pytest.raises(
+            MissingMonitorPackageError, match=r"'wandb' section .*pip install wandb"
+        ):
+            MonitorMaster(config, rank=rank)
+
+
+def test_disabled_monitors_import_nothing():
+    config = DeepSpeedConfig.parse({})
+    monitor = MonitorMaster(config, rank=0)
+    assert not monitor.enabled and monitor.monitors == []
+
+
+def _train_with_timers(root: str):
+    import logging
+
+    import deepspeed_cpp as deepspeed
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("deepspeed_cpp").addHandler(handler)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "steps_per_print": 2,
+        "wall_clock_breakdown": True,
+        "memory_breakdown": True,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2},
+        "csv_monitor": {"enabled": True, "output_path": root, "job_name": "timers"},
+        "flops_profiler": {
+            "enabled": True,
+            "profile_step": 1,
+            "output_file": os.path.join(root, f"flops_rank{dist.get_rank()}.txt"),
+        },
+    }
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    try:
+        for _ in range(STEPS * GAS):
+            engine.backward(engine(torch.randn(MICRO, 5)).pow(2).mean())
+            engine.step()
+    finally:
+        logging.getLogger("deepspeed_cpp").removeHandler(handler)
+        engine.destroy()
+    return [line for line in lines if line.startswith("time (ms)")]
+
+
+def test_wall_clock_breakdown_logs_deepspeed_timers(pool2, tmp_path):
+    lines = pool2.run(_train_with_timers, str(tmp_path))
+    assert lines[1] == []  # rank 0 logs
+    micro = [line for line in lines[0] if "fwd_microstep" in line]
+    global_ = [line for line in lines[0] if "| fwd:" in line]
+    assert len(micro) == STEPS * GAS  # every step() call, as DeepSpeed
+    for name in ("fwd_microstep", "bwd_microstep", "bwd_inner_microstep",
+                 "bwd_allreduce_microstep", "step_microstep", "host_rss"):  # fmt: skip
+        assert f"| {name}: " in micro[-1], (name, micro[-1])
+    assert len(global_) == STEPS // 2  # every steps_per_print optimizer steps
+    for name in ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step"):
+        assert f"| {name}: " in global_[-1]
+    # The monitors get DeepSpeed's elapsed-time events at every boundary.
+    names = {p.name for p in (tmp_path / "timers").iterdir()}
+    for event in ("forward", "backward", "backward_inner", "backward_allreduce", "step"):
+        assert f"Train_Samples_elapsed_time_ms_{event}.csv" in names
+    _, rows = _read_csv(tmp_path / "timers" / "Train_Samples_elapsed_time_ms_forward.csv")
+    assert len(rows) == STEPS and all(value > 0 for _, value in rows)
+    # flops_profiler: rank 0 profiles step 1's forward: MICRO x (5*7 + 7*1) multiply-adds.
+    assert not (tmp_path / "flops_rank1.txt").exists()
+    profile = (tmp_path / "flops_rank0.txt").read_text()
+    assert "Profile Summary at step 1:" in profile
+    assert f"{'fwd MACs per GPU:':<60}{MICRO * (5 * 7 + 7 * 1)} MACs" in profile
+
+
+@pytest.mark.parametrize("backend", ["csv_monitor", "tensorboard"])
+def test_plot_draws_a_runs_curves(tmp_path, backend):
+    pytest.importorskip("matplotlib")
+    if backend == "tensorboard":
+        pytest.importorskip("tensorboard")
+    from deepspeed_cpp.plot import read_run
+    from deepspeed_cpp.plot.__main__ import main
+
+    config = DeepSpeedConfig.parse(
+        {backend: {"enabled": True, "output_path": str(tmp_path), "job_name": "run"}}
+    )
+    monitor = MonitorMaster(config, rank=0)
+    for step in range(1, 6):
+        monitor.write_events(
+            [
+                ("Train/Samples/train_loss", 1.0 / step, 8 * step),
+                ("Train/Samples/lr", 0.1 * step, 8 * step),
+            ]
+        )
+    monitor.close()
+    curves = read_run(tmp_path / "run")
+    assert set(curves) == {"Train/Samples/train_loss", "Train/Samples/lr"}
+    _assert_points(curves["Train/Samples/lr"], [(8 * s, 0.1 * s) for s in range(1, 6)], 1e-6)
+    out = tmp_path / "curves.png"
+    assert main([str(tmp_path / "run"), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([str(tmp_path / "missing")]) == 1
