@@ -88,12 +88,13 @@ def test_zero3_step(pool2):
     # b2 20 -> 32; each rank's shard is half of that.
     for summary, latencies_positive, wrapped in results:
         assert summary == {
-            # Each parameter gathered once (kept from forward through backward: the default
-            # max_reuse_distance never releases early); gloo gathers by one broadcast per rank.
-            "broadcast": {608 * 4: 2, 16 * 4: 4, 304 * 4: 2},
-            # The coordinator's one-int64-per-rank agreement before every module use (2 in
-            # forward, 2 in backward) and at the end of the pass.
-            "all_gather_into_tensor": {2 * 8: 5},
+            # Each fetch unit gathered once, with one all-gather of its parameters' shards
+            # (kept from forward through backward: the default max_reuse_distance never
+            # releases early); the message is the gathered buffer: Linear 1 (1216 + 32) and
+            # Linear 2 (608 + 32) elements of fp32. Then the coordinator's agreement: three
+            # int64 (unit, uses, digest) per rank where a use launched gathers (the two units
+            # in forward) and once at the end of the pass.
+            "all_gather_into_tensor": {1248 * 4: 1, 640 * 4: 1, 3 * 8 * 2: 3},
             # The C++ reducer: one bucket per partitioned parameter (fp32, whole, all-reduced),
             # then the global gradient norm (one float64).
             "all_reduce": {1216 * 4: 1, 608 * 4: 1, 32 * 4: 2, 8: 1},

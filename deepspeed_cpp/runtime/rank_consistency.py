@@ -36,6 +36,15 @@ PER_RANK_CONFIG_KEYS = frozenset(
     {
         "steps_per_print",
         "wall_clock_breakdown",
+        "memory_breakdown",
+        # Observability: written or printed by each rank alone (monitors by rank 0), never a
+        # collective of their own; a per-rank output file name is common.
+        "tensorboard",
+        "csv_monitor",
+        "wandb",
+        "comet",
+        "flops_profiler",
+        "comms_logger",
         "zero_optimization.offload_optimizer.nvme_path",
         "zero_optimization.offload_optimizer.pin_memory",
         "zero_optimization.offload_optimizer.cpuadam_cores_perc",
