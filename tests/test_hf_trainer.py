@@ -3,6 +3,7 @@ process on the same data: ZeRO stages 0-3, optimizer/schedule origins, gradient 
 checkpoints and exact resume, and accelerate's world size on a machine without a GPU."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -293,6 +294,79 @@ def test_optimizer_and_schedule_from_either_side(pool2, tmp_path):
     assert runs["config", "trainer"]["losses"] == pytest.approx(
         runs["trainer", "trainer"]["losses"], abs=1e-5
     )
+
+
+def test_config_schedule_logs_the_rates_transformers_logs_with_deepspeed(pool2, tmp_path):
+    """The guide's template schedule (WarmupDecayLR, "auto" params, log warm-up): with DeepSpeed
+    the engine steps it inside ``backward``, so transformers' Trainer logs at step N the rate the
+    schedule holds after N steps, DeepSpeed's ``f(N - 1)``. Our Trainer logged the rate the step
+    had used, ``f(N - 2)``: 0.0 at step 2 where transformers logs the warmed-up rate (the losses
+    were equal). The reference is transformers' own Trainer driving the engine through
+    accelerate's DeepSpeed path (the unmodified example under the alias, 2 ranks), and
+    DeepSpeed's formula for the numbers."""
+    from launch_helpers import free_port, launch_env
+
+    # The template's scheduler: SCHEDULER without its warmup_type (DeepSpeed's default, "log").
+    params = {k: v for k, v in SCHEDULER["params"].items() if k != "warmup_type"}
+    config = _auto_config(
+        2, optimizer=OPTIMIZER, scheduler={"type": "WarmupDecayLR", "params": params}
+    )
+    lr, warmup, steps = 0.01, 3, 6
+    example = REPO_ROOT / "examples" / "hf_trainer" / "train_tiny_gpt2.py"
+    script = tmp_path / "train_hf.py"
+    script.write_text(
+        example.read_text().replace(
+            "from deepspeed_cpp.hf import Trainer, TrainingArguments",
+            "from transformers import Trainer, TrainingArguments",
+        )
+    )
+    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    command = [
+        sys.executable, "-m", "deepspeed_cpp.launcher", "--num_gpus", str(WORLD),
+        "--master_port", str(free_port()), "--alias-deepspeed", str(script),
+        "--deepspeed", str(tmp_path / "ds_config.json"),
+        "--output_dir", str(tmp_path / "alias"),
+        "--per_device_train_batch_size", str(MICRO), "--max_steps", str(steps),
+        "--learning_rate", str(lr), "--warmup_steps", str(warmup), "--logging_steps", "1",
+        "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+        "--dataloader_pin_memory", "false",
+    ]  # fmt: skip
+    alias = subprocess.Popen(
+        command,
+        env=launch_env(PYTHONPATH=str(REPO_ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        spec = {
+            "output_dir": str(tmp_path / "ours"),
+            "micro": MICRO,
+            "deepspeed": config,
+            "max_steps": steps,
+            "learning_rate": lr,
+            "optim_args": {"warmup_steps": warmup},
+        }
+        ours = pool2.run(run_trainer, spec)[0]
+        output, _ = alias.communicate(timeout=400)
+    finally:
+        if alias.poll() is None:
+            alias.kill()
+            alias.communicate()
+    assert alias.returncode == 0, output[-8000:]
+    assert ours["engine_scheduler"] == "WarmupDecayLR"
+    # DeepSpeed's WarmupDecayLR after i + 1 steps (last_batch_iteration i): log warm-up over
+    # `warmup` steps, then linear decay to 0 at `steps`.
+    deepspeed_rates = [
+        lr * math.log(i + 1) / math.log(warmup) if i < warmup
+        else lr * (steps - i) / (steps - warmup)
+        for i in range(steps)
+    ]  # fmt: skip
+    assert ours["learning_rates"] == pytest.approx(deepspeed_rates, rel=1e-12, abs=1e-15)
+    theirs = json.loads((tmp_path / "alias" / "summary.json").read_text())
+    assert ours["learning_rates"] == pytest.approx(theirs["learning_rates"], rel=1e-12, abs=1e-15)
+    assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-5, rel=0)
 
 
 def test_checkpoints_hold_transformers_files_and_the_engines(pool2, tmp_path):
