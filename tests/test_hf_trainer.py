@@ -416,6 +416,33 @@ def test_checkpoints_hold_transformers_files_and_the_engines(pool2, tmp_path):
         assert torch.equal(value, final[name]), name
 
 
+def test_zero3_save_model_stores_the_tied_output_layer_once_as_transformers_does(pool2, tmp_path):
+    """``save_model`` at ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save``, the
+    embedding partitioned (threshold 100): ``model.safetensors`` holds the names transformers'
+    own ``save_pretrained`` writes for a tied GPT-2 (no ``lm_head.weight``), as with DeepSpeed,
+    and ``from_pretrained`` of it gives the trained model, tied. The gathered state dict had a
+    copy of the tied tensor per name, which transformers cannot tell from two weights."""
+    from transformers import GPT2LMHeadModel
+
+    config = _auto_config(3)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 100
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    spec = {"output_dir": str(tmp_path / "ours"), "micro": MICRO, "deepspeed": config,
+            "max_steps": 2, "save_model": True}  # fmt: skip
+    final = pool2.run(run_trainer, spec)[0]["weights"]
+    tiny_gpt2().save_pretrained(tmp_path / "transformers")
+    theirs = load_file(str(tmp_path / "transformers" / "model.safetensors"))
+    saved = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    assert "lm_head.weight" not in saved
+    assert set(saved) == set(theirs)
+    reloaded = GPT2LMHeadModel.from_pretrained(tmp_path / "ours")
+    assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
+    state = reloaded.state_dict()
+    assert set(state) == set(final)
+    for name, value in state.items():
+        assert torch.equal(value, final[name]), name
+
+
 def test_zero3_evaluation_and_best_model_at_end_match_the_reference(pool2, tmp_path):
     spec = {"max_steps": 6, "save_steps": 2, "evaluate": True, "micro": MICRO}
     ours = pool2.run(
