@@ -134,7 +134,8 @@ def run_trainer(spec: dict) -> dict:
     max_steps, save_steps (0: no checkpoints), save_at (steps to save at besides save_steps),
     resume (None, True or a path), optim_args (extra TrainingArguments), trains (how many
     train() calls, 1 by default; "calls" then holds each call's log), new_trainer_each_train
-    (each call after the first on a new Trainer holding the trained model).
+    (each call after the first on a new Trainer holding the trained model), save_model
+    (``trainer.save_model()`` into output_dir after training).
     """
     import transformers
 
@@ -223,6 +224,8 @@ def run_trainer(spec: dict) -> dict:
         trainer.train(resume_from_checkpoint=spec.get("resume"))
         calls.append([entry for entry in trainer.state.log_history if "loss" in entry])
     history = calls[-1]
+    if spec.get("save_model"):
+        trainer.save_model()  # into output_dir, as a script ends
     if evaluate:
         result_evaluation = {
             "eval_losses": [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e],

@@ -1019,3 +1019,26 @@ def test_offload_param_needs_offload_optimizer_and_max_in_cpu_warns(ds_log):
         r.getMessage() for r in ds_log.records if "max_in_cpu = 10 has no effect" in r.getMessage()
     ]
     assert len(said) == 1
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_the_guides_templates_warn_on_rank_0_only(ds_log, monkeypatch, rank):
+    """Every rank reads the same config (initialize() refuses ranks whose configs differ), so a
+    warning about it is said by rank 0 alone: the guide's ZeRO-2 template used to draw its two
+    ignored-key warnings once on every rank. A key each rank may set for its own machine
+    (cpuadam_cores_perc) keeps its warning on every rank, with the rank's number."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "the rank is the launcher's RANK before a group exists"
+    monkeypatch.setenv("RANK", rank)
+    template = json.loads((Path(__file__).parent / "configs" / "hf_zero2_auto.json").read_text())
+    DeepSpeedConfig.parse(template)
+    ignored = _warnings_about(ds_log, "zero_optimization.allgather_partitions")
+    assert len(ignored) == (1 if rank == "0" else 0)
+    offload = {"device": "cpu", "fast_init": True, "cpuadam_cores_perc": 0.5}
+    DeepSpeedConfig.load(_with_batch(zero_optimization={"stage": 2, "offload_optimizer": offload}))
+    messages = [r.getMessage() for r in ds_log.records]
+    assert sum("fast_init = true" in m for m in messages) == (1 if rank == "0" else 0)
+    local = [m for m in messages if "cpuadam_cores_perc = 0.5" in m]
+    assert local == [m for m in local if m.startswith("rank 1: ") or rank == "0"]
+    assert len(local) == 1

@@ -3,6 +3,7 @@ process on the same data: ZeRO stages 0-3, optimizer/schedule origins, gradient 
 checkpoints and exact resume, and accelerate's world size on a machine without a GPU."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -295,6 +296,79 @@ def test_optimizer_and_schedule_from_either_side(pool2, tmp_path):
     )
 
 
+def test_config_schedule_logs_the_rates_transformers_logs_with_deepspeed(pool2, tmp_path):
+    """The guide's template schedule (WarmupDecayLR, "auto" params, log warm-up): with DeepSpeed
+    the engine steps it inside ``backward``, so transformers' Trainer logs at step N the rate the
+    schedule holds after N steps, DeepSpeed's ``f(N - 1)``. Our Trainer logged the rate the step
+    had used, ``f(N - 2)``: 0.0 at step 2 where transformers logs the warmed-up rate (the losses
+    were equal). The reference is transformers' own Trainer driving the engine through
+    accelerate's DeepSpeed path (the unmodified example under the alias, 2 ranks), and
+    DeepSpeed's formula for the numbers."""
+    from launch_helpers import free_port, launch_env
+
+    # The template's scheduler: SCHEDULER without its warmup_type (DeepSpeed's default, "log").
+    params = {k: v for k, v in SCHEDULER["params"].items() if k != "warmup_type"}
+    config = _auto_config(
+        2, optimizer=OPTIMIZER, scheduler={"type": "WarmupDecayLR", "params": params}
+    )
+    lr, warmup, steps = 0.01, 3, 6
+    example = REPO_ROOT / "examples" / "hf_trainer" / "train_tiny_gpt2.py"
+    script = tmp_path / "train_hf.py"
+    script.write_text(
+        example.read_text().replace(
+            "from deepspeed_cpp.hf import Trainer, TrainingArguments",
+            "from transformers import Trainer, TrainingArguments",
+        )
+    )
+    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    command = [
+        sys.executable, "-m", "deepspeed_cpp.launcher", "--num_gpus", str(WORLD),
+        "--master_port", str(free_port()), "--alias-deepspeed", str(script),
+        "--deepspeed", str(tmp_path / "ds_config.json"),
+        "--output_dir", str(tmp_path / "alias"),
+        "--per_device_train_batch_size", str(MICRO), "--max_steps", str(steps),
+        "--learning_rate", str(lr), "--warmup_steps", str(warmup), "--logging_steps", "1",
+        "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+        "--dataloader_pin_memory", "false",
+    ]  # fmt: skip
+    alias = subprocess.Popen(
+        command,
+        env=launch_env(PYTHONPATH=str(REPO_ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        spec = {
+            "output_dir": str(tmp_path / "ours"),
+            "micro": MICRO,
+            "deepspeed": config,
+            "max_steps": steps,
+            "learning_rate": lr,
+            "optim_args": {"warmup_steps": warmup},
+        }
+        ours = pool2.run(run_trainer, spec)[0]
+        output, _ = alias.communicate(timeout=400)
+    finally:
+        if alias.poll() is None:
+            alias.kill()
+            alias.communicate()
+    assert alias.returncode == 0, output[-8000:]
+    assert ours["engine_scheduler"] == "WarmupDecayLR"
+    # DeepSpeed's WarmupDecayLR after i + 1 steps (last_batch_iteration i): log warm-up over
+    # `warmup` steps, then linear decay to 0 at `steps`.
+    deepspeed_rates = [
+        lr * math.log(i + 1) / math.log(warmup) if i < warmup
+        else lr * (steps - i) / (steps - warmup)
+        for i in range(steps)
+    ]  # fmt: skip
+    assert ours["learning_rates"] == pytest.approx(deepspeed_rates, rel=1e-12, abs=1e-15)
+    theirs = json.loads((tmp_path / "alias" / "summary.json").read_text())
+    assert ours["learning_rates"] == pytest.approx(theirs["learning_rates"], rel=1e-12, abs=1e-15)
+    assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-5, rel=0)
+
+
 def test_checkpoints_hold_transformers_files_and_the_engines(pool2, tmp_path):
     results = pool2.run(
         run_trainer,
@@ -339,6 +413,33 @@ def test_checkpoints_hold_transformers_files_and_the_engines(pool2, tmp_path):
     recovered = torch.load(tmp_path / "checkpoint-4" / "fp32" / "pytorch_model.bin")
     assert set(recovered) == set(final)
     for name, value in recovered.items():
+        assert torch.equal(value, final[name]), name
+
+
+def test_zero3_save_model_stores_the_tied_output_layer_once_as_transformers_does(pool2, tmp_path):
+    """``save_model`` at ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save``, the
+    embedding partitioned (threshold 100): ``model.safetensors`` holds the names transformers'
+    own ``save_pretrained`` writes for a tied GPT-2 (no ``lm_head.weight``), as with DeepSpeed,
+    and ``from_pretrained`` of it gives the trained model, tied. The gathered state dict had a
+    copy of the tied tensor per name, which transformers cannot tell from two weights."""
+    from transformers import GPT2LMHeadModel
+
+    config = _auto_config(3)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 100
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    spec = {"output_dir": str(tmp_path / "ours"), "micro": MICRO, "deepspeed": config,
+            "max_steps": 2, "save_model": True}  # fmt: skip
+    final = pool2.run(run_trainer, spec)[0]["weights"]
+    tiny_gpt2().save_pretrained(tmp_path / "transformers")
+    theirs = load_file(str(tmp_path / "transformers" / "model.safetensors"))
+    saved = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    assert "lm_head.weight" not in saved
+    assert set(saved) == set(theirs)
+    reloaded = GPT2LMHeadModel.from_pretrained(tmp_path / "ours")
+    assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
+    state = reloaded.state_dict()
+    assert set(state) == set(final)
+    for name, value in state.items():
         assert torch.equal(value, final[name]), name
 
 

@@ -12,8 +12,9 @@ have it, the ``import deepspeed`` alias runs it on transformers' own DeepSpeed p
         --deepspeed ds_config.json --output_dir out
 
 A tiny GPT-2 built from a config and a seeded token data set (no downloads). The main process
-writes ``summary.json`` (losses, world size) into the output folder. The tests import
-``tiny_gpt2`` and ``token_dataset`` from here, so the script and the tests train the same thing.
+writes ``summary.json`` (losses, learning rates, world size) into the output folder. The tests
+import ``tiny_gpt2`` and ``token_dataset`` from here, so the script and the tests train the same
+thing.
 """
 
 import json
@@ -77,6 +78,9 @@ def main():
         summary = {
             "world_size": training_args.world_size,
             "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+            "learning_rates": [
+                e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e
+            ],
         }
         with open(os.path.join(training_args.output_dir, "summary.json"), "w") as handle:
             json.dump(summary, handle)

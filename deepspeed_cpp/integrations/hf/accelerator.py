@@ -78,11 +78,24 @@ class EngineScheduler:
         """Nothing: the engine stepped the schedule."""
 
     def get_last_lr(self) -> list[float]:
-        """The learning rates the last optimizer step used (before any step: the current ones).
+        """The learning rates the Trainer logs for the step just taken, as it logs them with
+        DeepSpeed.
 
-        The Trainer asks between its ``optimizer.step()`` and ``lr_scheduler.step()``, when a
-        torch schedule still holds the step's rates; the engine has moved its schedule on by
-        then, so the rates are those recorded before the engine's step."""
+        The Trainer asks between its ``optimizer.step()`` and ``lr_scheduler.step()``. With
+        DeepSpeed, accelerate hands the engine only DeepSpeed's own schedules (the config's
+        ``scheduler`` section, or a caller's object whose class name is in
+        ``VALID_LR_SCHEDULES``); the engine steps them inside ``backward``, so the Trainer reads
+        the schedule already moved on: its ``get_last_lr()``, the rates of the next step. Any
+        other schedule (the Trainer's own ``lr_scheduler_type``, a caller's torch schedule)
+        accelerate keeps and the Trainer steps after reading it, so it reads the rates the step
+        used: those recorded before the engine's step here (before any step: the current ones).
+        Reading the recorded rates for both logged a config schedule's rates one step late
+        (WarmupLR: 0.0 at step 2 where transformers with DeepSpeed logs the warmed-up rate)."""
+        from ...runtime.lr_schedules import VALID_LR_SCHEDULES
+
+        schedule = self.engine.lr_scheduler
+        if schedule is not None and type(schedule).__name__ in VALID_LR_SCHEDULES:
+            return list(schedule.get_last_lr())
         recorded = self._accelerator.learning_rates_of_last_step
         return list(recorded) if recorded is not None else self.engine.get_lr()
 

@@ -8,13 +8,15 @@ Two steps, as the Hugging Face integration needs them:
 
 Every problem found is reported at once in one DeepSpeedConfigError (a ValueError) naming the
 key path, the value and what was expected. Accepted-but-ignored and deprecated keys are logged
-once per key and process on the ``deepspeed_cpp`` logger (see ``key_policy.py`` for the
-decisions on keys the schema does not model, ``field_policy.py`` for the schema's own fields).
+once per key and process on the ``deepspeed_cpp`` logger, by rank 0 only where the ranks would
+all say the same (``_may_differ_between_ranks``); see ``key_policy.py`` for the decisions on
+keys the schema does not model, ``field_policy.py`` for the schema's own fields.
 (No ``from __future__ import annotations``: field types are calls such as ``integer(1)``.)
 """
 
 import copy
 import functools
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -226,12 +228,16 @@ class DeepSpeedConfig(ConfigSection):
         return problems, warnings
 
     def _warn_once(self, warnings: list[str]) -> None:
+        rank = _this_rank()
         for message in warnings:
             key = _warning_key(message)
             if key not in self._warned and key not in _WARNED_KEYS:
                 self._warned.add(key)
                 _WARNED_KEYS.add(key)
-                logger.warning(message)
+                if rank == 0:
+                    logger.warning(message)
+                elif _may_differ_between_ranks(key):
+                    logger.warning(f"rank {rank}: {message}")
 
     # --- the Hugging Face path: "auto" values, then finalisation --------------------------------
     def fill_auto(self, values: Mapping[str, Any]) -> list[str]:
@@ -335,6 +341,32 @@ def _warning_key(message: str) -> str:
     """The key a warning is about (its leading 'key' or dotted.key), else the message."""
     match = _QUOTED_KEY.match(message) or _DOTTED_KEY.match(message)
     return match.group(1) if match else message
+
+
+def _this_rank() -> int:
+    """The global rank: the process group's, or before it exists the launcher's RANK."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _may_differ_between_ranks(key: str) -> bool:
+    """Whether a warning about ``key`` may say something else on another rank.
+
+    Every rank of a job reads the same config, and initialize() refuses ranks whose configs
+    differ (rank_consistency.py), so a warning about the config says the same thing on every
+    rank and rank 0 says it for all: the guide's templates drew each warning once per rank.
+    The exception is the keys each rank may set for its own machine (PER_RANK_CONFIG_KEYS:
+    cpuadam_cores_perc, nvme_path, ...): a warning about one of them is said on every rank that
+    has it, with the rank's number."""
+    from ..rank_consistency import PER_RANK_CONFIG_KEYS
+
+    return any(key == path or key.startswith(path + ".") for path in PER_RANK_CONFIG_KEYS)
 
 
 def forget_warnings() -> None:

@@ -20,6 +20,7 @@ once: it is released when the last lets go (``ds_active``).
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 
 import torch
@@ -526,6 +527,12 @@ class Init:
             return
         context = self
 
+        # Wrapped as DeepSpeed's partition_after is (functools.wraps): what inspects the class
+        # sees its own __init__. transformers' @auto_docstring reads the signature of the
+        # __init__ of each model class defined in the block (a model module first imported
+        # there, as from_config or from_pretrained does) and printed "[ERROR] `module` is part
+        # of Init._wrap.<locals>.init_then_partition's signature" for each.
+        @functools.wraps(original)
         def init_then_partition(module, *args, **kwargs):
             depth = module.__dict__.get("_ds_init_depth", 0)
             object.__setattr__(module, "_ds_init_depth", depth + 1)
@@ -570,8 +577,13 @@ class Init:
         for cls, name, original in reversed(self._patched):
             if original is None:
                 delattr(cls, name)
-            else:
-                setattr(cls, name, original)
+                continue
+            wrapper = cls.__dict__.get(name) if isinstance(cls, type) else None
+            if name == "__init__" and wrapper is not None and wrapper.__doc__ != original.__doc__:
+                # A docstring written onto the wrapper while it stood in (transformers'
+                # @auto_docstring on a class defined in the block) stays with the class.
+                original.__doc__ = wrapper.__doc__
+            setattr(cls, name, original)
         self._patched.clear()
         return False
 

@@ -279,13 +279,25 @@ class ZeroStage3:
 
     def full_state_dict(self, module: torch.nn.Module, *, rank0_only: bool) -> dict:
         """The module's state dict with every partitioned parameter gathered one at a time (on
-        rank 0 only with ``rank0_only``: the other ranks never hold more than one)."""
+        rank 0 only with ``rank0_only``: the other ranks never hold more than one).
+
+        A tied parameter (one tensor under several names: GPT-2's ``lm_head.weight`` and
+        ``transformer.wte.weight``) is gathered once and every name gets that one copy, as
+        DeepSpeed's consolidated state dict shares it by ``ds_id``: transformers'
+        ``save_pretrained`` tells tied names by shared storage and stores the tensor once, so
+        a copy per name put the tied ``lm_head.weight`` into ``model.safetensors``."""
         if self.partitioned is not None:
             self.partitioned.apply_pending_update()
         result = {}
+        first_name: dict[int, str] = {}
         keep = not rank0_only or self.rank == 0
         for name, value in module.state_dict(keep_vars=True).items():
             if pp.is_partitioned(value):
+                shared = first_name.setdefault(id(value), name)
+                if shared != name:
+                    if keep:
+                        result[name] = result[shared]
+                    continue
                 with pp.GatheredParameters([value]):
                     if keep:  # on the host: the whole model need not fit the device
                         result[name] = value.detach().to("cpu", copy=True)
