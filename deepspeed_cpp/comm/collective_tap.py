@@ -28,6 +28,7 @@ _SIZE_ARGUMENT = {
     "reduce": "tensor",
     "all_gather": "tensor_list",
     "all_gather_into_tensor": "output_tensor",
+    "all_gather_single": "output_tensor",  # torch 2.14's name of the same collective
     "reduce_scatter": "input_list",
     "reduce_scatter_tensor": "input",
     "all_to_all_single": "input",
@@ -110,8 +111,13 @@ def _argument_reader(original, name: str | None):
     return read
 
 
-def _timed(op: str, original):
-    size_of = _argument_reader(original, _SIZE_ARGUMENT[op])
+# Recorded under DeepSpeed's table name: torch 2.14 renamed the collective, DeepSpeed did not.
+_REPORTED_AS = {"all_gather_single": "all_gather_into_tensor"}
+
+
+def _timed(called: str, original):
+    op = _REPORTED_AS.get(called, called)
+    size_of = _argument_reader(original, _SIZE_ARGUMENT[called])
     group_of = _argument_reader(original, "group")
     async_of = _argument_reader(original, "async_op")
 
@@ -130,7 +136,7 @@ def _timed(op: str, original):
         return result
 
     collective.__wrapped__ = original
-    collective.__name__ = getattr(original, "__name__", op)
+    collective.__name__ = getattr(original, "__name__", called)
     collective.__doc__ = getattr(original, "__doc__", None)
     return collective
 

@@ -54,6 +54,7 @@ from ...ops.zero import make_fetch_schedule
 from ...utils.logging import logger
 from ...utils.z3_leaf_modules import LEAF_PARAMETER_ATTRIBUTE, z3_leaf_module
 from . import partition_parameters as pp
+from .shard_gather import all_gather_flat
 from .unit import ZeroUnit
 
 
@@ -268,7 +269,7 @@ class ParameterCoordinator:
         if self.check_group is None:
             return None
         every = torch.empty(3 * self.world_size, dtype=torch.int64)
-        work = dist.all_gather_into_tensor(every, mine, group=self.check_group, async_op=True)
+        work = all_gather_flat(every, mine, self.check_group)
         return work, every
 
     def _finish_check(self, check) -> None:

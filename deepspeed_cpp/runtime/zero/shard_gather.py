@@ -22,6 +22,15 @@ def backend_for(group: dist.ProcessGroup, device: torch.device) -> str:
     return name
 
 
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group) -> dist.Work:
+    """Starts one all-gather of every rank's ``shard`` into the flat ``output`` (rank order).
+    torch 2.14 calls it ``all_gather_single`` (``all_gather_into_tensor`` now warns that it is
+    deprecated); torch 2.11 has only the old name. Looked up per call: the comms logger swaps
+    torch.distributed's functions while it is on."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, shard, group=group, async_op=True)
+
+
 def launch_all_gather(
     full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, by_broadcast: bool
 ) -> list[dist.Work]:
@@ -38,7 +47,7 @@ def launch_all_gather(
         )
     if not by_broadcast:
         source = shard if shard.dtype == full.dtype else shard.to(full.dtype)
-        return [dist.all_gather_into_tensor(full, source, group=group, async_op=True)]
+        return [all_gather_flat(full, source, group)]
     own = full.narrow(0, rank * size, size)
     if own.data_ptr() != shard.data_ptr() or own.dtype != shard.dtype:  # not already in place
         own.copy_(shard)

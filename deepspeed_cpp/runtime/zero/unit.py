@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
 from . import partition_parameters as pp
+from .shard_gather import all_gather_flat
 
 
 class ZeroUnit:
@@ -102,9 +103,7 @@ class _FlatGather:
             for param, piece in zip(self.params, send.split(self.sizes)):
                 _read_shard_into(param, piece)
             self.gathered = torch.empty(total * self.world, dtype=dtype, device=device)
-        self.work = dist.all_gather_into_tensor(
-            self.gathered, send, group=self.group, async_op=True
-        )
+        self.work = all_gather_flat(self.gathered, send, self.group)
         for param in self.params:
             param.ds_works = self
             param.ds_status = pp.ZeroParamStatus.INFLIGHT
