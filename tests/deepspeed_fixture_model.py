@@ -14,7 +14,12 @@ LR, MIN_LR, WARMUP, BETAS, EPS, WEIGHT_DECAY = 1e-2, 1e-3, 5, (0.9, 0.99), 1e-8,
 STEPS_BEFORE, STEPS_AFTER = 2, 2
 CLIENT_STATE = {"epoch": 7, "note": "fixture", "seen": [1, 2, 3]}
 # (name, ZeRO stage, dtype): bf16 at stage 1 is DeepSpeed's BF16_Optimizer (bf16_zero_* files).
-FIXTURES = [("zero1", 1, "fp32"), ("zero2", 2, "fp32"), ("zero3", 3, "fp32"), ("zero1_bf16", 1, "bf16")]
+FIXTURES = [
+    ("zero1", 1, "fp32"),
+    ("zero2", 2, "fp32"),
+    ("zero3", 3, "fp32"),
+    ("zero1_bf16", 1, "bf16"),
+]
 
 
 class TinyNet(torch.nn.Module):
@@ -65,8 +70,12 @@ def ds_config(world: int, stage: int, dtype: str) -> dict:
         },
         "scheduler": {
             "type": "WarmupLR",
-            "params": {"warmup_min_lr": MIN_LR, "warmup_max_lr": LR, "warmup_num_steps": WARMUP,
-                       "warmup_type": "linear"},
+            "params": {
+                "warmup_min_lr": MIN_LR,
+                "warmup_max_lr": LR,
+                "warmup_num_steps": WARMUP,
+                "warmup_type": "linear",
+            },
         },  # fmt: skip
         "zero_optimization": {"stage": stage},
     }

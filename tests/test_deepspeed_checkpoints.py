@@ -32,10 +32,11 @@ from test_checkpoint import start_pool
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed_checkpoints"
 # fp32: the same arithmetic as DeepSpeed's up to the order of a few sums.
 FP32_TOLERANCE = 1e-6
-# bf16: the forward runs on bf16 weights and activations, so a loss is known to about one bf16
-# rounding of the model's output (2**-8 relative), and deepspeed_cpp and DeepSpeed's
-# BF16_Optimizer round the gradients at different points (DeepSpeed accumulates them in fp32).
-BF16_TOLERANCE = 1e-2
+# bf16: the weights compared are bf16, rounded from fp32 masters that agree to ~1e-7, so an
+# element may round the other way: one bf16 step, 2**-8 of a value in [1, 2) relative to the
+# largest element (measured: 3.4e-3 at ZeRO 1). Two steps allowed; the losses (measured: equal
+# bitwise) are held to the same bound.
+BF16_TOLERANCE = 2**-7
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def test_deepspeed_checkpoint_resumes_as_deepspeed_does(pools, name, stage, worl
     tolerance = BF16_TOLERANCE if dtype == "bf16" else FP32_TOLERANCE
     results = pools(world).run(resume_job, str(FIXTURES / name), stage, dtype)
     want_losses = _losses_per_step(want["losses_after_resume"], world)
-    for rank, (loaded, losses, lrs, global_steps, weights) in enumerate(results):
+    for rank, (loaded, losses, lrs, global_steps, _weights) in enumerate(results):
         assert loaded["path"] == str(FIXTURES / name / want["tag"])
         assert loaded["client_state"] == CLIENT_STATE
         assert loaded["global_steps"] == STEPS_BEFORE

@@ -122,6 +122,4 @@ def read_deepspeed_checkpoint(directory: Path, allow_symlinks: bool, with_optimi
     }
     client_state = {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}
     module_state = _module_state(model["module"], params, files.model)
-    return DeepSpeedCheckpoint(
-        directory, world, stage, module_state, payload, client_state, params
-    )
+    return DeepSpeedCheckpoint(directory, world, stage, module_state, payload, client_state, params)

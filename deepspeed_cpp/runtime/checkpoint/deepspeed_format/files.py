@@ -8,7 +8,8 @@ DeepSpeed's layout (data parallel only; one model-parallel rank, ``mp_rank_00``)
     save_dir/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt   ZeRO 3: the same, one per rank
     save_dir/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt   rank r's flat fp32 partition
                                                         and its Adam state (ZeRO 1-3)
-    save_dir/<tag>/bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt   the same, bf16 (BF16_Optimizer)
+    save_dir/<tag>/bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt   the same, bf16
+                                                        (DeepSpeed's BF16_Optimizer)
 
 deepspeed_cpp's own checkpoints reuse two of these names but always hold ``checkpoint_meta.json``
 and ``client_state.pt``; a folder with neither and a DeepSpeed model-states file is DeepSpeed's.

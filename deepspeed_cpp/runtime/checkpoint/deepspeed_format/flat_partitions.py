@@ -93,7 +93,7 @@ def zero12_params(param_shapes: list, optims: list[dict], paths, bf16: bool) -> 
     params: list[ParamState] = []
     for group, shapes in enumerate(param_shapes):
         masters, states, scalars = [], [], {}
-        for inner, path in zip(inners, paths):
+        for inner in inners:
             partition = inner["single_partition_of_fp32_groups"][group]
             # ZeRO 1/2 saves its masters trimmed already; BF16_Optimizer keeps the padding.
             padding = inner["group_paddings"][group] if bf16 else 0
@@ -143,7 +143,9 @@ def zero3_params(param_shapes: list, optims: list[dict], paths) -> list[ParamSta
                 for key in per_rank[0]
             }
             master = whole.pop("master")
-            params.append(ParamState(name, tuple(shape), group, master, {**whole, **_scalars(scalars)}))
+            params.append(
+                ParamState(name, tuple(shape), group, master, {**whole, **_scalars(scalars)})
+            )
             offset += part
     if offset != per_rank[0]["master"].numel():
         raise IncompleteCheckpointError(

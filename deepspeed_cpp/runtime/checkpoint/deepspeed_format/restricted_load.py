@@ -83,7 +83,9 @@ def load_deepspeed_file(path: Path, allow_symlinks: bool = False) -> dict:
             "and plain data); it was refused unread: unpickling it could run code from the file"
         ) from None
     except (RuntimeError, OSError, EOFError) as error:
-        raise IncompleteCheckpointError(f"DeepSpeed checkpoint file {path} cannot be read: {error}")
+        raise IncompleteCheckpointError(
+            f"DeepSpeed checkpoint file {path} cannot be read: {error}"
+        ) from error
     if not isinstance(loaded, dict):
         raise IncompleteCheckpointError(
             f"DeepSpeed checkpoint file {path} holds a {type(loaded).__name__}, not a dict"
