@@ -21,6 +21,7 @@ import torch
 from ...moe.expert_names import expert_layers, local_name, to_local
 from ...utils.logging import logger
 from .client_state import NEEDS_PICKLE_KEY, load_client_state
+from .deepspeed_format import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from .digests import file_digests
 from .errors import CheckpointMismatchError, IncompleteCheckpointError
 from .expert_files import check_experts_match, read_expert_states, wanted_by
@@ -36,7 +37,7 @@ from .layout import (
 from .layout import read_metadata as read_checked_metadata
 from .metadata import ZeroLayout
 from .rank_agreement import agree_on
-from .reshard import Resharder
+from .reshard import Resharder, classify_state
 from .rng_state import restore_rng_states
 from .shard_reader import ShardReader, load_mapped
 
@@ -218,6 +219,64 @@ def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None
     )
 
 
+_ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
+
+
+def _read_deepspeed(engine, directory: Path, options: dict, plan: _Plan) -> None:
+    """``_read_and_check`` for a checkpoint DeepSpeed wrote (``deepspeed_format/``): its
+    parameters are rebuilt whole, then cut for this engine like a resharded checkpoint."""
+    zero = engine.optimizer
+    wants_masters = zero is not None and not options["module_only"]
+    saved = read_deepspeed_checkpoint(directory, options["allow_symlinks"], wants_masters)
+    gas = engine.gradient_accumulation_steps()
+    # DeepSpeed saves no micro-step count: the checkpoint is at the boundary of its last step.
+    saved.payload["micro_steps"] = saved.payload["global_steps"] * gas
+    saved.payload["gradient_accumulation_steps"] = gas
+    plan.module_payload = saved.payload
+    plan.module_state = saved.module_state
+    plan.client_state = saved.client_state
+    check_module_matches(engine.module, saved.module_state, options["strict"])
+    if not wants_masters:
+        return
+    if not saved.params:
+        raise CheckpointMismatchError(
+            f"the DeepSpeed checkpoint {directory} has no ZeRO optimizer-states files (fp32 "
+            "masters); pass load_module_only=True to load its weights"
+        )
+    layout = saved.layout()
+    current = local_layout(zero, global_names_by_parameter(engine.module))
+    check_layouts_match(layout, current)
+    kinds = {}
+    if options["optimizer_states"]:
+        state = saved.params[0].state
+        ours = type(zero.optimizer).__name__
+        if "adam" in ours.lower() and not _ADAM_STATE <= state.keys():
+            raise CheckpointMismatchError(
+                f"the DeepSpeed checkpoint's optimizer state has {sorted(state)}, this engine's "
+                f"{ours} needs {sorted(_ADAM_STATE)}; pass load_optimizer_states=False"
+            )
+        if len(saved.payload["param_groups"]) != len(zero.param_groups):
+            raise CheckpointMismatchError(
+                f"the DeepSpeed checkpoint's optimizer has {len(saved.payload['param_groups'])} "
+                f"param groups, this engine's has {len(zero.param_groups)}"
+            )
+        kinds = {key: classify_state(value, saved.params[0].master) for key, value in state.items()}
+    plan.reader = saved.reader()
+    plan.masters, plan.states = Resharder(plan.reader, current, kinds).slices_for(
+        zero.owned_ranges(), with_state=options["optimizer_states"], mapped=_in_swap(zero)
+    )
+    if engine.global_rank == 0:
+        logger.info(
+            "deepspeed_cpp: loading DeepSpeed's checkpoint %s (ZeRO stage %d on %d ranks) into "
+            "ZeRO stage %d on %d ranks",
+            directory,
+            saved.stage,
+            saved.world_size,
+            current.stage,
+            current.world_size,
+        )
+
+
 def _in_swap(zero) -> frozenset[int]:
     """The buckets whose state lives in NVMe swap files (``state_outline`` not None)."""
     home = getattr(zero, "home", None)  # the expert-parallel composite has one per set
@@ -310,7 +369,10 @@ def load_checkpoint(
 
     def read_and_check() -> None:
         plans.append(_Plan())
-        _read_and_check(engine, directory, options, plans[0])
+        if is_deepspeed_checkpoint(directory):
+            _read_deepspeed(engine, directory, options, plans[0])
+        else:
+            _read_and_check(engine, directory, options, plans[0])
 
     try:
         agree_on(

@@ -1,0 +1,125 @@
+"""Reads a DeepSpeed checkpoint folder into plain data deepspeed_cpp's loader applies.
+
+The model-states file gives the module's buffers (and frozen parameters), the counters, the LR
+scheduler's state and the client state (DeepSpeed stores the ``client_state`` dict's keys beside
+its own; every key that is not DeepSpeed's is returned); the optimizer-states files give the
+fp32 masters and Adam state (``flat_partitions.py``). The trainable parameters' values in the
+module state are the fp32 masters (ZeRO 3 saves empty tensors for them; bf16 saves rounded ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointMismatchError, IncompleteCheckpointError
+from ..metadata import ZeroLayout
+from .files import find_files
+from .flat_partitions import ParamState, reassemble
+from .reassembled_reader import ReassembledReader, layout_of
+from .restricted_load import LossScalerRecord, load_deepspeed_file
+
+# The keys DeepSpeed writes into a model-states file itself; any other key is client state.
+DEEPSPEED_KEYS = frozenset(
+    "module buffer_names optimizer param_shapes frozen_param_shapes shared_params "
+    "frozen_param_fragments lr_scheduler data_sampler random_ltd sparse_tensor_module_names "
+    "skipped_steps global_steps global_samples dp_world_size mp_world_size ds_config ds_version "
+    "checkpoint_parallel_dimensions universal_checkpoint_info iteration".split()
+)
+_DYNAMIC_SCALER_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+_HYPER_PARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    """What one DeepSpeed checkpoint holds, in the shapes ``loader._apply`` takes."""
+
+    directory: Path
+    world_size: int
+    stage: int
+    module_state: dict  # every module state_dict entry, trainable parameters from the masters
+    payload: dict  # counters, scheduler, scaler, param groups (loader's module-payload keys)
+    client_state: dict
+    params: list[ParamState]  # empty when the checkpoint has no optimizer states
+
+    def layout(self) -> ZeroLayout:
+        return layout_of(self.params, self.stage, self.world_size)
+
+    def reader(self) -> ReassembledReader:
+        return ReassembledReader(self.params, self.layout())
+
+
+def _loss_scaler(optim: dict | None):
+    scaler = (optim or {}).get("optimizer_state_dict", {}).get("loss_scaler")
+    if not isinstance(scaler, LossScalerRecord):
+        return None
+    values = {k: getattr(scaler, k) for k in _DYNAMIC_SCALER_KEYS if hasattr(scaler, k)}
+    return values if len(values) == len(_DYNAMIC_SCALER_KEYS) else None
+
+
+def _param_groups(optim: dict | None) -> list[dict]:
+    inner = (optim or {}).get("optimizer_state_dict", {})
+    base = inner.get("base_optimizer_state") or inner.get("optimizer_state_dict") or {}
+    groups = []
+    for group in base.get("param_groups", []):
+        kept = {k: group[k] for k in _HYPER_PARAMETERS if k in group}
+        if "betas" in kept:
+            kept["betas"] = tuple(kept["betas"])
+        groups.append(kept)
+    return groups
+
+
+def _module_state(saved: dict, params: list[ParamState], path: Path) -> dict:
+    state = dict(saved)
+    for param in params:
+        state[param.name] = param.master.view(param.shape)
+    for name, value in state.items():
+        if torch.is_tensor(value) and value.numel() == 0 and name in saved:
+            if name not in {p.name for p in params}:
+                raise CheckpointMismatchError(
+                    f"{path}: '{name}' is saved empty (a ZeRO 3 frozen parameter, kept in "
+                    "'frozen_param_fragments'); deepspeed_cpp does not read those yet"
+                )
+    return state
+
+
+def read_deepspeed_checkpoint(directory: Path, allow_symlinks: bool, with_optimizer: bool):
+    """The ``DeepSpeedCheckpoint`` in ``directory`` (one tag's folder). Only the restricted
+    unpickler reads its files (``restricted_load.py``)."""
+    probe = find_files(directory, world_size=1)
+    model = load_deepspeed_file(probe.model, allow_symlinks)
+    if "ds_version" not in model or not isinstance(model.get("module"), dict):
+        raise IncompleteCheckpointError(
+            f"checkpoint {directory} is incomplete: checkpoint_meta.json is missing, and "
+            f"{probe.model.name} is not a DeepSpeed model-states file either"
+        )
+    world = int(model.get("dp_world_size", 1))
+    if int(model.get("mp_world_size", 1)) != 1:
+        raise CheckpointMismatchError(
+            f"{directory}: DeepSpeed saved it with {model['mp_world_size']} model-parallel ranks; "
+            "deepspeed_cpp reads data-parallel checkpoints only"
+        )
+    files = find_files(directory, world)
+    optims = [load_deepspeed_file(p, allow_symlinks) for p in files.optim] if with_optimizer else []
+    params = reassemble(model, optims, list(files.optim), files.bf16) if optims else []
+    if optims:
+        stage = 3 if files.model.name.startswith("zero_pp_rank") else (1 if files.bf16 else None)
+        if stage is None:
+            stage = int(optims[0]["optimizer_state_dict"].get("zero_stage", 1))
+    else:
+        stage = 0
+    global_steps = int(model.get("global_steps", 0))
+    payload = {
+        "global_steps": global_steps,
+        "global_samples": int(model.get("global_samples", 0)),
+        "skipped_steps": int(model.get("skipped_steps", 0)),
+        "optimizer_skipped_steps": int(model.get("skipped_steps", 0)),
+        "lr_scheduler": model.get("lr_scheduler"),
+        "loss_scaler": _loss_scaler(optims[0] if optims else None),
+        "param_groups": _param_groups(optims[0] if optims else None),
+    }
+    client_state = {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}
+    module_state = _module_state(model["module"], params, files.model)
+    return DeepSpeedCheckpoint(directory, world, stage, module_state, payload, client_state, params)

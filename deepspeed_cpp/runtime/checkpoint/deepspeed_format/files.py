@@ -1,0 +1,73 @@
+"""Which files make a DeepSpeed checkpoint, and how to tell one from a deepspeed_cpp checkpoint.
+
+DeepSpeed's layout (data parallel only; one model-parallel rank, ``mp_rank_00``)::
+
+    save_dir/latest                                     the newest tag, e.g. "global_step2"
+    save_dir/<tag>/mp_rank_00_model_states.pt           ZeRO 0-2: module, counters, scheduler,
+                                                        param_shapes, and the client state's keys
+    save_dir/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt   ZeRO 3: the same, one per rank
+    save_dir/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt   rank r's flat fp32 partition
+                                                        and its Adam state (ZeRO 1-3)
+    save_dir/<tag>/bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt   the same, bf16
+                                                        (DeepSpeed's BF16_Optimizer)
+
+deepspeed_cpp's own checkpoints reuse two of these names but always hold ``checkpoint_meta.json``
+and ``client_state.pt``; a folder with neither and a DeepSpeed model-states file is DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CheckpointMismatchError, IncompleteCheckpointError
+from ..layout import CLIENT_STATE_FILE, METADATA_FILE, MODULE_FILE
+
+
+def zero3_model_file(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def optim_file(rank: int, bf16: bool) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def is_deepspeed_checkpoint(directory: Path) -> bool:
+    """Whether ``directory`` (one tag's folder) looks like a checkpoint DeepSpeed wrote."""
+    if (directory / METADATA_FILE).exists() or (directory / CLIENT_STATE_FILE).exists():
+        return False
+    return (directory / MODULE_FILE).is_file() or (directory / zero3_model_file(0)).is_file()
+
+
+@dataclass(frozen=True)
+class DeepSpeedFiles:
+    """The files of one DeepSpeed checkpoint: the model states file rank 0 wrote and the
+    optimizer states files of ranks ``0..world_size-1`` (empty without ZeRO)."""
+
+    model: Path
+    optim: tuple[Path, ...]
+    bf16: bool
+
+
+def find_files(directory: Path, world_size: int) -> DeepSpeedFiles:
+    """The files of the DeepSpeed checkpoint in ``directory`` saved by ``world_size`` ranks;
+    IncompleteCheckpointError naming the first one missing."""
+    model = directory / MODULE_FILE
+    if not model.is_file():
+        model = directory / zero3_model_file(0)
+    if any(directory.glob("*mp_rank_01_*")) or any(directory.glob("layer_*")):
+        raise CheckpointMismatchError(
+            f"{directory} is a DeepSpeed checkpoint with model (tensor or pipeline) parallel "
+            "ranks or MoE experts; deepspeed_cpp reads data-parallel ZeRO checkpoints only"
+        )
+    bf16 = (directory / optim_file(0, bf16=True)).is_file()
+    if not bf16 and not (directory / optim_file(0, bf16=False)).is_file():
+        return DeepSpeedFiles(model, (), bf16=False)
+    optim = tuple(directory / optim_file(rank, bf16) for rank in range(world_size))
+    for path in optim:
+        if not path.is_file():
+            raise IncompleteCheckpointError(
+                f"DeepSpeed checkpoint {directory} is incomplete: {path.name} is missing (its "
+                f"model states say {world_size} data-parallel ranks saved it)"
+            )
+    return DeepSpeedFiles(model, optim, bf16)

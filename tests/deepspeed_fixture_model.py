@@ -1,0 +1,88 @@
+"""The tiny model, data and configs shared by the DeepSpeed checkpoint fixtures' generator
+(``fixtures/deepspeed_checkpoints/make_fixtures.py``, run with real DeepSpeed) and the tests that
+load those fixtures into deepspeed_cpp (``test_deepspeed_checkpoints.py``). Nothing here imports
+either engine, so both sides train exactly the same thing."""
+
+from __future__ import annotations
+
+import torch
+
+IN, HIDDEN, OUT = 7, 13, 3  # odd sizes: no partition divides a parameter evenly
+GLOBAL_BATCH = 8
+MODEL_SEED, OTHER_SEED = 1234, 98765  # OTHER_SEED: a resumed engine starts from other weights
+LR, MIN_LR, WARMUP, BETAS, EPS, WEIGHT_DECAY = 1e-2, 1e-3, 5, (0.9, 0.99), 1e-8, 0.01
+STEPS_BEFORE, STEPS_AFTER = 2, 2
+CLIENT_STATE = {"epoch": 7, "note": "fixture", "seen": [1, 2, 3]}
+# (name, ZeRO stage, dtype): bf16 at stage 1 is DeepSpeed's BF16_Optimizer (bf16_zero_* files).
+FIXTURES = [
+    ("zero1", 1, "fp32"),
+    ("zero2", 2, "fp32"),
+    ("zero3", 3, "fp32"),
+    ("zero1_bf16", 1, "bf16"),
+]
+
+
+class TinyNet(torch.nn.Module):
+    """A few hundred parameters, three layers of odd sizes and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(IN, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, OUT)
+        self.register_buffer("shift", torch.linspace(-0.5, 0.5, HIDDEN))
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x)) + self.shift.to(x.dtype)  # bf16 runs keep the buffer fp32
+        h = torch.tanh(self.fc2(h))
+        return self.head(h)
+
+
+def make_model(seed: int = MODEL_SEED) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet()
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of optimizer step ``step`` (0-based), the same for every world size."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    return (
+        torch.randn(GLOBAL_BATCH, IN, generator=generator),
+        torch.randn(GLOBAL_BATCH, OUT, generator=generator),
+    )
+
+
+def rank_rows(rank: int, world: int) -> slice:
+    micro = GLOBAL_BATCH // world
+    return slice(rank * micro, (rank + 1) * micro)
+
+
+def ds_config(world: int, stage: int, dtype: str) -> dict:
+    """The DeepSpeed config both engines train with (fixture side adds nothing but this)."""
+    config = {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 1000,
+        "gradient_clipping": 1.0,  # DeepSpeed 0.19's default, said out loud for both engines
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": MIN_LR,
+                "warmup_max_lr": LR,
+                "warmup_num_steps": WARMUP,
+                "warmup_type": "linear",
+            },
+        },  # fmt: skip
+        "zero_optimization": {"stage": stage},
+    }
+    if stage == 3:
+        # Every parameter partitioned (none kept whole as "persistent").
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
