@@ -246,9 +246,13 @@ def test_plot_draws_a_runs_curves(tmp_path, backend):
                 ("Train/Samples/lr", 0.1 * step, 8 * step),
             ]
         )
+    monitor.write_events([("Train/Eval/test_accuracy", 0.5, 40)])  # the script's own scalar
     monitor.close()
     curves = read_run(tmp_path / "run")
-    assert set(curves) == {"Train/Samples/train_loss", "Train/Samples/lr"}
+    assert set(curves) == {
+        "Train/Samples/train_loss", "Train/Samples/lr", "Train/Eval/test_accuracy"
+    }  # fmt: skip
+    assert curves["Train/Eval/test_accuracy"] == [(40.0, 0.5)]
     _assert_points(curves["Train/Samples/lr"], [(8 * s, 0.1 * s) for s in range(1, 6)], 1e-6)
     out = tmp_path / "curves.png"
     assert main([str(tmp_path / "run"), "-o", str(out)]) == 0
