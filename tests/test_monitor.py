@@ -253,6 +253,10 @@ def test_plot_draws_a_runs_curves(tmp_path, backend):
         "Train/Samples/train_loss", "Train/Samples/lr", "Train/Eval/test_accuracy"
     }  # fmt: skip
     assert curves["Train/Eval/test_accuracy"] == [(40.0, 0.5)]
+    # A resumed run appends to the files, its header again: the curve goes on.
+    MonitorMaster(config, rank=0).write_events([("Train/Eval/test_accuracy", 0.75, 80)])
+    if backend == "csv_monitor":
+        assert read_run(tmp_path / "run")["Train/Eval/test_accuracy"] == [(40.0, 0.5), (80.0, 0.75)]
     _assert_points(curves["Train/Samples/lr"], [(8 * s, 0.1 * s) for s in range(1, 6)], 1e-6)
     out = tmp_path / "curves.png"
     assert main([str(tmp_path / "run"), "-o", str(out)]) == 0

@@ -17,19 +17,25 @@ PANELS = (
 EVAL_PREFIX = "Train/Eval/"
 
 
+def _read_csv_file(path: Path) -> tuple[str, list[tuple[float, float]]]:
+    """The header's name and the ``(step, value)`` rows. A process that appends to a file it
+    did not create (a resumed run) writes the ``step,<name>`` header again: those are skipped."""
+    with open(path, newline="") as file:
+        header, *rows = list(csv.reader(file))
+    points = [(float(step), float(value)) for step, value in rows if [step, value] != header]
+    return header[1], points
+
+
 def _read_csv_run(folder: Path) -> dict[str, list[tuple[float, float]]]:
     curves = {}
     for event, _ in PANELS:
         path = folder / (event.replace("/", "_").replace(" ", "_") + ".csv")
         if path.exists():
-            with open(path, newline="") as file:
-                rows = list(csv.reader(file))[1:]  # the header is step,<name>
-            curves[event] = [(float(step), float(value)) for step, value in rows]
+            curves[event] = _read_csv_file(path)[1]
     # The file name lost the event's '/'s; the header keeps its last part (DeepSpeed's layout).
     for path in sorted(folder.glob("Train_Eval_*.csv")):
-        with open(path, newline="") as file:
-            header, *rows = list(csv.reader(file))
-        curves[EVAL_PREFIX + header[1]] = [(float(step), float(value)) for step, value in rows]
+        name, points = _read_csv_file(path)
+        curves[EVAL_PREFIX + name] = points
     return curves
 
 

@@ -31,6 +31,7 @@ writes ``Train/Samples/train_loss`` and ``Train/Samples/lr`` at every step, the 
 import argparse
 import json
 import os
+import shutil
 import time
 
 import torch
@@ -180,7 +181,9 @@ def evaluate(model_engine, testset, local_device, target_dtype, batch_size=250):
 def with_monitors(args):
     """The config as a dict, with a csv_monitor section (the PNG is drawn from its files) and,
     with ``--tensorboard``, a tensorboard one, where the config does not enable its own; a
-    section the user wrote is kept as it is."""
+    section the user wrote is kept as it is. The folders of the sections added here are
+    emptied first (rank 0): a new run replaces the last one's curves as it replaces its
+    metrics.json, where the monitors themselves would append to them."""
     if args.deepspeed_config is None:
         return None  # deepspeed.initialize says what is missing
     with open(args.deepspeed_config) as handle:
@@ -188,6 +191,8 @@ def with_monitors(args):
     for section, wanted in (("csv_monitor", True), ("tensorboard", args.tensorboard)):
         if wanted and not config.get(section, {}).get("enabled", False):
             config[section] = {"enabled": True, "output_path": args.output_dir, "job_name": section}
+            if dist.get_rank() == 0:
+                shutil.rmtree(os.path.join(args.output_dir, section), ignore_errors=True)
     return config
 
 
