@@ -26,11 +26,18 @@ def pool2():
     pool.close()
 
 
-def _train_with_monitors(root: str, stage: int, fp16: bool):
+def _train_with_monitors(root: str, stage: int, fp16: bool, monitors: dict | None = None):
+    """STEPS optimizer steps of a small model; ``monitors`` replaces the default tensorboard and
+    csv_monitor sections (written under ``root/rank<r>``)."""
     import deepspeed_cpp as deepspeed
 
     rank = dist.get_rank()
     out = os.path.join(root, f"rank{rank}")  # per rank, to see that only rank 0 writes
+    if monitors is None:
+        monitors = {
+            "tensorboard": {"enabled": True, "output_path": out, "job_name": "tb_job"},
+            "csv_monitor": {"enabled": True, "output_path": out, "job_name": "csv_job"},
+        }
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
@@ -41,8 +48,7 @@ def _train_with_monitors(root: str, stage: int, fp16: bool):
             "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3},
         },
         "zero_optimization": {"stage": stage},
-        "tensorboard": {"enabled": True, "output_path": out, "job_name": "tb_job"},
-        "csv_monitor": {"enabled": True, "output_path": out, "job_name": "csv_job"},
+        **monitors,
     }
     if fp16:
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
