@@ -1,6 +1,7 @@
 """examples/cifar10: its generated data, its configs, short real runs on 2 processes, and the
 DeepSpeedExamples CIFAR-10 API sequence at ZeRO stages 0-2 in fp32 and bf16."""
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -11,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO_ROOT
 from launch_helpers import free_port, launch_env
+
+from deepspeed_cpp.plot import read_run
 
 EXAMPLE_DIR = REPO_ROOT / "examples" / "cifar10"
 sys.path.insert(0, str(EXAMPLE_DIR))
@@ -145,19 +148,34 @@ def test_every_config_is_accepted_by_the_engine():
 # ---- the example, run for real -------------------------------------------------------------
 
 
-def run_example(tmp_path, config, steps, log_interval):
+def run_example(tmp_path, config, steps, log_interval, extra=()):
     # Started from the example's own folder with relative paths, as its README shows too.
     output_dir = tmp_path / "out"
     run = launch(
         "cifar10_deepspeed.py",
         ["--deepspeed", "--deepspeed_config", config, "--epochs", "50",
          "--max-steps", str(steps), "--log-interval", str(log_interval),
-         "--data-dir", str(tmp_path / "no_data_here"), "--output-dir", str(output_dir)],
+         "--data-dir", str(tmp_path / "no_data_here"), "--output-dir", str(output_dir), *extra],
         cwd=EXAMPLE_DIR,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "using a GENERATED CIFAR-shaped data set" in run.stdout
     metrics = json.loads((output_dir / "metrics.json").read_text())
+    # The curves went through the engine's csv_monitor, and deepspeed_cpp.plot drew the PNG.
+    curves = read_run(output_dir / "csv_monitor")
+    assert set(curves) == {
+        "Train/Samples/train_loss", "Train/Samples/lr", "Train/Eval/test_accuracy"
+    }  # fmt: skip
+    batch = 2 * 32  # the global batch: 2 processes of 32 images
+    assert [samples for samples, _ in curves["Train/Samples/lr"]] == [
+        batch * (i + 1) for i in range(steps)
+    ]
+    assert curves["Train/Eval/test_accuracy"] == [
+        (batch * steps, pytest.approx(metrics["final_test_accuracy"]))
+    ]
+    assert f"wrote {output_dir / 'loss_curve.png'} (from {output_dir / 'csv_monitor'})" in (
+        run.stdout
+    )
     assert (output_dir / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return run, metrics
 
@@ -172,7 +190,20 @@ def test_example_zero2_two_processes_learns(tmp_path):
     assert "Accuracy of the network on the 2000 test images" in run.stdout
     # ZeRO-3 (two of the four weights partitioned, the small ones persistent) trains the same
     # network on the same data: the same curve up to float32 reduction order.
-    _, zero3 = run_example(tmp_path / "zero3", "ds_config_zero3_fp32.json", 120, 20)
+    with_tensorboard = importlib.util.find_spec("tensorboard") is not None
+    _, zero3 = run_example(
+        tmp_path / "zero3", "ds_config_zero3_fp32.json", 120, 20,
+        extra=["--tensorboard"] if with_tensorboard else [],
+    )  # fmt: skip
+    if with_tensorboard:  # the same curves as TensorBoard event files beside the CSV ones
+        tensorboard = read_run(tmp_path / "zero3" / "out" / "tensorboard")
+        csv_curves = read_run(tmp_path / "zero3" / "out" / "csv_monitor")
+        assert set(tensorboard) == set(csv_curves)
+        for event, points in csv_curves.items():
+            assert [x for x, _ in tensorboard[event]] == [x for x, _ in points]
+            assert [y for _, y in tensorboard[event]] == pytest.approx(
+                [y for _, y in points], rel=1e-6
+            )  # TensorBoard stores float32
     zero3_losses = [loss for _, loss in zero3["loss_curve"]]
     assert zero3_losses == pytest.approx(losses, rel=1e-3), (zero3_losses, losses)
     assert abs(zero3["final_test_accuracy"] - metrics["final_test_accuracy"]) <= 0.01

@@ -26,11 +26,18 @@ def pool2():
     pool.close()
 
 
-def _train_with_monitors(root: str, stage: int, fp16: bool):
+def _train_with_monitors(root: str, stage: int, fp16: bool, monitors: dict | None = None):
+    """STEPS optimizer steps of a small model; ``monitors`` replaces the default tensorboard and
+    csv_monitor sections (written under ``root/rank<r>``)."""
     import deepspeed_cpp as deepspeed
 
     rank = dist.get_rank()
     out = os.path.join(root, f"rank{rank}")  # per rank, to see that only rank 0 writes
+    if monitors is None:
+        monitors = {
+            "tensorboard": {"enabled": True, "output_path": out, "job_name": "tb_job"},
+            "csv_monitor": {"enabled": True, "output_path": out, "job_name": "csv_job"},
+        }
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
@@ -41,8 +48,7 @@ def _train_with_monitors(root: str, stage: int, fp16: bool):
             "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3},
         },
         "zero_optimization": {"stage": stage},
-        "tensorboard": {"enabled": True, "output_path": out, "job_name": "tb_job"},
-        "csv_monitor": {"enabled": True, "output_path": out, "job_name": "csv_job"},
+        **monitors,
     }
     if fp16:
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
@@ -246,9 +252,17 @@ def test_plot_draws_a_runs_curves(tmp_path, backend):
                 ("Train/Samples/lr", 0.1 * step, 8 * step),
             ]
         )
+    monitor.write_events([("Train/Eval/test_accuracy", 0.5, 40)])  # the script's own scalar
     monitor.close()
     curves = read_run(tmp_path / "run")
-    assert set(curves) == {"Train/Samples/train_loss", "Train/Samples/lr"}
+    assert set(curves) == {
+        "Train/Samples/train_loss", "Train/Samples/lr", "Train/Eval/test_accuracy"
+    }  # fmt: skip
+    assert curves["Train/Eval/test_accuracy"] == [(40.0, 0.5)]
+    # A resumed run appends to the files, its header again: the curve goes on.
+    MonitorMaster(config, rank=0).write_events([("Train/Eval/test_accuracy", 0.75, 80)])
+    if backend == "csv_monitor":
+        assert read_run(tmp_path / "run")["Train/Eval/test_accuracy"] == [(40.0, 0.5), (80.0, 0.75)]
     _assert_points(curves["Train/Samples/lr"], [(8 * s, 0.1 * s) for s in range(1, 6)], 1e-6)
     out = tmp_path / "curves.png"
     assert main([str(tmp_path / "run"), "-o", str(out)]) == 0

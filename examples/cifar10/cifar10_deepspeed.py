@@ -18,12 +18,20 @@ num_experts / ep_world_size of them.
 
 Uses real CIFAR-10 from ``--data-dir`` when it is there (torchvision format), otherwise a
 generated CIFAR-shaped data set (and says so). Prints the loss and the test accuracy, and writes
-``loss_curve.png`` and ``metrics.json`` to ``--output-dir``.
+``metrics.json`` and ``loss_curve.png`` to ``--output-dir``.
+
+The curves go through the engine's monitors, as a DeepSpeed user would record them: the engine
+writes ``Train/Samples/train_loss`` and ``Train/Samples/lr`` at every step, the script adds
+``Train/Eval/test_accuracy`` after each epoch (``engine.monitor.write_events``), and
+``deepspeed_cpp.plot`` draws the PNG from the ``csv_monitor`` files. A config without a
+``csv_monitor`` section of its own gets one writing to ``--output-dir/csv_monitor`` (and, with
+``--tensorboard``, a ``tensorboard`` one writing to ``--output-dir/tensorboard``).
 """
 
 import argparse
 import json
 import os
+import shutil
 import time
 
 import torch
@@ -35,6 +43,7 @@ from cifar10_data import CLASSES, load_cifar10
 import deepspeed_cpp as deepspeed
 from deepspeed_cpp.accelerator import get_accelerator
 from deepspeed_cpp.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed_cpp.monitor.csv_monitor import csvMonitor
 
 
 def parse_arguments() -> argparse.Namespace:
@@ -56,8 +65,14 @@ def parse_arguments() -> argparse.Namespace:
         "--download", action="store_true", help="let torchvision download CIFAR-10 to --data-dir"
     )
     parser.add_argument(
-        "--output-dir", default="runs/cifar10", help="where loss_curve.png and metrics.json go"
-    )
+        "--output-dir", default="runs/cifar10",
+        help="where metrics.json, loss_curve.png and the monitors' files go",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tensorboard", action="store_true",
+        help="also write TensorBoard event files (to --output-dir/tensorboard unless the config "
+        "has its own tensorboard section)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=1234, help="seed of the initial weights")
     # The tutorial's MoE flags (DeepSpeedExamples' cifar10_deepspeed.py), with its defaults.
     parser.add_argument("--moe", action="store_true", help="use MoE layers before the classifier")
@@ -163,37 +178,52 @@ def evaluate(model_engine, testset, local_device, target_dtype, batch_size=250):
     return counts[0], counts[1]
 
 
-def write_outputs(output_dir, metrics):
-    """metrics.json and, with matplotlib installed, a PNG of the loss curve and the per-epoch
-    test accuracy (the package does not depend on matplotlib: a wheel user may not have it)."""
+def with_monitors(args):
+    """The config as a dict, with a csv_monitor section (the PNG is drawn from its files) and,
+    with ``--tensorboard``, a tensorboard one, where the config does not enable its own; a
+    section the user wrote is kept as it is. The folders of the sections added here are
+    emptied first (rank 0): a new run replaces the last one's curves as it replaces its
+    metrics.json, where the monitors themselves would append to them."""
+    if args.deepspeed_config is None:
+        return None  # deepspeed.initialize says what is missing
+    with open(args.deepspeed_config) as handle:
+        config = json.load(handle)
+    for section, wanted in (("csv_monitor", True), ("tensorboard", args.tensorboard)):
+        if wanted and not config.get(section, {}).get("enabled", False):
+            config[section] = {"enabled": True, "output_path": args.output_dir, "job_name": section}
+            if dist.get_rank() == 0:
+                shutil.rmtree(os.path.join(args.output_dir, section), ignore_errors=True)
+    return config
+
+
+def csv_monitor_folder(model_engine):
+    """Where the engine's csv_monitor writes (rank 0, which alone writes; None elsewhere)."""
+    for monitor in getattr(model_engine.monitor, "monitors", []):
+        if isinstance(monitor, csvMonitor):
+            return monitor.log_dir
+    return None
+
+
+def write_outputs(output_dir, metrics, csv_folder):
+    """metrics.json and, with matplotlib installed, ``loss_curve.png``: the monitors' curves
+    drawn by ``deepspeed_cpp.plot`` (the package does not depend on matplotlib: a wheel user may
+    not have it; ``python -m deepspeed_cpp.plot`` draws it later from the same files)."""
+    from deepspeed_cpp.plot import plot_run
+
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "metrics.json"), "w") as handle:
         json.dump(metrics, handle, indent=1)
+    png = os.path.join(output_dir, "loss_curve.png")
     try:
-        import matplotlib
+        plot_run(csv_folder, png, title=f"{metrics['data']}\n{metrics['config']}")
     except ImportError:
         print(
-            f"matplotlib is not installed: {output_dir}/loss_curve.png not drawn "
-            f"(pip install matplotlib); wrote {output_dir}/metrics.json"
+            f"matplotlib is not installed: {png} not drawn (pip install matplotlib; then "
+            f"python -m deepspeed_cpp.plot {csv_folder} -o {png}); "
+            f"wrote {output_dir}/metrics.json and the curves to {csv_folder}"
         )
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(10, 4))
-    steps, losses = zip(*metrics["loss_curve"]) if metrics["loss_curve"] else ((), ())
-    loss_axis.plot(steps, losses)
-    loss_axis.set(xlabel="optimizer step", ylabel="train loss (mean over ranks)", title="loss")
-    epochs = range(1, len(metrics["test_accuracy_per_epoch"]) + 1)
-    accuracy_axis.plot(epochs, [100 * a for a in metrics["test_accuracy_per_epoch"]], marker="o")
-    accuracy_axis.axhline(10, color="grey", linestyle="--", label="chance")
-    accuracy_axis.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
-    accuracy_axis.legend()
-    figure.suptitle(f"{metrics['data']}\n{metrics['config']}", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(os.path.join(output_dir, "loss_curve.png"), dpi=100)
-    print(f"wrote {os.path.join(output_dir, 'loss_curve.png')} and metrics.json")
-    plt.close(figure)
+    print(f"wrote {png} (from {csv_folder}) and metrics.json")
 
 
 def main(args):
@@ -209,8 +239,16 @@ def main(args):
         parameters = split_params_into_different_moe_groups_for_optimizer(
             {"params": [p for p in net.parameters() if p.requires_grad], "name": "parameters"}
         )
+    # The config file goes in as a dict with the monitor sections added (DeepSpeed, like
+    # deepspeed_cpp, takes the config once: from args.deepspeed_config or from config=).
+    config = with_monitors(args)
+    engine_args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})
     model_engine, optimizer, trainloader, lr_scheduler = deepspeed.initialize(
-        args=args, model=net, model_parameters=parameters, training_data=trainset
+        args=engine_args if config is not None else args,
+        model=net,
+        model_parameters=parameters,
+        training_data=trainset,
+        config=config,
     )
     local_device = get_accelerator().device_name(model_engine.local_rank)
     is_logger = model_engine.global_rank == 0
@@ -259,6 +297,10 @@ def main(args):
         correct, total = evaluate(model_engine, testset, local_device, target_dtype)
         accuracy = correct.sum().item() / total.sum().item()
         accuracy_per_epoch.append(accuracy)
+        # The script's own scalar beside the engine's curves (written by rank 0 only).
+        model_engine.monitor.write_events(
+            [("Train/Eval/test_accuracy", accuracy, model_engine.global_samples)]
+        )
         if is_logger:
             print(
                 f"epoch {epoch + 1}: test accuracy {100 * accuracy:.2f}% "
@@ -291,6 +333,7 @@ def main(args):
                 "training_seconds": training_seconds,
                 "total_seconds": time.perf_counter() - started,
             },
+            csv_monitor_folder(model_engine),
         )
 
 
