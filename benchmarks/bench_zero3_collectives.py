@@ -16,16 +16,17 @@ per-parameter design) unless ``--persistence`` is given.
     python benchmarks/bench_zero3_collectives.py [--procs 2] [--steps 5] [--models encoder deep]
 
 "Before" is the same script with another checkout's package first on the path
-(``PYTHONPATH=/path/to/other/checkout``). Measured 2026-11-27, 2 gloo ranks on the shared 2-core
-dev machine, 8 steps (step times are noisy there: other jobs share the cores):
+(``PYTHONPATH=/path/to/other/checkout``). Measured 2026-11-27, 2 gloo ranks on the 2-core dev
+machine with nothing else running, 6 steps, two rounds with before/after interleaved (step ms of
+round 1 / round 2; FSDP2's ranged 56-68 ms and 385-410 ms over the four launches):
 
-    model    implementation             units  collectives/step  step ms
-    encoder  ours, per parameter (main)    37               298    931
-    encoder  ours, units (i27-units)       37               114   1733
-    encoder  FSDP2                          7                20     86
-    deep     ours, per parameter (main)    97               778    490
-    deep     ours, units (i27-units)       97               294    463
-    deep     FSDP2                         49               146    740
+    model    implementation                  units  collectives/step  step ms
+    encoder  ours, per parameter (cb4983e)      37               298  609 / 596
+    encoder  ours, units                        37               114  374 / 287
+    encoder  FSDP2                               7                20   56-68
+    deep     ours, per parameter (cb4983e)      97               778  446 / 462
+    deep     ours, units                        97               294  318 / 280
+    deep     FSDP2                              49               146  385-410
 
 Of ours' 114 on the encoder, 74 are still the per-parameter gradient reductions (``unit.py``).
 """
