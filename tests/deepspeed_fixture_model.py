@@ -57,6 +57,25 @@ def rank_rows(rank: int, world: int) -> slice:
     return slice(rank * micro, (rank + 1) * micro)
 
 
+def train(engine, first_step: int, steps: int) -> tuple[list[float], list[float]]:
+    """Steps ``first_step`` .. on this rank's rows of the global batches; returns the losses and
+    the learning rates each step used. The same loop for DeepSpeed's engine and ours."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = next(engine.module.parameters()).dtype
+    losses, lrs = [], []
+    for step in range(first_step, first_step + steps):
+        x, y = global_batch(step)
+        rows = rank_rows(rank, world)
+        lrs.append(engine.get_lr()[0])
+        loss = torch.nn.functional.mse_loss(engine(x[rows].to(dtype)).float(), y[rows])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, lrs
+
+
 def ds_config(world: int, stage: int, dtype: str) -> dict:
     """The DeepSpeed config both engines train with (fixture side adds nothing but this)."""
     config = {

@@ -23,9 +23,8 @@ from deepspeed_fixture_model import (
     STEPS_AFTER,
     STEPS_BEFORE,
     ds_config,
-    global_batch,
     make_model,
-    rank_rows,
+    train,
 )
 from test_checkpoint import start_pool
 
@@ -66,23 +65,14 @@ def our_config(world: int, stage: int, dtype: str) -> dict:
 def resume_job(directory: str, stage: int, dtype: str):
     import deepspeed_cpp as deepspeed
 
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     model = make_model(OTHER_SEED)  # other initial weights: the load must win
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=our_config(world, stage, dtype)
     )
     path, client_state = engine.load_checkpoint(directory)
     loaded = {"path": path, "client_state": client_state, "global_steps": engine.global_steps}
-    param_dtype = next(engine.module.parameters()).dtype
-    losses, lrs = [], []
-    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
-        x, y = global_batch(step)
-        rows = rank_rows(rank, world)
-        lrs.append(engine.get_lr()[0])
-        loss = torch.nn.functional.mse_loss(engine(x[rows].to(param_dtype)).float(), y[rows])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses, lrs = train(engine, STEPS_BEFORE, STEPS_AFTER)
     weights = {n: t.detach().float().flatten() for n, t in engine.full_module_state_dict().items()}
     return loaded, losses, lrs, engine.global_steps, weights
 
