@@ -23,6 +23,7 @@ from .failed_step import FailedStepGuard
 from .half_inputs import cast_floating_to_half
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
+from .model_parallel import ModelParallelGroups
 from .nonfinite_gradients import raise_if_asked, report_skipped_step
 from .training_report import TrainingReport
 from .zero.moe_stage import (
@@ -65,12 +66,20 @@ class DeepSpeedEngine(torch.nn.Module):
         lr_scheduler=None,
         config: DeepSpeedConfig,
         collate_fn=None,
+        mpu=None,
     ):
         super().__init__()
         if model is None:
             raise ValueError("deepspeed_cpp.initialize needs model=<torch.nn.Module>")
         self.config = config
-        self.group = dist.group.WORLD
+        # Data parallelism runs over the mpu's data-parallel group (the world without an mpu):
+        # gradients are reduced, ZeRO state sharded and checkpoints written over it
+        # (model_parallel.py).
+        self.mpu = mpu
+        self.parallel = ModelParallelGroups.from_mpu(mpu)
+        self.group = self.parallel.dp_group
+        self.dp_rank, self.dp_world_size = self.parallel.dp_rank, self.parallel.dp_world_size
+        self.mp_rank, self.mp_world_size = self.parallel.mp_rank, self.parallel.mp_world_size
         self.global_rank = dist.get_rank()
         # Before any collective: a monitor whose package is missing fails on every rank alike.
         self._report = TrainingReport(config, self.global_rank)
@@ -91,7 +100,13 @@ class DeepSpeedEngine(torch.nn.Module):
         _release_previous_engine(model)
         self._expert_parallel = needs_expert_sets(model.parameters())
         if self._expert_parallel:
-            _refuse_expert_parallel_with(config)
+            _refuse_expert_parallel_with(config, self.mp_world_size)
+        if self.mp_world_size > 1 and self.zero_optimization_stage() == 3:
+            raise NotImplementedError(
+                "deepspeed_cpp.initialize: zero_optimization.stage 3 with an mpu of "
+                f"model-parallel size {self.mp_world_size} is not supported; use stage 0, 1 or 2 "
+                "(gradients are reduced over the mpu's data-parallel group), or no mpu"
+            )
         self._is_boundary_override: bool | None = None
         self.module = model
         if self.zero_optimization_stage() < 3:
@@ -120,8 +135,8 @@ class DeepSpeedEngine(torch.nn.Module):
             make_distributed_loader(
                 training_data,
                 batch_size=self.train_micro_batch_size_per_gpu(),
-                rank=self.global_rank,
-                world_size=self.world_size,
+                rank=self.dp_rank,
+                world_size=self.dp_world_size,
                 collate_fn=collate_fn,
                 drop_last=bool(config.dataloader_drop_last),
             )
@@ -130,11 +145,16 @@ class DeepSpeedEngine(torch.nn.Module):
         )
         if self.global_rank == 0:
             logger.info(
-                "deepspeed_cpp: engine ready: ZeRO stage %d, %s, world size %d, micro batch %d, "
+                "deepspeed_cpp: engine ready: ZeRO stage %d, %s, world size %d%s, micro batch %d, "
                 "gradient accumulation %d%s",
                 self.zero_optimization_stage(),
                 "fp16" if self.fp16_enabled() else "bf16" if self.bfloat16_enabled() else "fp32",
                 self.world_size,
+                (
+                    f" (data parallel {self.dp_world_size} x model parallel {self.mp_world_size})"
+                    if self.mpu is not None
+                    else ""
+                ),
                 self.train_micro_batch_size_per_gpu(),
                 self.gradient_accumulation_steps(),
                 f", {self.optimizer.describe()}" if self.optimizer is not None else "",
@@ -144,9 +164,11 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # --- construction -------------------------------------------------------------------------
     def _broadcast_module_from_rank0(self) -> None:
-        """Every rank starts from rank 0's weights and buffers, as data parallelism requires."""
-        if self.world_size == 1:
+        """Every rank starts from its data-parallel group's first rank's weights and buffers, as
+        data parallelism requires (model-parallel ranks hold other parts: not broadcast)."""
+        if self.dp_world_size == 1:
             return
+        source = self.parallel.broadcast_src
         tensors = list(self.module.parameters()) + list(self.module.buffers())
         with torch.no_grad():
             for index, tensor in enumerate(tensors):
@@ -154,7 +176,7 @@ class DeepSpeedEngine(torch.nn.Module):
                 what = _initial_broadcast_label(index, len(tensors), tensor, key)
                 with named_collective(what):
                     if key == DENSE:
-                        dist.broadcast(tensor.data, src=0, group=self.group)
+                        dist.broadcast(tensor.data, src=source, group=self.group)
                     else:
                         # ep_size > 1 experts differ between expert-parallel ranks: each is a
                         # replica only within its expert-data-parallel group, whose first
@@ -192,6 +214,10 @@ class DeepSpeedEngine(torch.nn.Module):
             offload=offload,
             device_optimizer=self._device_part_optimizer(offload),
         )
+        if self.mp_world_size > 1:  # the norm over the whole model (model_parallel.py)
+            common.update(
+                norm_group=self.parallel.mp_group, counts_in_norm=self.parallel.counts_in_norm
+            )
         stage_class = ZeroPartitionedOptimizer
         if self._expert_parallel:
             # Expert parameters of ep_size > 1 get sets of their own, each reduced and sharded
@@ -394,7 +420,7 @@ class DeepSpeedEngine(torch.nn.Module):
         every expert of every rank under its global name (``moe/expert_names.py``); collective.
         With ``rank0_only`` the other ranks get ``{}``."""
         if self._zero_stage is None:
-            return {} if rank0_only and self.global_rank != 0 else self.module.state_dict()
+            return {} if rank0_only and self.dp_rank != 0 else self.module.state_dict()
         return self._zero_stage.full_state_dict(self.module, rank0_only=rank0_only)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
@@ -598,9 +624,15 @@ def _release_previous_engine(model: torch.nn.Module) -> None:
         previous.destroy()
 
 
-def _refuse_expert_parallel_with(config: DeepSpeedConfig) -> None:
+def _refuse_expert_parallel_with(config: DeepSpeedConfig, mp_world_size: int) -> None:
     """Expert-parallel (ep_size > 1) MoE trains at ZeRO stages 0-2 (1-2 with offload_optimizer):
-    ZeRO-3 partitions every parameter over one group."""
+    ZeRO-3 partitions every parameter over one group. Its groups span the world: not yet
+    combined with model parallelism."""
+    if mp_world_size > 1:
+        raise NotImplementedError(
+            "deepspeed_cpp.initialize: expert-parallel MoE layers (ep_size > 1) with an mpu of "
+            f"model-parallel size {mp_world_size} are not supported yet; use ep_size=1 or no mpu"
+        )
     zero = config.zero_optimization
     if zero.stage == 3:
         raise NotImplementedError(
