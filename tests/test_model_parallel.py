@@ -5,9 +5,8 @@ and model-parallel size 1 on 2 ranks equal to no mpu at all."""
 
 from __future__ import annotations
 
-import pytest
-
 import model_parallel_jobs as jobs
+import pytest
 
 SEED = 20261127
 
