@@ -19,6 +19,12 @@ from .call_order import CallOrder, refuse_foreign_parameters
 from .config import DeepSpeedConfig
 from .config_optimizer import config_optimizer_factory
 from .dataloader import make_distributed_loader
+from .engine_refusals import (
+    refuse_expert_parallel_with,
+    refuse_partitioned_parameters,
+    refuse_zero3_with_model_parallelism,
+    release_previous_engine,
+)
 from .failed_step import FailedStepGuard
 from .half_inputs import cast_floating_to_half
 from .loss_scaler import make_loss_scaler
@@ -97,20 +103,15 @@ class DeepSpeedEngine(torch.nn.Module):
             accelerator.set_device(self.local_rank)
         self.device = torch.device(accelerator.device_name(self.local_rank))
 
-        _release_previous_engine(model)
+        release_previous_engine(model)
         self._expert_parallel = needs_expert_sets(model.parameters())
         if self._expert_parallel:
-            _refuse_expert_parallel_with(config, self.mp_world_size)
-        if self.mp_world_size > 1 and self.zero_optimization_stage() == 3:
-            raise NotImplementedError(
-                "deepspeed_cpp.initialize: zero_optimization.stage 3 with an mpu of "
-                f"model-parallel size {self.mp_world_size} is not supported; use stage 0, 1 or 2 "
-                "(gradients are reduced over the mpu's data-parallel group), or no mpu"
-            )
+            refuse_expert_parallel_with(config, self.mp_world_size)
+        refuse_zero3_with_model_parallelism(config, self.mp_world_size)
         self._is_boundary_override: bool | None = None
         self.module = model
         if self.zero_optimization_stage() < 3:
-            _refuse_partitioned_parameters(model, self.zero_optimization_stage())
+            refuse_partitioned_parameters(model, self.zero_optimization_stage())
             self.module.to(self.device)
             if self.fp16_enabled():
                 self.module.half()
@@ -613,40 +614,3 @@ class DeepSpeedEngine(torch.nn.Module):
     @property
     def communication_data_type(self) -> torch.dtype:
         return torch.float32
-
-
-def _release_previous_engine(model: torch.nn.Module) -> None:
-    """A model handed to a second engine must not keep the first one's hooks."""
-    engine_ref = getattr(model, "_deepspeed_cpp_engine", None)
-    previous = engine_ref() if engine_ref is not None else None
-    if previous is not None:
-        logger.info("deepspeed_cpp: the model had an engine; destroying its hooks first")
-        previous.destroy()
-
-
-def _refuse_expert_parallel_with(config: DeepSpeedConfig, mp_world_size: int) -> None:
-    """Expert-parallel (ep_size > 1) MoE trains at ZeRO stages 0-2 (1-2 with offload_optimizer):
-    ZeRO-3 partitions every parameter over one group. Its groups span the world: not yet
-    combined with model parallelism."""
-    if mp_world_size > 1:
-        raise NotImplementedError(
-            "deepspeed_cpp.initialize: expert-parallel MoE layers (ep_size > 1) with an mpu of "
-            f"model-parallel size {mp_world_size} are not supported yet; use ep_size=1 or no mpu"
-        )
-    zero = config.zero_optimization
-    if zero.stage == 3:
-        raise NotImplementedError(
-            "deepspeed_cpp.initialize: zero_optimization.stage 3 with expert-parallel MoE layers "
-            "(ep_size > 1) is not supported; use stage 0, 1 or 2 (offload_optimizer works at 1 "
-            "and 2), or ep_size=1"
-        )
-
-
-def _refuse_partitioned_parameters(model: torch.nn.Module, stage: int) -> None:
-    for name, param in model.named_parameters():
-        if hasattr(param, "ds_id") and not param.ds_persist:
-            raise ValueError(
-                f"parameter '{name}' is partitioned by ZeRO-3 (built under zero.Init or by a "
-                f"ZeRO-3 engine) but the config asks for ZeRO stage {stage}; use stage 3, or "
-                f"build the model outside zero.Init"
-            )
