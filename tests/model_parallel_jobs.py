@@ -115,7 +115,7 @@ def _columns(mp_index: int) -> slice:
 
 def _config(stage: int, clip: float = CLIP) -> dict:
     return {
-        "train_batch_size": None,  # filled below: the rule counts data-parallel ranks only
+        "train_batch_size": None,  # set by the callers: the rule counts data-parallel ranks only
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
         "gradient_clipping": clip,
@@ -310,3 +310,42 @@ def mp1_equals_no_mpu(stage: int, seed: int) -> bool:
     theirs = _train(plain, seed, mpu, STEPS)
     plain.destroy()
     return all(_equal(a, b) and na == nb for (a, na), (b, nb) in zip(ours, theirs))
+
+
+def nonfinite_on_one_rank_skipped_everywhere(stage: int, seed: int) -> dict:
+    """A NaN in one rank's split-layer gradient (global rank 3: another model-parallel part
+    than ranks 0 and 2) at step 1: every rank of the world skips that step."""
+    from deepspeed_cpp.utils import groups
+
+    mpu = _mpu(2)
+    engine = _initialize(stage, seed, mpu)
+    first = _train(engine, seed, mpu, 1)[-1][0]
+    handle = None
+    if dist.get_rank() == 3:
+        handle = engine.module.split.weight.register_hook(lambda g: g * float("nan"))
+    second = _train(engine, seed, mpu, 2, first_step=1)[-1][0]
+    if handle is not None:
+        handle.remove()
+    third = _train(engine, seed, mpu, 3, first_step=2)[-1][0]
+    result = {
+        "skipped_steps": engine.skipped_steps,
+        "unchanged_by_skip": _equal(first, second),
+        "trains_after": not _equal(second, third),
+    }
+    engine.destroy()
+    groups.set_model_parallel_unit(None)
+    return result
+
+
+def bad_mpu_named() -> str:
+    import deepspeed_cpp as deepspeed
+
+    class HalfMpu:
+        def get_data_parallel_group(self):
+            return None
+
+    try:
+        deepspeed.initialize(model=PartNet(0, 1), config=_config(1), mpu=HalfMpu())
+    except TypeError as error:
+        return str(error)
+    return "not refused"

@@ -56,3 +56,14 @@ def test_zero3_with_model_parallelism_is_refused_by_name(pool4):
 @pytest.mark.parametrize("stage", [0, 2])
 def test_model_parallel_size_one_equals_no_mpu(pool2, stage):
     assert all(pool2.run(jobs.mp1_equals_no_mpu, stage, SEED, timeout=300.0))
+
+
+def test_a_nonfinite_gradient_on_one_model_parallel_rank_skips_the_step_everywhere(pool4):
+    for result in pool4.run(jobs.nonfinite_on_one_rank_skipped_everywhere, 2, SEED, timeout=300.0):
+        assert result == {"skipped_steps": 1, "unchanged_by_skip": True, "trains_after": True}
+
+
+def test_an_mpu_missing_methods_is_named(pool2):
+    for message in pool2.run(jobs.bad_mpu_named, timeout=120.0):
+        assert "HalfMpu lacks get_data_parallel_rank" in message
+        assert "get_model_parallel_world_size" in message
