@@ -8,6 +8,9 @@ import torch.distributed as dist
 
 from ..comm import init_distributed
 from ..comm.exit_grace import release_gil_at_exit
+from .activation_checkpointing.checkpointing import (
+    configure_from_config as configure_activation_checkpointing,
+)
 from .config import DeepSpeedConfig
 from .engine import DeepSpeedEngine
 from .rank_consistency import check_ranks_agree, report_setup_failure
@@ -64,6 +67,8 @@ def initialize(
         lr_scheduler=lr_scheduler,
         args=args,
     )
+    if ds_config.activation_checkpointing is not None:
+        configure_activation_checkpointing(ds_config.activation_checkpointing, mpu)
     engine = DeepSpeedEngine(
         args=args,
         model=model,
