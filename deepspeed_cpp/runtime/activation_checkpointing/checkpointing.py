@@ -113,9 +113,8 @@ def configure(
             raise ActivationCheckpointingConfigError(
                 f"deepspeed.checkpointing.configure({name}={value!r}): expected True, False or None"
             )
-    if num_checkpoints is not None and (
-        isinstance(num_checkpoints, bool) or not isinstance(num_checkpoints, int) or num_checkpoints < 1
-    ):
+    valid_count = isinstance(num_checkpoints, int) and not isinstance(num_checkpoints, bool)
+    if num_checkpoints is not None and not (valid_count and num_checkpoints >= 1):
         raise ActivationCheckpointingConfigError(
             f"deepspeed.checkpointing.configure(num_checkpoints={num_checkpoints!r}): expected a "
             "positive int (the number of layers checkpointed per forward) or None"

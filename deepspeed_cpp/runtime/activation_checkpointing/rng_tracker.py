@@ -58,11 +58,14 @@ class CudaRNGStatesTracker:
         """A new named state, as the default generator would be after ``manual_seed(seed)``;
         the default generator itself is left as it was."""
         if seed in self.seeds_:
-            raise RNGStateError(f"CudaRNGStatesTracker.add({name!r}, {seed}): seed {seed} is "
-                                "already tracked under another name; each name needs its own")  # fmt: skip
+            raise RNGStateError(
+                f"CudaRNGStatesTracker.add({name!r}, {seed}): seed {seed} is already tracked "
+                "under another name; each name needs its own"
+            )
         if name in self.states_:
-            raise RNGStateError(f"CudaRNGStatesTracker.add({name!r}, {seed}): the name "
-                                f"{name!r} is already tracked")  # fmt: skip
+            raise RNGStateError(
+                f"CudaRNGStatesTracker.add({name!r}, {seed}): the name {name!r} is already tracked"
+            )
         accelerator = get_accelerator()
         previous = accelerator.get_rng_state()
         accelerator.manual_seed(seed)
