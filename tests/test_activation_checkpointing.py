@@ -9,6 +9,7 @@ Multi-rank checks run on the module's pool of 2 real gloo processes, several per
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -110,11 +111,15 @@ def test_recomputation_reproduces_dropout_bitwise(unconfigured):
     assert all(torch.equal(plain[2][k], checkpointed[2][k]) for k in plain[2])
 
 
-def test_cpu_checkpointing_sends_saved_inputs_through_the_host_path(unconfigured):
+def test_cpu_checkpointing_sends_saved_inputs_through_the_host_path(unconfigured, caplog):
     seed = _seed()
     plain = _train_plain_loop(False, seed, steps=2)
-    checkpointing.configure(None, checkpoint_in_cpu=True)
-    checkpointed = _train_plain_loop(True, seed, steps=2)
+    checkpointing.configure(None, checkpoint_in_cpu=True, synchronize=True, profile=True)
+    with caplog.at_level(logging.INFO, logger="deepspeed_cpp"):
+        checkpointed = _train_plain_loop(True, seed, steps=2)
+    timings = [r.getMessage() for r in caplog.records if "activation checkpoint " in r.getMessage()]
+    assert sum("checkpoint forward:" in m for m in timings) == BLOCKS * 2
+    assert sum("checkpoint recomputation:" in m for m in timings) == BLOCKS * 2
     for expected, got in zip(plain[0], checkpointed[0]):
         assert torch.equal(expected, got)
     stats = checkpointing.saved_input_stats()
