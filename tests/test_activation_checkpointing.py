@@ -221,6 +221,7 @@ def test_bad_input_is_named(unconfigured):
         checkpointing.checkpoint(torch.ones(2), torch.ones(2))
     with pytest.raises(ValueError, match="mpu_=object object"):
         checkpointing.configure(object())
+    assert checkpointing.mpu is None and not checkpointing.is_configured()
     with pytest.raises(TypeError, match="seed='1'"):
         checkpointing.model_parallel_cuda_manual_seed("1")
 

@@ -174,11 +174,10 @@ def _apply(mpu_, section, settings: dict, num_checkpoints, by: str) -> None:
             "contiguous checkpointing needs the number of layers checkpointed per forward: "
             "num_checkpoints= (config: number_checkpoints)"
         )
-    if mpu_ is not None:
-        mpu = mpu_
-    group_rank, group_size, group = _model_parallel_group(mpu)
+    new_mpu = mpu_ if mpu_ is not None else mpu
+    group_rank, group_size, group = _model_parallel_group(new_mpu)
     # Checked, then committed: a refused configuration leaves the previous one in place.
-    mp_rank, mp_size, mp_group = group_rank, group_size, group
+    mpu, mp_rank, mp_size, mp_group = new_mpu, group_rank, group_size, group
     PARTITION_ACTIVATIONS = values["PARTITION_ACTIVATIONS"]
     CONTIGUOUS_CHECKPOINTING = values["CONTIGUOUS_CHECKPOINTING"]
     CPU_CHECKPOINT = values["CPU_CHECKPOINT"]
