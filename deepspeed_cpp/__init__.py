@@ -24,6 +24,7 @@ _LAZY = {
 }
 _LAZY_MODULES = (
     "accelerator",
+    "checkpointing",
     "comm",
     "moe",
     "monitor",
