@@ -70,7 +70,7 @@ class DeepSpeedEngine(torch.nn.Module):
         if model is None:
             raise ValueError("deepspeed_cpp.initialize needs model=<torch.nn.Module>")
         self.config = config
-        self.group = dist.group.WORLD
+        self.group = self._data_parallel_group()
         self.global_rank = dist.get_rank()
         # Before any collective: a monitor whose package is missing fails on every rank alike.
         self._report = TrainingReport(config, self.global_rank)
@@ -143,10 +143,21 @@ class DeepSpeedEngine(torch.nn.Module):
         give_back_free_heap()  # what set-up freed in glibc's heap, where the engine swaps
 
     # --- construction -------------------------------------------------------------------------
+    def _data_parallel_group(self) -> dist.ProcessGroup:
+        """The ranks holding replicas of this engine's module (a pipeline stage's replicas in
+        ``PipelineEngine``)."""
+        return dist.group.WORLD
+
+    def _zero_stage_class(self):
+        """What builds the stage 0-2 optimizer (``PipelineEngine`` sums norms over stages)."""
+        return ZeroPartitionedOptimizer
+
     def _broadcast_module_from_rank0(self) -> None:
-        """Every rank starts from rank 0's weights and buffers, as data parallelism requires."""
-        if self.world_size == 1:
+        """Every rank starts from the first replica's weights and buffers, as data parallelism
+        requires."""
+        if dist.get_world_size(self.group) == 1:
             return
+        first = 0 if self.group is dist.group.WORLD else dist.get_global_rank(self.group, 0)
         tensors = list(self.module.parameters()) + list(self.module.buffers())
         with torch.no_grad():
             for index, tensor in enumerate(tensors):
@@ -154,7 +165,7 @@ class DeepSpeedEngine(torch.nn.Module):
                 what = _initial_broadcast_label(index, len(tensors), tensor, key)
                 with named_collective(what):
                     if key == DENSE:
-                        dist.broadcast(tensor.data, src=0, group=self.group)
+                        dist.broadcast(tensor.data, src=first, group=self.group)
                     else:
                         # ep_size > 1 experts differ between expert-parallel ranks: each is a
                         # replica only within its expert-data-parallel group, whose first
@@ -192,7 +203,7 @@ class DeepSpeedEngine(torch.nn.Module):
             offload=offload,
             device_optimizer=self._device_part_optimizer(offload),
         )
-        stage_class = ZeroPartitionedOptimizer
+        stage_class = self._zero_stage_class()
         if self._expert_parallel:
             # Expert parameters of ep_size > 1 get sets of their own, each reduced and sharded
             # over its expert-data-parallel group, offloaded to a home of its own (a partial
@@ -372,6 +383,22 @@ class DeepSpeedEngine(torch.nn.Module):
         self._call_order.after_step()
         if skipped is not None:
             raise_if_asked(self.config.nonfinite_gradients, skipped)
+
+    def train_batch(self, data_iter=None):
+        """DeepSpeed's pipeline API; this engine trains a plain module."""
+        raise RuntimeError(
+            "engine.train_batch() is the pipeline engine's: initialize() got a "
+            f"{type(self.module).__name__}, not a deepspeed.pipe.PipelineModule; train it with "
+            "loss = engine(batch); engine.backward(loss); engine.step()"
+        )
+
+    def eval_batch(self, *args, **kwargs):
+        """DeepSpeed's pipeline API; this engine evaluates with ``engine(batch)``."""
+        raise RuntimeError(
+            "engine.eval_batch() is the pipeline engine's: initialize() got a "
+            f"{type(self.module).__name__}, not a deepspeed.pipe.PipelineModule; evaluate with "
+            "engine.eval() and engine(batch)"
+        )
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Overrides whether the next backward/step ends an accumulation (DeepSpeed's manual

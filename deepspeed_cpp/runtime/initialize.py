@@ -49,22 +49,35 @@ def initialize(
         )
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     release_gil_at_exit()  # the engine's collectives must not abort the process at its exit
+    from .pipe.module import PipelineModule
+
+    pipeline = isinstance(model, PipelineModule)
+    # A pipeline's batch is split over its data-parallel replicas only; its stages hold
+    # different layers, so only the config is compared between ranks.
+    data_parallel_size = (
+        model.mpu().get_data_parallel_world_size() if pipeline else dist.get_world_size()
+    )
     # Before the engine's first collective, the ranks agree that they set up the same training
     # (rank_consistency.py); a rank whose config fails to load tells the others so.
     try:
-        ds_config = DeepSpeedConfig.load(config=config, args=args, world_size=dist.get_world_size())
+        ds_config = DeepSpeedConfig.load(config=config, args=args, world_size=data_parallel_size)
     except Exception as error:
         report_setup_failure(error, args=args)
         raise
     check_ranks_agree(
         ds_config,
-        model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
+        None if pipeline else model,
+        optimizer=None if pipeline else optimizer,
+        model_parameters=None if pipeline else model_parameters,
         lr_scheduler=lr_scheduler,
         args=args,
     )
-    engine = DeepSpeedEngine(
+    engine_class = DeepSpeedEngine
+    if pipeline:
+        from .pipe.engine import PipelineEngine
+
+        engine_class = PipelineEngine
+    engine = engine_class(
         args=args,
         model=model,
         optimizer=optimizer,
