@@ -252,3 +252,40 @@ def bad_input_errors() -> dict[str, str]:
     )  # fmt: skip
     errors["train_batch_plain"] = _error_of(lambda: plain_engine.train_batch(iter([])))
     return errors
+
+
+def checkpointing_changes_nothing(seed: int, steps: int) -> dict:
+    """The same pipeline with dropout trained with and without activation checkpointing
+    (interval 1): the recomputed forwards replay the RNG, so the weights must be bitwise equal."""
+    import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.pipe import PipelineModule
+
+    states, losses = [], []
+    for interval in (0, 1):
+        torch.manual_seed(seed)
+        pipe = PipelineModule(
+            layer_specs(False, dropout=0.3),
+            num_stages=2,
+            loss_fn=loss_fn,
+            partition_method="uniform",
+            activation_checkpoint_interval=interval,
+        )
+        if interval:
+            pipe.load_state_dict(states[0][0])  # the same start
+        engine, *_ = deepspeed.initialize(
+            model=pipe,
+            optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1),
+            config=_config(3, 1, 0.0, 0),
+        )
+        start = {k: v.clone() for k, v in pipe.state_dict().items()}
+        torch.manual_seed(seed + 1)  # the dropout masks' stream
+        run = [engine.train_batch(iter(b[0])).item() for b in make_batches(seed, steps, 1, 3)]
+        states.append((start, {k: v.clone() for k, v in pipe.state_dict().items()}))
+        losses.append(run)
+    (start0, end0), (start1, end1) = states
+    return {
+        "same_start": all(torch.equal(start0[k], start1[k]) for k in start0),
+        "same_end": all(torch.equal(end0[k], end1[k]) for k in end0),
+        "losses": losses,
+        "moved": max((start0[k] - end0[k]).abs().max().item() for k in end0),
+    }

@@ -108,3 +108,29 @@ def test_bad_input_is_named(pool2):
         assert "ran out after 1 of the 2 micro-batches" in errors["exhausted"]
         assert errors["after"].startswith("loss ")
         assert "train_batch() is the pipeline engine's" in errors["train_batch_plain"]
+
+
+def test_activation_checkpointing_with_dropout_is_bitwise_the_same(pool2):
+    for result in pool2.run(jobs.checkpointing_changes_nothing, random.randrange(2**31), 2):
+        assert result["same_start"] and result["moved"] > 1e-3, result
+        assert result["same_end"], result
+        assert result["losses"][0] == result["losses"][1]
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    from dist_pool import DistributedPool
+
+    pool = DistributedPool(4)
+    yield pool
+    pool.close()
+
+
+def test_two_stages_two_replicas_zero1_train_like_one_process(pool4):
+    seed = random.randrange(2**31)
+    results = pool4.run(jobs.train_equals_one_process, seed, 3, 2, True, 0.05, 1)
+    for result in results:
+        assert result["start"] == 0.0 and result["moved"] > 1e-3, result
+        for key in ("loss", "params", "eval", "logits"):
+            assert result[key] < 1e-6, (key, result)
+    assert [r["stage"] for r in results] == [0, 0, 1, 1]  # data is the fastest axis

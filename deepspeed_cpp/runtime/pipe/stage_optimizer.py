@@ -48,6 +48,8 @@ class PipelineStageOptimizer(ZeroPartitionedOptimizer):
         squares = torch.stack(norms).double().pow(2).sum().reshape(1)
         for param in self._replicated:
             fragment = self.fragment_of(param)
+            if fragment.numel == 0:
+                continue  # another replica owns this part of it (ZeRO-1)
             values = self.shard_grads[fragment.bucket].narrow(
                 0, fragment.master_start, fragment.numel
             )
