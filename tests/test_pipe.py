@@ -134,3 +134,27 @@ def test_two_stages_two_replicas_zero1_train_like_one_process(pool4):
         for key in ("loss", "params", "eval", "logits"):
             assert result[key] < 1e-6, (key, result)
     assert [r["stage"] for r in results] == [0, 0, 1, 1]  # data is the fastest axis
+
+
+def test_checkpoint_resumes_bitwise_and_loads_at_one_stage(pool2, tmp_path):
+    from pathlib import Path
+
+    seed = random.randrange(2**31)
+    results = pool2.run(jobs.checkpoint_resume, seed, str(tmp_path / "a"), 2)
+    for result in results:
+        assert result["path_ok"] and result["client"] == {"epoch": 7} and result["steps"] == 2
+        assert result["loaded_bitwise"] and result["resumed_bitwise"], result
+    tag = Path(tmp_path / "a" / "global_step2")
+    names = sorted(p.name for p in tag.iterdir())
+    assert "layer_00-model_states.pt" in names and "mp_rank_01_model_states.pt" in names
+    assert "zero_pp_rank_0_mp_rank_01_optim_states.pt" in names
+    damaged = tag / "layer_03-model_states.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    for error in pool2.run(jobs.load_error, seed, str(tmp_path / "a")):
+        assert "layer_03-model_states.pt" in error, error
+    results = pool2.run(jobs.checkpoint_resume, seed, str(tmp_path / "b"), 1)
+    for result in results:
+        assert result["client"] == {"epoch": 7} and result["steps"] == 2, result
+        assert result["loaded_diff"] < 1e-6 and result["eval_diff"] < 1e-6, result

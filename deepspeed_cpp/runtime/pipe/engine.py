@@ -409,6 +409,54 @@ class PipelineEngine(DeepSpeedEngine):
         if skipped is not None:
             raise_if_asked(self.config.nonfinite_gradients, skipped)
 
+    # --- checkpoints (checkpoint.py) ----------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        """Saves the pipeline in DeepSpeed's layout (a file per layer, a shard per rank); every
+        rank calls it. ``client_state`` must be plain data and tensors."""
+        from .checkpoint import save_pipeline_checkpoint
+
+        unsupported = {k: v for k, v in kwargs.items() if v}
+        if unsupported:
+            raise NotImplementedError(
+                f"PipelineEngine.save_checkpoint does not take {sorted(unsupported)}"
+            )
+        self._failed_step.check("engine.save_checkpoint")
+        return save_pipeline_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        allow_symlinks: bool = False,
+        **kwargs,
+    ):
+        """Loads a pipeline checkpoint saved at any number of stages and replicas (the optimizer
+        state only from the same layout); returns ``(path, client_state)``."""
+        from .checkpoint import load_pipeline_checkpoint
+
+        unsupported = {k: v for k, v in kwargs.items() if v}
+        if unsupported:
+            raise NotImplementedError(
+                f"PipelineEngine.load_checkpoint does not take {sorted(unsupported)}"
+            )
+        loaded = load_pipeline_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            allow_symlinks=allow_symlinks,
+        )
+        if loaded[0] is not None and not load_module_only:
+            self._failed_step.clear()
+        return loaded
+
     # --- the batch loss -----------------------------------------------------------------------
     def _aggregate_loss(self, losses, what: str, broadcast: bool = True) -> torch.Tensor:
         """The last stage's mean micro-batch loss, averaged over its replicas, then sent to
