@@ -3,16 +3,17 @@ schedule shape, in one run.
 
 A 24-layer MLP (``Linear(width, width)`` + ``ReLU`` per layer) as a ``PipelineModule`` of 2
 stages x 1 replica, 8 micro-batches per ``train_batch`` (1F1B), torch's Adam as the client
-optimizer, fp32, 2 processes on gloo. Each implementation runs in processes of its own, the
-launches alternating (``--rounds``); per launch, ``--steps`` timed batches after 2 warm-up ones.
+optimizer, fp32, 2 processes on gloo. Step times come from one launch holding both engines,
+stepping in turn (the order alternating), ``--steps`` timed batches after 2 warm-up ones each, so
+that the load of a shared machine falls on both alike.
 
 Printed per stage: the median step time; the bubble, the fraction of the step the stage is not
 computing (1 - time in its forward and backward passes / step time; both engines' pass functions
 are wrapped by the same timer, so the split is measured the same way), beside 1F1B's ideal
 (stages - 1) / (micro-batches + stages - 1); and the peak RSS of the stage's process
-(``ru_maxrss``, with the RSS before the model was built beside it).
+(``ru_maxrss``, with the RSS before the model was built beside it), one engine per launch.
 
-    python benchmarks/bench_pipe.py [--deepspeed-path /work/ds_target] [--rounds 2]
+    python benchmarks/bench_pipe.py [--deepspeed-path /work/ds_target] [--steps 8]
 
 DeepSpeed runs with ``DS_ACCELERATOR=cpu`` when it can be imported from ``--deepspeed-path``
 (prepended to ``sys.path`` in its rank processes only); otherwise its column says why.
@@ -66,10 +67,8 @@ class PassTimer:
         return timed
 
 
-def worker(rank: int, name: str, args) -> dict:
-    torch.set_num_threads(args.threads)
-    rss_start = _rss_mib()
-    timer = PassTimer()
+def build(name: str, args, timer: PassTimer):
+    """The engine of implementation ``name`` with its forward/backward passes timed."""
     if name == DS:
         if args.deepspeed_path:
             sys.path.insert(0, args.deepspeed_path)
@@ -89,9 +88,11 @@ def worker(rank: int, name: str, args) -> dict:
     else:
         import deepspeed_cpp as deepspeed
         import deepspeed_cpp.pipe as pipe_module
-    loss = torch.nn.MSELoss()
     model = pipe_module.PipelineModule(
-        _layers(pipe_module, args), num_stages=2, loss_fn=loss, partition_method="uniform"
+        _layers(pipe_module, args),
+        num_stages=2,
+        loss_fn=torch.nn.MSELoss(),
+        partition_method="uniform",
     )
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
@@ -106,75 +107,122 @@ def worker(rank: int, name: str, args) -> dict:
         engine._exec_forward_pass = timer.wrap(engine._exec_forward_pass)
         engine._exec_backward_pass = timer.wrap(engine._exec_backward_pass)
     torch.set_num_threads(args.threads)
+    return engine
+
+
+def _batches(args):
     generator = torch.Generator().manual_seed(1)
-    batches = [
+    return [
         (torch.randn(args.micro_batch, args.width, generator=generator),
          torch.randn(args.micro_batch, args.width, generator=generator))
         for _ in range(args.micro_batches)
     ]  # fmt: skip
-    steps, busy = [], []
+
+
+def _timed_step(engine, batches, timer: PassTimer) -> tuple[float, float]:
+    dist.barrier()
+    timer.seconds = 0.0
+    began = time.perf_counter()
+    engine.train_batch(iter(batches))
+    return time.perf_counter() - began, timer.seconds
+
+
+def timing_worker(rank: int, args) -> dict:
+    """Both engines in these processes, one step of each per round (order alternating), so
+    that the load of a shared machine falls on both alike."""
+    torch.set_num_threads(args.threads)
+    timers = {name: PassTimer() for name in (DS, OURS)}
+    engines = {}
+    for name in (DS, OURS):
+        try:
+            engines[name] = build(name, args, timers[name])
+        except Exception as error:  # noqa: BLE001 - reported in the table
+            if name == OURS:
+                raise
+            engines[DS] = f"{type(error).__name__}: {error}"
+    batches = _batches(args)
+    runs = [n for n in (DS, OURS) if not isinstance(engines[n], str)]
+    samples: dict[str, list] = {name: [] for name in runs}
     for step in range(2 + args.steps):
-        dist.barrier()
-        timer.seconds = 0.0
-        began = time.perf_counter()
-        engine.train_batch(iter(batches))
-        if step >= 2:
-            steps.append(time.perf_counter() - began)
-            busy.append(timer.seconds)
-    step_time = statistics.median(steps)
-    bubble = statistics.median(1 - b / s for b, s in zip(busy, steps))
+        for name in runs if step % 2 == 0 else runs[::-1]:
+            seconds, busy = _timed_step(engines[name], batches, timers[name])
+            if step >= 2:
+                samples[name].append((seconds, busy))
+    out = {}
+    for name in runs:
+        times = [s for s, _ in samples[name]]
+        out[name] = {
+            "step": statistics.median(times),
+            "bubble": statistics.median(1 - b / s for s, b in samples[name]),
+        }
+    if isinstance(engines[DS], str):
+        out["note"] = engines[DS]
+    return out
+
+
+def memory_worker(rank: int, name: str, args) -> dict:
+    """One engine per launch: its process's peak RSS over set-up and ``--steps`` steps."""
+    torch.set_num_threads(args.threads)
+    start = _rss_mib()
+    timer = PassTimer()
+    engine = build(name, args, timer)
+    batches = _batches(args)
+    for _ in range(2):
+        _timed_step(engine, batches, timer)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"step": step_time, "bubble": bubble, "peak": peak, "start": rss_start}
+    return {"peak": peak, "start": start}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--deepspeed-path", default="/work/ds_target")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    names = [DS, OURS]
-    results: dict[str, list] = {name: [] for name in names}
-    notes = {}
-    for round_index in range(args.rounds):
-        for name in names if round_index % 2 == 0 else names[::-1]:
-            if name in notes:
-                continue
-            try:
-                results[name].append(run_on_ranks(2, worker, name, args))
-            except RuntimeError as error:
-                notes[name] = str(error).strip().splitlines()[-1]
+    timing = run_on_ranks(2, timing_worker, args)
+    memory, notes = {}, {}
+    for name in (DS, OURS):
+        try:
+            memory[name] = run_on_ranks(2, memory_worker, name, args)
+        except RuntimeError as error:
+            notes[name] = str(error).strip().splitlines()[-1]
     stages = 2
     ideal = (stages - 1) / (args.micro_batches + stages - 1)
     params = args.layers * (args.width * args.width + args.width)
     print(
         f"pipeline: {args.layers} x Linear({args.width}) + ReLU ({params / 1e6:.1f}M parameters), "
         f"2 stages x 1 replica, {args.micro_batches} micro-batches of {args.micro_batch}, fp32, "
-        f"gloo; {args.rounds} launches each, median of {args.steps} steps per launch"
+        f"gloo, {args.threads} thread(s) per rank; median of {args.steps} steps, the two engines "
+        "stepping in turn in the same processes"
     )
     print(f"{'metric':34s} {DS:>14s} {OURS:>14s} {'ours/DS':>9s}")
 
-    def row(label: str, pick, fmt: str, ratio: bool = True) -> None:
-        values = {}
-        for name in names:
-            runs = results[name]
-            values[name] = statistics.median(pick(run) for run in runs) if runs else None
-        ds, ours = values[DS], values[OURS]
+    def row(label: str, values: dict, fmt: str) -> None:
+        ds, ours = values.get(DS), values.get(OURS)
         shown = [format(v, fmt) if v is not None else "n/a" for v in (ds, ours)]
-        rel = f"{ours / ds:.2f}x" if ratio and ds and ours is not None else ""
+        rel = f"{ours / ds:.2f}x" if ds and ours is not None else ""
         print(f"{label:34s} {shown[0]:>14s} {shown[1]:>14s} {rel:>9s}")
 
-    row("step time (s), slowest stage", lambda r: max(x["step"] for x in r), ".3f")
+    def pick(per_rank: list, key: str, rank: int | None = None) -> dict:
+        names = [n for n in (DS, OURS) if n in per_rank[0]]
+        if rank is None:
+            return {n: max(r[n][key] for r in per_rank) for n in names}
+        return {n: per_rank[rank][n][key] for n in names}
+
+    row("step time (s), slowest stage", pick(timing, "step"), ".3f")
     for stage in range(stages):
-        row(f"bubble stage {stage} (ideal {ideal:.3f})", lambda r, s=stage: r[s]["bubble"], ".3f")
+        row(f"bubble stage {stage} (ideal {ideal:.3f})", pick(timing, "bubble", stage), ".3f")
     for stage in range(stages):
-        row(f"peak RSS stage {stage} (MiB)", lambda r, s=stage: r[s]["peak"], ".0f")
-        row(f"  RSS at start stage {stage} (MiB)", lambda r, s=stage: r[s]["start"], ".0f")
+        row(f"peak RSS stage {stage} (MiB)",
+            {n: m[stage]["peak"] for n, m in memory.items()}, ".0f")  # fmt: skip
+        row(f"  RSS at start stage {stage} (MiB)",
+            {n: m[stage]["start"] for n, m in memory.items()}, ".0f")  # fmt: skip
+    if "note" in timing[0]:
+        notes[DS] = timing[0]["note"]
     for name, note in notes.items():
         print(f"{name} did not run: {note}")
     print("target: step time <= 0.9x DeepSpeed's")
