@@ -19,10 +19,17 @@ from .call_order import CallOrder, refuse_foreign_parameters
 from .config import DeepSpeedConfig
 from .config_optimizer import config_optimizer_factory
 from .dataloader import make_distributed_loader
+from .engine_refusals import (
+    refuse_expert_parallel_with,
+    refuse_partitioned_parameters,
+    refuse_zero3_with_model_parallelism,
+    release_previous_engine,
+)
 from .failed_step import FailedStepGuard
 from .half_inputs import cast_floating_to_half
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
+from .model_parallel import ModelParallelGroups
 from .nonfinite_gradients import raise_if_asked, report_skipped_step
 from .training_report import TrainingReport
 from .zero.moe_stage import (
@@ -65,12 +72,20 @@ class DeepSpeedEngine(torch.nn.Module):
         lr_scheduler=None,
         config: DeepSpeedConfig,
         collate_fn=None,
+        mpu=None,
     ):
         super().__init__()
         if model is None:
             raise ValueError("deepspeed_cpp.initialize needs model=<torch.nn.Module>")
         self.config = config
-        self.group = self._data_parallel_group()
+        # Data parallelism runs over the mpu's data-parallel group (the world without an mpu):
+        # gradients are reduced, ZeRO state sharded and checkpoints written over it
+        # (model_parallel.py).
+        self.mpu = mpu
+        self.parallel = ModelParallelGroups.from_mpu(mpu)
+        self.group = self.parallel.dp_group
+        self.dp_rank, self.dp_world_size = self.parallel.dp_rank, self.parallel.dp_world_size
+        self.mp_rank, self.mp_world_size = self.parallel.mp_rank, self.parallel.mp_world_size
         self.global_rank = dist.get_rank()
         # Before any collective: a monitor whose package is missing fails on every rank alike.
         self._report = TrainingReport(config, self.global_rank)
@@ -88,14 +103,15 @@ class DeepSpeedEngine(torch.nn.Module):
             accelerator.set_device(self.local_rank)
         self.device = torch.device(accelerator.device_name(self.local_rank))
 
-        _release_previous_engine(model)
+        release_previous_engine(model)
         self._expert_parallel = needs_expert_sets(model.parameters())
         if self._expert_parallel:
-            _refuse_expert_parallel_with(config)
+            refuse_expert_parallel_with(config, self.mp_world_size)
+        refuse_zero3_with_model_parallelism(config, self.mp_world_size)
         self._is_boundary_override: bool | None = None
         self.module = model
         if self.zero_optimization_stage() < 3:
-            _refuse_partitioned_parameters(model, self.zero_optimization_stage())
+            refuse_partitioned_parameters(model, self.zero_optimization_stage())
             self.module.to(self.device)
             if self.fp16_enabled():
                 self.module.half()
@@ -120,8 +136,8 @@ class DeepSpeedEngine(torch.nn.Module):
             make_distributed_loader(
                 training_data,
                 batch_size=self.train_micro_batch_size_per_gpu(),
-                rank=self.global_rank,
-                world_size=self.world_size,
+                rank=self.dp_rank,
+                world_size=self.dp_world_size,
                 collate_fn=collate_fn,
                 drop_last=bool(config.dataloader_drop_last),
             )
@@ -130,11 +146,16 @@ class DeepSpeedEngine(torch.nn.Module):
         )
         if self.global_rank == 0:
             logger.info(
-                "deepspeed_cpp: engine ready: ZeRO stage %d, %s, world size %d, micro batch %d, "
+                "deepspeed_cpp: engine ready: ZeRO stage %d, %s, world size %d%s, micro batch %d, "
                 "gradient accumulation %d%s",
                 self.zero_optimization_stage(),
                 "fp16" if self.fp16_enabled() else "bf16" if self.bfloat16_enabled() else "fp32",
                 self.world_size,
+                (
+                    f" (data parallel {self.dp_world_size} x model parallel {self.mp_world_size})"
+                    if self.mpu is not None
+                    else ""
+                ),
                 self.train_micro_batch_size_per_gpu(),
                 self.gradient_accumulation_steps(),
                 f", {self.optimizer.describe()}" if self.optimizer is not None else "",
@@ -143,21 +164,12 @@ class DeepSpeedEngine(torch.nn.Module):
         give_back_free_heap()  # what set-up freed in glibc's heap, where the engine swaps
 
     # --- construction -------------------------------------------------------------------------
-    def _data_parallel_group(self) -> dist.ProcessGroup:
-        """The ranks holding replicas of this engine's module (a pipeline stage's replicas in
-        ``PipelineEngine``)."""
-        return dist.group.WORLD
-
-    def _zero_stage_class(self):
-        """What builds the stage 0-2 optimizer (``PipelineEngine`` sums norms over stages)."""
-        return ZeroPartitionedOptimizer
-
     def _broadcast_module_from_rank0(self) -> None:
-        """Every rank starts from the first replica's weights and buffers, as data parallelism
-        requires."""
-        if dist.get_world_size(self.group) == 1:
+        """Every rank starts from its data-parallel group's first rank's weights and buffers, as
+        data parallelism requires (model-parallel ranks hold other parts: not broadcast)."""
+        if self.dp_world_size == 1:
             return
-        first = 0 if self.group is dist.group.WORLD else dist.get_global_rank(self.group, 0)
+        source = self.parallel.broadcast_src
         tensors = list(self.module.parameters()) + list(self.module.buffers())
         with torch.no_grad():
             for index, tensor in enumerate(tensors):
@@ -165,7 +177,7 @@ class DeepSpeedEngine(torch.nn.Module):
                 what = _initial_broadcast_label(index, len(tensors), tensor, key)
                 with named_collective(what):
                     if key == DENSE:
-                        dist.broadcast(tensor.data, src=first, group=self.group)
+                        dist.broadcast(tensor.data, src=source, group=self.group)
                     else:
                         # ep_size > 1 experts differ between expert-parallel ranks: each is a
                         # replica only within its expert-data-parallel group, whose first
@@ -203,7 +215,11 @@ class DeepSpeedEngine(torch.nn.Module):
             offload=offload,
             device_optimizer=self._device_part_optimizer(offload),
         )
-        stage_class = self._zero_stage_class()
+        if self.mp_world_size > 1:  # the norm over the whole model (model_parallel.py)
+            common.update(
+                norm_group=self.parallel.mp_group, counts_in_norm=self.parallel.counts_in_norm
+            )
+        stage_class = ZeroPartitionedOptimizer
         if self._expert_parallel:
             # Expert parameters of ep_size > 1 get sets of their own, each reduced and sharded
             # over its expert-data-parallel group, offloaded to a home of its own (a partial
@@ -421,7 +437,7 @@ class DeepSpeedEngine(torch.nn.Module):
         every expert of every rank under its global name (``moe/expert_names.py``); collective.
         With ``rank0_only`` the other ranks get ``{}``."""
         if self._zero_stage is None:
-            return {} if rank0_only and self.global_rank != 0 else self.module.state_dict()
+            return {} if rank0_only and self.dp_rank != 0 else self.module.state_dict()
         return self._zero_stage.full_state_dict(self.module, rank0_only=rank0_only)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
@@ -614,34 +630,3 @@ class DeepSpeedEngine(torch.nn.Module):
     @property
     def communication_data_type(self) -> torch.dtype:
         return torch.float32
-
-
-def _release_previous_engine(model: torch.nn.Module) -> None:
-    """A model handed to a second engine must not keep the first one's hooks."""
-    engine_ref = getattr(model, "_deepspeed_cpp_engine", None)
-    previous = engine_ref() if engine_ref is not None else None
-    if previous is not None:
-        logger.info("deepspeed_cpp: the model had an engine; destroying its hooks first")
-        previous.destroy()
-
-
-def _refuse_expert_parallel_with(config: DeepSpeedConfig) -> None:
-    """Expert-parallel (ep_size > 1) MoE trains at ZeRO stages 0-2 (1-2 with offload_optimizer):
-    ZeRO-3 partitions every parameter over one group."""
-    zero = config.zero_optimization
-    if zero.stage == 3:
-        raise NotImplementedError(
-            "deepspeed_cpp.initialize: zero_optimization.stage 3 with expert-parallel MoE layers "
-            "(ep_size > 1) is not supported; use stage 0, 1 or 2 (offload_optimizer works at 1 "
-            "and 2), or ep_size=1"
-        )
-
-
-def _refuse_partitioned_parameters(model: torch.nn.Module, stage: int) -> None:
-    for name, param in model.named_parameters():
-        if hasattr(param, "ds_id") and not param.ds_persist:
-            raise ValueError(
-                f"parameter '{name}' is partitioned by ZeRO-3 (built under zero.Init or by a "
-                f"ZeRO-3 engine) but the config asks for ZeRO stage {stage}; use stage 3, or "
-                f"build the model outside zero.Init"
-            )

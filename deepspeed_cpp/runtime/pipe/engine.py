@@ -9,7 +9,6 @@ group, and its norm and overflow checks are summed over the stages (``stage_opti
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
@@ -24,7 +23,6 @@ from ..nonfinite_gradients import raise_if_asked, report_skipped_step
 from . import schedule
 from .module import PipelineError, PipelineModule
 from .p2p import Channel
-from .stage_optimizer import PipelineStageOptimizer
 
 
 class PipelineEngineMisuseError(RuntimeError):
@@ -57,14 +55,12 @@ class PipelineEngine(DeepSpeedEngine):
                 f"zero_optimization.stage {stage} cannot be used with pipeline parallelism "
                 "(PipelineModule); DeepSpeed's pipelines take stage 0 or 1"
             )
-        self._pipe_grid = model.mpu()
+        kwargs["mpu"] = kwargs.get("mpu") or model.mpu()
         super().__init__(model=model, config=config, **kwargs)
-        grid = self._pipe_grid
+        grid = model.mpu()
         self.grid = grid
         self.stage_id = grid.get_stage_id()
         self.num_stages = grid.get_pipe_parallel_world_size()
-        self.dp_world_size = grid.get_data_parallel_world_size()
-        self.dp_rank = grid.get_data_parallel_rank()
         self.micro_batches = self.gradient_accumulation_steps()
         self.prev_stage, self.next_stage = self.stage_id - 1, self.stage_id + 1
         self.data_iterator = None
@@ -91,15 +87,6 @@ class PipelineEngine(DeepSpeedEngine):
         self.agg_eval_loss = None
         self._stage_busy_seconds = 0.0
         self._last_batch_seconds = 0.0
-
-    # --- the hooks of the data-parallel engine ------------------------------------------------
-    def _data_parallel_group(self):
-        return self._pipe_grid.get_data_parallel_group()
-
-    def _zero_stage_class(self):
-        return functools.partial(
-            PipelineStageOptimizer, model_group=self._pipe_grid.get_model_parallel_group()
-        )
 
     # --- what DeepSpeed refuses on a pipeline ------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -83,6 +83,8 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         offload: OptimizerOffload | None = None,
         device_optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
         grad_divisor: int | None = None,
+        norm_group: dist.ProcessGroup | None = None,
+        counts_in_norm: Callable[[torch.nn.Parameter], bool] | None = None,
     ):
         """`optimizer` is either a torch optimizer over the model's parameters (the user's: its
         param groups are re-pointed at the master shards in place) or a factory that builds one
@@ -94,7 +96,10 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         stepped by ``device_optimizer`` (a factory like a config ``optimizer``).
         ``grad_divisor`` (default: the size of ``group``) is what the summed gradients are divided
         by: expert parameters are reduced over their expert-data-parallel group but averaged over
-        the whole data-parallel world (``moe_stage.py``)."""
+        the whole data-parallel world (``moe_stage.py``). ``norm_group`` (model parallelism,
+        ``runtime/model_parallel.py``): the gradient norm's partial sums are summed over it too,
+        after ``group``, each rank adding the parameters for which ``counts_in_norm`` is true (all
+        when None), so that the norm and the skip decision are the whole model's."""
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} handles stages {self.STAGES}, got {stage}")
         param_groups = init_stage_fields(
@@ -115,6 +120,8 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             )
         self.params, self.plan = self._plan(param_groups, reduce_bucket_size, owned_whole)
         self.buckets = self._make_buckets(owned_whole)
+        self.norm_group = norm_group
+        self._norm_ranges = _counted_ranges(self.buckets, counts_in_norm)
         for bucket in self.buckets:
             self._view_params_in_flat(bucket)
         device = self.params[0].device
@@ -339,6 +346,14 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         # The shard gradients are final (and readable through param_fragments) until the step.
         self._gradients_ready = self._boundary_backward
 
+    def accumulated_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """``param``'s gradient accumulated locally over the micro-steps since the last
+        reduction (stages 0/1 between boundaries): ``param.grad``, or its fp32 accumulator for a
+        low-precision model. The pipeline engine sums tied weights' copies in it."""
+        if self._fp32_accumulators is not None:
+            return self._fp32_accumulators[self._position_of[id(param)]]
+        return param.grad
+
     # --- step ---------------------------------------------------------------------------------
     def step(self) -> bool:
         """Unscale, check overflow, clip, step the shards, gather the parameters back.
@@ -398,9 +413,14 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             self._shard_grads_zero_pending = False
 
     def _sum_over_shards(self, value: torch.Tensor, what: str) -> torch.Tensor:
+        """Sums ``value`` over the ranks holding other shards (stage 0 holds whole gradients)
+        and over the model-parallel ranks holding other parts of the model."""
         if self.stage != 0 and self.world_size > 1:
             with named_collective(what):
                 dist.all_reduce(value, group=self.group)
+        if self.norm_group is not None:
+            with named_collective(f"{what} over the model-parallel group"):
+                dist.all_reduce(value, group=self.norm_group)
         return value
 
     def _overflow_on_any_rank(self) -> bool:
@@ -413,6 +433,11 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         # One fused read of the shards (float32 norms, as torch's clip_grad_norm_), then the
         # partial sums of squares in float64 across shards and ranks.
         norms = self._shard_grad_norms()
+        if self._norm_ranges is not None:  # parameters another model-parallel rank counts
+            norms = [
+                norm if ranges is None else _norm_of_ranges(grad, ranges)
+                for norm, grad, ranges in zip(norms, self.shard_grads, self._norm_ranges)
+            ]
         squares = torch.stack(norms).double().pow(2).sum().reshape(1)
         total = self._sum_over_shards(squares, "all_reduce of the gradient norm")
         return math.sqrt(float(total.item()))
@@ -557,3 +582,33 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             if self._backward_steps is not None:
                 self._backward_steps.close()
             self.home.close()
+
+
+def _counted_ranges(
+    buckets: list[_Bucket], counts: Callable[[torch.nn.Parameter], bool] | None
+) -> list[list[tuple[int, int]] | None] | None:
+    """Per bucket, the ``(start, stop)`` ranges of this rank's owned slice whose parameters
+    count in the gradient norm (None: the whole slice); None when every parameter counts."""
+    if counts is None or all(counts(p) for bucket in buckets for p in bucket.params):
+        return None
+    result: list[list[tuple[int, int]] | None] = []
+    for bucket in buckets:
+        if all(counts(p) for p in bucket.params):
+            result.append(None)
+            continue
+        low, high = bucket.owned_start, bucket.owned_start + bucket.owned_size
+        ranges = []
+        for param, offset in zip(bucket.params, bucket.offsets):
+            start, stop = max(offset, low), min(offset + param.numel(), high)
+            if counts(param) and start < stop:
+                ranges.append((start - low, stop - low))
+        result.append(ranges)
+    return result
+
+
+def _norm_of_ranges(grad: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The float32 norm of ``grad`` over ``ranges`` (zero when there are none)."""
+    if not ranges:
+        return grad.new_zeros(())
+    parts = torch._foreach_norm([grad[start:stop] for start, stop in ranges])
+    return torch.stack(parts).double().pow(2).sum().sqrt().float()
