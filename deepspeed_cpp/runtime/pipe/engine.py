@@ -359,10 +359,9 @@ class PipelineEngine(DeepSpeedEngine):
     def _exec_reduce_tied_grads(self, instruction) -> None:
         for weight, group in self.module.get_tied_weights_and_groups():
             grad = self.optimizer.accumulated_grad(weight)
-            if grad is None:
-                grad = torch.zeros_like(weight, dtype=torch.float32)
-                weight.grad = grad.to(weight.dtype)
-                grad = self.optimizer.accumulated_grad(weight)
+            if grad is None:  # unused on this stage in this batch: its part is zero
+                weight.grad = torch.zeros_like(weight)
+                grad = weight.grad
             with named_collective("all_reduce of a tied weight's gradient over its stages"):
                 dist.all_reduce(grad, group=group)
 
