@@ -3,8 +3,11 @@ one stage; ``train_batch()`` runs a whole batch (``gradient_accumulation_steps``
 through the 1F1B schedule and steps the optimizer, ``eval_batch()`` runs forwards only.
 
 The optimizer, ZeRO 0/1 partitioning, clipping, loss scaling and LR schedules are the data-
-parallel engine's (this class extends it): its reductions run over the stage's data-parallel
-group, and its norm and overflow checks are summed over the stages (``stage_optimizer.py``).
+parallel engine's (this class extends it, with the module's grid as its ``mpu``): reductions run
+over the stage's data-parallel group, and the gradient norm and overflow checks are summed over
+the stages of a replica (``runtime/model_parallel.py``; a tied weight counts on its first stage).
+Tied weights' gradients are summed over their stages (``ReduceTiedGrads``) before the
+data-parallel reduction, which runs once per batch (``ReduceGrads``), as DeepSpeed's does.
 """
 
 from __future__ import annotations
