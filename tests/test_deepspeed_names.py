@@ -144,16 +144,18 @@ def test_required_torch_version():
         required_torch_version()
 
 
-def test_pipeline_names_import_and_refuse_when_used():
-    from deepspeed_cpp.pipe import LayerSpec, PipelineModule
+def test_pipeline_names_import_and_subclass():
+    from deepspeed_cpp.pipe import LayerSpec, PipelineError, PipelineModule
 
     class MyPipeline(PipelineModule):  # defining a subclass must work (test helpers do)
         pass
 
-    with pytest.raises(NotImplementedError, match="issue 28"):
+    with pytest.raises(PipelineError, match="num_stages=<int> or topology"):
         MyPipeline(layers=[])
-    with pytest.raises(NotImplementedError, match="LayerSpec"):
-        LayerSpec(torch.nn.Linear, 2, 2)
+    assert isinstance(LayerSpec(torch.nn.Linear, 2, 2).build(), torch.nn.Linear)
+    import deepspeed_cpp.runtime.pipe.engine as pipe_engine
+
+    assert issubclass(pipe_engine.PipelineEngine, deepspeed_cpp.runtime.engine.DeepSpeedEngine)
 
 
 # --- the optimizer class names, on engines built by 2 real ranks -------------------------------

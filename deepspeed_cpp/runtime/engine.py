@@ -400,6 +400,22 @@ class DeepSpeedEngine(torch.nn.Module):
         if skipped is not None:
             raise_if_asked(self.config.nonfinite_gradients, skipped)
 
+    def train_batch(self, data_iter=None):
+        """DeepSpeed's pipeline API; this engine trains a plain module."""
+        raise RuntimeError(
+            "engine.train_batch() is the pipeline engine's: initialize() got a "
+            f"{type(self.module).__name__}, not a deepspeed.pipe.PipelineModule; train it with "
+            "loss = engine(batch); engine.backward(loss); engine.step()"
+        )
+
+    def eval_batch(self, *args, **kwargs):
+        """DeepSpeed's pipeline API; this engine evaluates with ``engine(batch)``."""
+        raise RuntimeError(
+            "engine.eval_batch() is the pipeline engine's: initialize() got a "
+            f"{type(self.module).__name__}, not a deepspeed.pipe.PipelineModule; evaluate with "
+            "engine.eval() and engine(batch)"
+        )
+
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Overrides whether the next backward/step ends an accumulation (DeepSpeed's manual
         mode: set it before every forward/backward, True on the last micro-step)."""

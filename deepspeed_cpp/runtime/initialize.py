@@ -57,6 +57,13 @@ def initialize(
         )
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     release_gil_at_exit()  # the engine's collectives must not abort the process at its exit
+    from .pipe.module import PipelineModule
+
+    pipeline = isinstance(model, PipelineModule)
+    if pipeline and mpu is None:
+        # A pipeline's grid is its mpu: replicas of a stage form the data-parallel group, the
+        # stages of one replica the model-parallel group (the whole-model gradient norm).
+        mpu = model.mpu()
     # Before the engine's first collective, the ranks agree that they set up the same training
     # (rank_consistency.py); a rank whose config fails to load tells the others so.
     try:
@@ -73,8 +80,9 @@ def initialize(
     check_ranks_agree(
         ds_config,
         model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
+        # A pipeline's stages optimize other parameters (its model is compared per stage).
+        optimizer=None if pipeline else optimizer,
+        model_parameters=None if pipeline else model_parameters,
         lr_scheduler=lr_scheduler,
         args=args,
         model_group=mpu.get_data_parallel_group() if mpu is not None else None,
@@ -83,7 +91,12 @@ def initialize(
         register_mpu(mpu)  # deepspeed_cpp.utils.groups answers from it (as DeepSpeed's does)
     if ds_config.activation_checkpointing is not None:
         configure_activation_checkpointing(ds_config.activation_checkpointing, mpu)
-    engine = DeepSpeedEngine(
+    engine_class = DeepSpeedEngine
+    if pipeline:
+        from .pipe.engine import PipelineEngine
+
+        engine_class = PipelineEngine
+    engine = engine_class(
         args=args,
         model=model,
         optimizer=optimizer,

@@ -120,6 +120,11 @@ class ModelParallelGroups:
     def counts_in_norm(self, param: torch.Tensor) -> bool:
         """Whether this rank adds ``param``'s gradient to the whole model's norm: split
         parameters everywhere, replicated ones on model-parallel rank 0 only."""
+        pipe_replicated = getattr(param, "ds_pipe_replicated", None)
+        if pipe_replicated is not None:
+            # A pipeline stage's parameter (runtime/pipe/module.py): every stage holds other
+            # layers; a tied weight's copies after its first stage are marked replicated.
+            return not pipe_replicated
         return self.mp_rank == 0 or is_model_parallel_parameter(param)
 
 

@@ -58,3 +58,19 @@ def see_memory_usage(message: str, force: bool = False) -> str | None:
     for line in lines:
         logger.info(line)
     return text
+
+
+def set_random_seed(seed: int) -> None:
+    """Seeds Python's, NumPy's (where installed) and torch's generators with ``seed``
+    (DeepSpeed's ``deepspeed.runtime.utils.set_random_seed``, which pipeline scripts call)."""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed % (2**32))

@@ -346,6 +346,14 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         # The shard gradients are final (and readable through param_fragments) until the step.
         self._gradients_ready = self._boundary_backward
 
+    def accumulated_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """``param``'s gradient accumulated locally over the micro-steps since the last
+        reduction (stages 0/1 between boundaries): ``param.grad``, or its fp32 accumulator for a
+        low-precision model. The pipeline engine sums tied weights' copies in it."""
+        if self._fp32_accumulators is not None:
+            return self._fp32_accumulators[self._position_of[id(param)]]
+        return param.grad
+
     # --- step ---------------------------------------------------------------------------------
     def step(self) -> bool:
         """Unscale, check overflow, clip, step the shards, gather the parameters back.

@@ -1,0 +1,320 @@
+"""Pipeline checkpoints in DeepSpeed's layout, through the integrity and no-pickle rules of every
+deepspeed_cpp checkpoint (atomic files, SHA-256 per file, sealed metadata, ``weights_only``
+loads, a tag published by one rename).
+
+```
+save_dir/latest
+save_dir/<tag>/
+  layer_<LL>-model_states.pt                  the layer's state_dict (first replica of its stage)
+  mp_rank_<SS>_model_states.pt                stage SS: counters, LR schedule, loss scale
+                                              (stage 00: the client state)
+  zero_pp_rank_<D>_mp_rank_<SS>_optim_states.pt   replica D of stage SS: its fp32 master slices,
+                                              their optimizer state, its RNG states
+  checkpoint_meta.json                        written last: files with sizes and digests, the
+                                              layer bounds, stages, replicas, ZeRO stage
+```
+
+Weights are stored per layer under the layer's own names, so any number of stages (and
+replicas) loads them: a stage reads the files of its layers. The optimizer shards are restored
+when the layout is the same (same layer bounds, replicas and ZeRO stage: a bitwise resume);
+under another layout the fp32 masters are rebuilt from the loaded weights and the optimizer
+state starts afresh (said in the log).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...comm.collective_errors import named_collective
+from ...utils.logging import logger
+from ..checkpoint.atomic_files import (
+    fsync_directory,
+    publish_directory,
+    remove_tree,
+    save_torch_atomically,
+    write_text_atomically,
+)
+from ..checkpoint.client_state import check_client_state
+from ..checkpoint.digests import DIGEST_KEY, file_digests, seal_metadata
+from ..checkpoint.errors import (
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    IncompleteCheckpointError,
+)
+from ..checkpoint.layout import (
+    DISPLACED_SUFFIX,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    METADATA_FILE,
+    STAGING_SUFFIX,
+    check_tag,
+    listed_file,
+    read_latest_tag,
+    read_metadata,
+    resolve_checkpoint_dir,
+)
+from ..checkpoint.metadata import plain, to_json_text
+from ..checkpoint.rank_agreement import agree_on
+from ..checkpoint.rng_state import capture_rng_states, restore_rng_states
+from ..checkpoint.shard_reader import load_mapped
+
+
+def layer_file(layer_index: int) -> str:
+    return f"layer_{layer_index:02d}-model_states.pt"
+
+
+def stage_file(stage: int) -> str:
+    return f"mp_rank_{stage:02d}_model_states.pt"
+
+
+def optimizer_file(replica: int, stage: int) -> str:
+    return f"zero_pp_rank_{replica}_mp_rank_{stage:02d}_optim_states.pt"
+
+
+def _saved_layers(module) -> list[tuple[int, nn.Module]]:
+    """This stage's layers that have a state (DeepSpeed saves a layer whose forward function is
+    a module; a tied layer run through ``forward_fn`` is saved where it runs as a module)."""
+    return [
+        (index, func)
+        for index, func in zip(module.local_layer_range(), module.forward_funcs)
+        if isinstance(func, nn.Module)
+    ]
+
+
+def _entry(name: str, role: str, payload, staging: Path) -> dict:
+    size, digest = save_torch_atomically(payload, staging / name)
+    return {"name": name, "role": role, "rank": dist.get_rank(), "bytes": size, DIGEST_KEY: digest}
+
+
+def _write_rank_files(engine, staging: Path, client_state: dict) -> list[dict]:
+    stage, replica = engine.stage_id, engine.dp_rank
+    written = []
+    if replica == 0:
+        for index, layer in _saved_layers(engine.module):
+            state = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+            written.append(_entry(layer_file(index), f"layer {index}", state, staging))
+        scheduler = engine.lr_scheduler
+        states = {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
+            "lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
+            "loss_scaler": (
+                engine.loss_scaler.state_dict()
+                if engine.loss_scaler is not None and hasattr(engine.loss_scaler, "state_dict")
+                else None
+            ),
+            "client_state": client_state if stage == 0 else None,
+            "param_groups": (
+                [
+                    {k: v for k, v in g.items() if k != "params"}
+                    for g in engine.optimizer.param_groups
+                ]
+                if engine.optimizer is not None
+                else None
+            ),
+            "optimizer_skipped_steps": getattr(engine.optimizer, "skipped_steps", 0),
+        }
+        written.append(_entry(stage_file(stage), f"states of stage {stage}", states, staging))
+    if engine.optimizer is not None:
+        entries = engine.optimizer.shard_state()
+        shard = {
+            "masters": [e["master"].detach().clone() for e in entries],
+            "states": [e["state"] for e in entries],
+            "rng": capture_rng_states(engine.device),
+        }
+        role = f"optimizer shard of stage {stage} replica {replica}"
+        written.append(_entry(optimizer_file(replica, stage), role, shard, staging))
+    return written
+
+
+def _layout(engine) -> dict:
+    return {
+        "stages": engine.num_stages,
+        "data_parallel": engine.dp_world_size,
+        "parts": list(engine.module.parts),
+        "layers": engine.module._num_layers,
+        "zero_stage": engine.zero_optimization_stage(),
+    }
+
+
+def save_pipeline_checkpoint(
+    engine, save_dir, tag=None, client_state=None, save_latest: bool = True
+) -> bool:
+    """Saves every stage's part of the training state (see the module docstring); collective
+    over the whole world."""
+    world = dist.group.WORLD
+    tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+    client_state = {} if client_state is None else client_state
+    if check_client_state(client_state, allow_pickle=False):
+        raise ValueError("a pipeline checkpoint's client_state must be plain data and tensors")
+    tags = [None] * dist.get_world_size()
+    with named_collective("all_gather of the tag at the start of save_checkpoint"):
+        dist.all_gather_object(tags, tag)
+    if len(set(tags)) != 1:
+        raise ValueError(f"save_checkpoint: every rank must save the same tag; they gave {tags}")
+    save_dir = Path(save_dir)
+    staging = save_dir / f"{tag}{STAGING_SUFFIX}"
+    rank = dist.get_rank()
+
+    def prepare() -> None:
+        if rank == 0:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            remove_tree(staging)
+            staging.mkdir()
+            fsync_directory(save_dir)
+
+    published = False
+    try:
+        agree_on(prepare, group=world, what=f"checkpoint '{tag}': creating {staging}",
+                 error_type=CheckpointSaveError)  # fmt: skip
+        written = agree_on(
+            lambda: _write_rank_files(engine, staging, client_state),
+            group=world,
+            what=f"checkpoint '{tag}': writing the stage files into {staging}",
+            error_type=CheckpointSaveError,
+        )
+        files = [entry for entries in written for entry in entries]
+
+        def publish() -> None:
+            if rank != 0:
+                return
+            from ... import __version__
+
+            metadata = seal_metadata(
+                {
+                    "format": FORMAT_NAME,
+                    "version": FORMAT_VERSION,
+                    "tag": tag,
+                    "deepspeed_cpp_version": __version__,
+                    "saved_at_unix": time.time(),
+                    "pipeline": _layout(engine),
+                    "counters": {"global_steps": engine.global_steps},
+                    "files": files,
+                    "ds_config": plain(engine.config.raw),
+                }
+            )
+            write_text_atomically(staging / METADATA_FILE, to_json_text(metadata))
+            publish_directory(staging, save_dir / tag, save_dir / f"{tag}{DISPLACED_SUFFIX}")
+            if save_latest:
+                write_text_atomically(save_dir / LATEST_FILE, tag)
+
+        agree_on(publish, group=world, what=f"checkpoint '{tag}': publishing {save_dir / tag}",
+                 error_type=CheckpointSaveError)  # fmt: skip
+        published = True
+        if rank == 0:
+            logger.info("deepspeed_cpp: saved pipeline checkpoint %s (%d files)",
+                        save_dir / tag, len(files) + 1)  # fmt: skip
+        return True
+    finally:
+        if not published and rank == 0:
+            remove_tree(staging)
+
+
+def load_pipeline_checkpoint(
+    engine,
+    load_dir,
+    tag=None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    allow_symlinks: bool = False,
+):
+    """Loads a pipeline checkpoint into this engine, at any number of stages and replicas;
+    returns ``(path, client_state)`` or ``(None, None)`` without a tag or ``latest``."""
+    if tag is None and read_latest_tag(load_dir, allow_symlinks) is None:
+        if not (Path(load_dir) / METADATA_FILE).is_file():
+            return None, None
+    directory = resolve_checkpoint_dir(load_dir, tag, allow_symlinks)
+    metadata = read_metadata(directory, allow_symlinks)
+    saved = metadata.get("pipeline")
+    if saved is None:
+        raise CheckpointMismatchError(
+            f"{directory} is not a pipeline checkpoint (saved by a DeepSpeedEngine); load it "
+            "into a model built as one module"
+        )
+    module = engine.module
+    if saved["layers"] != module._num_layers:
+        raise CheckpointMismatchError(
+            f"{directory} holds a pipeline of {saved['layers']} layers; this PipelineModule "
+            f"has {module._num_layers}"
+        )
+    digests = file_digests(metadata)
+
+    def read(name: str, role: str) -> dict:
+        path = listed_file(directory, name, digests, role)
+        return load_mapped(path, digests[name], role)
+
+    current = _layout(engine)
+    same_layout = current == saved
+    optimizer = engine.optimizer
+    restored_optimizer = (
+        optimizer is not None and same_layout and load_optimizer_states and not load_module_only
+    )
+
+    def read_stage_files() -> dict:
+        # Rank-local reads first, agreed over the world before any collective: a damaged file
+        # on one stage fails every rank instead of leaving the others in a broadcast.
+        layers = {i: read(layer_file(i), f"layer {i}") for i, _ in _saved_layers(module)}
+        shard = None
+        if restored_optimizer:
+            shard = read(optimizer_file(engine.dp_rank, engine.stage_id), "optimizer shard")
+        states = read(stage_file(engine.stage_id if same_layout else 0), "stage states")
+        client = read(stage_file(0), "stage states")["client_state"]
+        return {"layers": layers, "shard": shard, "states": states, "client": client}
+
+    loaded: dict = {}
+    agree_on(
+        lambda: loaded.update(read_stage_files()),
+        group=dist.group.WORLD,
+        what=f"load_checkpoint of {directory}",
+        error_type=IncompleteCheckpointError,
+        keep_local_error=True,
+    )
+    for index, layer in _saved_layers(module):
+        with torch.no_grad():
+            layer.load_state_dict(loaded["layers"][index], strict=load_module_strict)
+    module._synchronize_tied_weights()  # a tied copy without a file of its own
+    states, client_state = loaded["states"], loaded["client"]
+    if optimizer is not None:
+        if restored_optimizer:
+            shard = loaded["shard"]
+            optimizer.load_shard_state(list(shard["masters"]), list(shard["states"]))
+            optimizer.write_params_from_masters()
+            restore_rng_states(shard["rng"], engine.device)
+            for group, saved_group in zip(optimizer.param_groups, states["param_groups"]):
+                group.update({k: v for k, v in saved_group.items() if k != "params"})
+            optimizer.skipped_steps = int(states["optimizer_skipped_steps"])
+        else:
+            optimizer.refresh_masters_from_params()
+            if load_optimizer_states and not load_module_only and engine.global_rank == 0:
+                logger.warning(
+                    "deepspeed_cpp: %s was saved as %s and is loaded as %s: the weights are "
+                    "loaded, the optimizer state starts afresh",
+                    directory, saved, current,
+                )  # fmt: skip
+    if not load_module_only:
+        engine.global_steps = int(states["global_steps"])
+        engine.global_samples = int(states["global_samples"])
+        engine.micro_steps = int(states["micro_steps"])
+        engine.skipped_steps = int(states["skipped_steps"])
+        scheduler = engine.lr_scheduler
+        if load_lr_scheduler_states and scheduler is not None and states["lr_scheduler"]:
+            scheduler.load_state_dict(states["lr_scheduler"])
+            if optimizer is not None and not restored_optimizer:
+                # Without the optimizer's saved groups, the schedule's last rates.
+                for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                    group["lr"] = lr
+        if engine.loss_scaler is not None and states.get("loss_scaler"):
+            engine.loss_scaler.load_state_dict(states["loss_scaler"])
+    with named_collective("barrier at the end of load_checkpoint"):
+        dist.barrier()
+    return str(directory), client_state

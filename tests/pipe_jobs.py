@@ -1,0 +1,360 @@
+"""Jobs for tests/test_pipe.py: a pipeline trained over real gloo ranks beside the same model
+trained in this process on the same global batches (the reference every rank computes itself)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+WIDTH = 8
+
+
+def _tied_output(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return x @ module.weight  # the embedding reused transposed, as an output projection
+
+
+def layer_specs(tied: bool, dropout: float = 0.0):
+    from deepspeed_cpp.pipe import LayerSpec, TiedLayerSpec
+
+    body = [
+        LayerSpec(nn.Linear, WIDTH, 16),
+        nn.Tanh(),
+        LayerSpec(nn.Linear, 16, 16),
+        nn.Dropout(dropout),
+        LayerSpec(nn.Linear, 16, WIDTH),
+        torch.tanh,
+    ]
+    if not tied:
+        return [*body, LayerSpec(nn.Linear, WIDTH, 3)]
+    embed = TiedLayerSpec("embed", nn.Linear, WIDTH, WIDTH, bias=False)
+    head = TiedLayerSpec("embed", nn.Linear, WIDTH, WIDTH, bias=False, forward_fn=_tied_output)
+    return [embed, *body, head]
+
+
+class Reference(nn.Module):
+    """The whole pipeline in one module, its parameters named as the stages name theirs
+    (``<layer index>.<name>``, ``tied_modules.<key>.<name>``), built with the same seeds."""
+
+    def __init__(self, specs, base_seed: int):
+        from deepspeed_cpp.pipe import LayerSpec, TiedLayerSpec
+
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        self.tied_modules = nn.ModuleDict()
+        self.funcs = []
+        for index, spec in enumerate(specs):
+            torch.manual_seed(base_seed + index)
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied_modules:
+                    self.tied_modules[spec.key] = spec.build()
+                module = self.tied_modules[spec.key]
+                fn = (
+                    module
+                    if spec.forward_fn is None
+                    else functools.partial(spec.forward_fn, module)
+                )
+                self.funcs.append(fn)
+            elif isinstance(spec, LayerSpec):
+                self.layers[str(index)] = spec.build()
+                self.funcs.append(self.layers[str(index)])
+            else:
+                self.funcs.append(spec)
+
+    def forward(self, x):
+        for fn in self.funcs:
+            x = fn(x)
+        return x
+
+    def named_state(self) -> dict[str, torch.Tensor]:
+        state = {
+            k[len("layers.") :]: v for k, v in self.state_dict().items() if k.startswith("layers.")
+        }
+        state.update({k: v for k, v in self.state_dict().items() if k.startswith("tied_modules.")})
+        return state
+
+
+def loss_fn(outputs, labels):
+    if outputs.shape[-1] == labels.shape[-1]:
+        return nn.functional.mse_loss(outputs, labels)
+    return nn.functional.mse_loss(outputs[..., : labels.shape[-1]], labels)
+
+
+def make_batches(seed: int, steps: int, replicas: int, micro_batches: int, micro: int = 4):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        [
+            [
+                (
+                    torch.randn(micro, WIDTH, generator=generator),
+                    torch.randn(micro, 3, generator=generator),
+                )
+                for _ in range(micro_batches)
+            ]
+            for _ in range(replicas)
+        ]
+        for _ in range(steps)
+    ]
+
+
+def _config(micro_batches: int, replicas: int, clip: float, zero_stage: int, precision="fp32"):
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": micro_batches,
+        "train_batch_size": 4 * micro_batches * replicas,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": zero_stage},
+        "steps_per_print": 1000,
+    }
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _schedule(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
+def train_equals_one_process(
+    seed: int, steps: int, micro_batches: int, tied: bool, clip: float, zero_stage: int, stages=2
+) -> dict:
+    """Trains 2 stages x (world / 2) replicas and the reference on the same batches; returns
+    the largest differences (losses, parameters, eval loss and logits)."""
+    import torch.distributed as dist
+
+    import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.pipe import PipelineModule
+
+    torch.set_default_dtype(torch.float32)
+    replicas = dist.get_world_size() // stages
+    base_seed = seed % 10_000
+    specs = layer_specs(tied)
+    pipe = PipelineModule(
+        specs,
+        num_stages=stages,
+        loss_fn=loss_fn,
+        partition_method="uniform",
+        seed_layers=True,
+        base_seed=base_seed,
+    )
+    reference = Reference(layer_specs(tied), base_seed)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    engine, _, _, _ = deepspeed.initialize(
+        model=pipe,
+        optimizer=optimizer,
+        lr_scheduler=_schedule,
+        config=_config(micro_batches, replicas, clip, zero_stage),
+    )
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    ref_schedule = _schedule(ref_optimizer)
+
+    start = {k: v.clone() for k, v in pipe.state_dict().items()}
+    ref_start = reference.named_state()
+    start_diff = max((start[k] - ref_start[k]).abs().max().item() for k in start)
+
+    batches = make_batches(seed, steps, replicas, micro_batches)
+    replica = engine.grid.get_data_parallel_id()
+    loss_diff = 0.0
+    for step in range(steps):
+        loss = engine.train_batch(iter(batches[step][replica]))
+        ref_optimizer.zero_grad()
+        ref_losses = []
+        for replica_batches in batches[step]:
+            for x, y in replica_batches:
+                ref_loss = loss_fn(reference(x), y)
+                (ref_loss / (micro_batches * replicas)).backward()
+                ref_losses.append(ref_loss.detach())
+        if clip > 0:
+            nn.utils.clip_grad_norm_(reference.parameters(), clip)
+        ref_optimizer.step()
+        ref_schedule.step()
+        loss_diff = max(loss_diff, abs(loss.item() - torch.stack(ref_losses).mean().item()))
+
+    ref_state = reference.named_state()
+    param_diff = max((v - ref_state[k]).abs().max().item() for k, v in pipe.state_dict().items())
+    eval_data = make_batches(seed + 1, 1, replicas, micro_batches)[0][replica]
+    eval_loss, logits = engine.eval_batch(iter(eval_data), return_logits=True)
+    with torch.no_grad():
+        ref_eval = torch.stack(
+            [
+                loss_fn(reference(x), y)
+                for r in make_batches(seed + 1, 1, replicas, micro_batches)[0]
+                for x, y in r
+            ]
+        ).mean()
+        ref_logits = reference(eval_data[-1][0])
+    logits_diff = (logits - ref_logits).abs().max().item() if engine.is_last_stage() else 0.0
+    return {
+        "stage": engine.stage_id,
+        "start": start_diff,
+        "loss": loss_diff,
+        "params": param_diff,
+        "eval": abs(eval_loss.item() - ref_eval.item()),
+        "logits": logits_diff,
+        "names": sorted(pipe.state_dict()),
+        "lr": engine.get_lr()[0],
+        "ref_lr": ref_optimizer.param_groups[0]["lr"],
+        "moved": max((start[k] - v).abs().max().item() for k, v in pipe.state_dict().items()),
+    }
+
+
+def _error_of(function) -> str:
+    try:
+        function()
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def bad_input_errors() -> dict[str, str]:
+    """Each misuse the issue names, on 2 ranks; returns the error each raised."""
+    import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.pipe import LayerSpec, PipelineModule
+
+    errors = {
+        "stages_not_dividing": _error_of(lambda: PipelineModule(layer_specs(False), num_stages=3)),
+        "more_stages_than_layers": _error_of(
+            lambda: PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=2)
+        ),
+        "partition_no_match": _error_of(
+            lambda: PipelineModule(layer_specs(False), num_stages=2, partition_method="type:Conv")
+        ),
+        "partition_unknown": _error_of(
+            lambda: PipelineModule(layer_specs(False), num_stages=2, partition_method="random")
+        ),
+        "layerspec_not_module": _error_of(lambda: LayerSpec(len, 3)),
+    }
+    config = _config(2, 1, 0.0, 0)
+    errors["zero2"] = _error_of(
+        lambda: deepspeed.initialize(
+            model=PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            config={**config, "zero_optimization": {"stage": 2}},
+        )
+    )
+    pipe = PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn)
+    engine, *_ = deepspeed.initialize(
+        model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1), config=config
+    )
+    errors["forward"] = _error_of(lambda: engine(torch.zeros(4, WIDTH)))
+    errors["backward"] = _error_of(lambda: engine.backward(torch.zeros(())))
+    errors["step"] = _error_of(lambda: engine.step())
+    one_micro_batch = make_batches(0, 1, 1, 1)[0][0]
+    errors["exhausted"] = _error_of(lambda: engine.train_batch(iter(one_micro_batch)))
+    # After a refused batch the pipeline still trains (nothing was sent).
+    loss = engine.train_batch(iter(make_batches(1, 1, 1, 2)[0][0]))
+    errors["after"] = f"loss {float(loss):.4f}"
+    plain = nn.Linear(2, 2)
+    plain_engine, *_ = deepspeed.initialize(
+        model=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
+        config={"train_micro_batch_size_per_gpu": 1},
+    )  # fmt: skip
+    errors["train_batch_plain"] = _error_of(lambda: plain_engine.train_batch(iter([])))
+    return errors
+
+
+def checkpointing_changes_nothing(seed: int, steps: int) -> dict:
+    """The same pipeline with dropout trained with and without activation checkpointing
+    (interval 1): the recomputed forwards replay the RNG, so the weights must be bitwise equal."""
+    import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.pipe import PipelineModule
+
+    states, losses = [], []
+    for interval in (0, 1):
+        torch.manual_seed(seed)
+        pipe = PipelineModule(
+            layer_specs(False, dropout=0.3),
+            num_stages=2,
+            loss_fn=loss_fn,
+            partition_method="uniform",
+            activation_checkpoint_interval=interval,
+        )
+        if interval:
+            pipe.load_state_dict(states[0][0])  # the same start
+        engine, *_ = deepspeed.initialize(
+            model=pipe,
+            optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1),
+            config=_config(3, 1, 0.0, 0),
+        )
+        start = {k: v.clone() for k, v in pipe.state_dict().items()}
+        torch.manual_seed(seed + 1)  # the dropout masks' stream
+        run = [engine.train_batch(iter(b[0])).item() for b in make_batches(seed, steps, 1, 3)]
+        states.append((start, {k: v.clone() for k, v in pipe.state_dict().items()}))
+        losses.append(run)
+    (start0, end0), (start1, end1) = states
+    return {
+        "same_start": all(torch.equal(start0[k], start1[k]) for k in start0),
+        "same_end": all(torch.equal(end0[k], end1[k]) for k in end0),
+        "losses": losses,
+        "moved": max((start0[k] - end0[k]).abs().max().item() for k in end0),
+    }
+
+
+def checkpoint_resume(seed: int, directory: str, stages_after: int) -> dict:
+    """Trains 2 stages 2 steps, saves, trains 2 more; then a fresh engine of ``stages_after``
+    stages loads the checkpoint. At 2 stages it trains the same 2 steps again: the weights must
+    be bitwise those of the uninterrupted run. At 1 stage (2 replicas) its weights must equal
+    the saved ones (within 1e-6) and its eval loss the 2-stage one's."""
+    import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.pipe import PipelineModule
+
+    def build(stages: int):
+        pipe = PipelineModule(
+            layer_specs(True), num_stages=stages, loss_fn=loss_fn, partition_method="uniform",
+            seed_layers=True, base_seed=seed % 1000,
+        )  # fmt: skip
+        engine, *_ = deepspeed.initialize(
+            model=pipe,
+            optimizer=torch.optim.Adam(pipe.parameters(), lr=1e-2),
+            lr_scheduler=_schedule,
+            config=_config(2, 2 // stages, 0.05, 0),
+        )
+        return pipe, engine
+
+    def state(pipe) -> dict:
+        return {k: v.clone() for k, v in pipe.state_dict().items()}
+
+    batches = make_batches(seed, 4, 1, 2)
+    eval_data = make_batches(seed + 1, 1, 1, 2)[0][0]
+    pipe, engine = build(2)
+    for step in range(2):
+        engine.train_batch(iter(batches[step][0]))
+    saved = state(pipe)
+    saved_eval = engine.eval_batch(iter(eval_data)).item()
+    engine.save_checkpoint(directory, client_state={"epoch": 7})
+    for step in range(2, 4):
+        engine.train_batch(iter(batches[step][0]))
+    uninterrupted = state(pipe)
+
+    torch.manual_seed(seed + 99)  # other initial weights: everything must come from the file
+    pipe2, engine2 = build(stages_after)
+    path, client = engine2.load_checkpoint(directory)
+    loaded = state(pipe2)
+    result = {"client": client, "steps": engine2.global_steps, "path_ok": path is not None}
+    if stages_after == 2:
+        result["loaded_bitwise"] = all(torch.equal(loaded[k], saved[k]) for k in saved)
+        for step in range(2, 4):
+            engine2.train_batch(iter(batches[step][0]))
+        resumed = state(pipe2)
+        result["resumed_bitwise"] = all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    else:
+        # 1 stage holds every layer under the same names; compare those this rank saved.
+        result["loaded_diff"] = max((loaded[k] - v).abs().max().item() for k, v in saved.items())
+        eval_one = engine2.eval_batch(iter(eval_data)).item()
+        result["eval_diff"] = abs(eval_one - saved_eval)
+    return result
+
+
+def load_error(seed: int, directory: str) -> str:
+    """The error a 2-stage engine raises loading ``directory``."""
+    import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.pipe import PipelineModule
+
+    pipe = PipelineModule(
+        layer_specs(True), num_stages=2, loss_fn=loss_fn, partition_method="uniform"
+    )
+    engine, *_ = deepspeed.initialize(
+        model=pipe, optimizer=torch.optim.Adam(pipe.parameters()), config=_config(2, 1, 0.0, 0)
+    )
+    return _error_of(lambda: engine.load_checkpoint(directory))

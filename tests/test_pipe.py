@@ -1,0 +1,160 @@
+"""Pipeline parallelism (deepspeed.pipe) on real gloo ranks: 2 stages trained with 1F1B equal the
+same model trained in one process on the same global batches."""
+
+from __future__ import annotations
+
+import random
+
+import pipe_jobs as jobs
+import pytest
+
+from deepspeed_cpp.runtime.pipe import schedule
+from deepspeed_cpp.runtime.pipe.partition import partition_balanced, partition_uniform
+from deepspeed_cpp.runtime.pipe.topology import (
+    PipeDataParallelTopology,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+)
+
+
+def test_topology_rank_layout_is_deepspeeds():
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    assert topo.get_axis_names() == ["pipe", "data", "model"]
+    assert topo.get_rank(pipe=1, data=0, model=1) == 5
+    assert topo.get_coord(6) == topo.ProcessCoord(pipe=1, data=1, model=0)
+    assert topo.get_axis_comm_lists("pipe") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert topo.get_axis_comm_lists("data") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert topo.get_axis_comm_lists("tensor") == []
+    assert topo.filter_match(pipe=0, data=1) == [2, 3]
+    assert topo.get_rank_repr(5) == "model_01"
+    assert topo.get_rank_repr(5, omit_axes=["data"]) == "pipe_01-model_01"
+    pd = PipeDataParallelTopology(num_pp=2, num_dp=3)
+    assert pd.get_axis_list("pipe", 1) == [3, 4, 5] and pd.get_dim("model") == 0
+    assert pd.world_size() == 6
+    with pytest.raises(ValueError, match="one coordinate per axis"):
+        pd.get_rank(pipe=0)
+    with pytest.raises(ValueError, match="dims"):
+        ProcessTopology(["a", "b"], [2])
+
+
+def test_partitions_match_deepspeeds_rules():
+    assert partition_uniform(10, 3) == [0, 4, 7, 10]
+    assert partition_uniform(2, 3) == [0, 1, 2, 2]
+    assert partition_balanced([5, 1, 1, 1, 1, 1], 2) == [0, 1, 6]
+    assert partition_balanced([1, 1, 1, 1], 2) == [0, 2, 4]
+    weights = [random.randint(0, 9) for _ in range(12)]
+    bounds = partition_balanced(weights, 3)
+    sums = [sum(weights[bounds[i] : bounds[i + 1]]) for i in range(3)]
+    # No split into 3 contiguous non-empty parts is more even (exhaustive check).
+    best = min(
+        max(s) - min(s)
+        for a in range(1, 11)
+        for b in range(a + 1, 12)
+        for s in [[sum(weights[:a]), sum(weights[a:b]), sum(weights[b:])]]
+    )
+    assert max(sums) - min(sums) == best and all(bounds[i] < bounds[i + 1] for i in range(3))
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 3), (3, 1)])
+def test_train_schedule_is_1f1b(stages, micro_batches):
+    for stage in range(stages):
+        sched = schedule.TrainSchedule(micro_batches, stages, stage)
+        flat = [i for step in sched.steps() for i in step]
+        forwards = [i.buffer_id for i in flat if isinstance(i, schedule.ForwardPass)]
+        backwards = [i for i in flat if isinstance(i, schedule.BackwardPass)]
+        assert len(forwards) == len(backwards) == micro_batches
+        # At most stages - stage activations live at once.
+        live, peak = 0, 0
+        for instruction in flat:
+            live += isinstance(instruction, schedule.ForwardPass)
+            live -= isinstance(instruction, schedule.BackwardPass)
+            peak = max(peak, live)
+        assert peak == min(stages - stage, micro_batches)
+        assert flat[-3:] == [schedule.ReduceTiedGrads(), schedule.ReduceGrads(),
+                             schedule.OptimizerStep()]  # fmt: skip
+        assert any(isinstance(i, schedule.RecvActivation) for i in flat) == (stage > 0)
+        assert any(isinstance(i, schedule.SendGrad) for i in flat) == (stage > 0)
+        assert any(isinstance(i, schedule.RecvGrad) for i in flat) == (stage < stages - 1)
+
+
+@pytest.mark.parametrize("tied,clip", [(False, 0.0), (True, 0.05)])
+def test_two_stages_train_like_one_process(pool2, tied, clip):
+    seed = random.randrange(2**31)
+    results = pool2.run(jobs.train_equals_one_process, seed, 3, 4, tied, clip, 0)
+    for result in results:
+        assert result["start"] == 0.0, result
+        assert result["moved"] > 1e-3, result  # training changed the weights
+        for key in ("loss", "params", "eval", "logits"):
+            assert result[key] < 1e-6, (key, result)
+        assert result["lr"] == pytest.approx(result["ref_lr"])
+    names = [set(r["names"]) for r in results]
+    assert not (names[0] - {"tied_modules.embed.weight"}) & names[1]  # stages hold other layers
+    assert (
+        "tied_modules.embed.weight" in names[0] and "tied_modules.embed.weight" in names[1]
+    ) == tied
+
+
+def test_bad_input_is_named(pool2):
+    for errors in pool2.run(jobs.bad_input_errors):
+        assert "num_stages (3) must" in errors["stages_not_dividing"]
+        assert "1 layers but 2 stages" in errors["more_stages_than_layers"]
+        assert "'Conv'" in errors["partition_no_match"]
+        assert "'random' is not one of" in errors["partition_unknown"]
+        assert "nn.Module subclass" in errors["layerspec_not_module"]
+        assert "zero_optimization.stage 2" in errors["zero2"]
+        for name in ("forward", "backward", "step"):
+            assert f"PipelineEngine.{name}() is not available" in errors[name]
+        assert "DataIteratorExhaustedError" in errors["exhausted"]
+        assert "ran out after 1 of the 2 micro-batches" in errors["exhausted"]
+        assert errors["after"].startswith("loss ")
+        assert "train_batch() is the pipeline engine's" in errors["train_batch_plain"]
+
+
+def test_activation_checkpointing_with_dropout_is_bitwise_the_same(pool2):
+    for result in pool2.run(jobs.checkpointing_changes_nothing, random.randrange(2**31), 2):
+        assert result["same_start"] and result["moved"] > 1e-3, result
+        assert result["same_end"], result
+        assert result["losses"][0] == result["losses"][1]
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    from dist_pool import DistributedPool
+
+    pool = DistributedPool(4)
+    yield pool
+    pool.close()
+
+
+def test_two_stages_two_replicas_zero1_train_like_one_process(pool4):
+    seed = random.randrange(2**31)
+    results = pool4.run(jobs.train_equals_one_process, seed, 3, 2, True, 0.05, 1)
+    for result in results:
+        assert result["start"] == 0.0 and result["moved"] > 1e-3, result
+        for key in ("loss", "params", "eval", "logits"):
+            assert result[key] < 1e-6, (key, result)
+    assert [r["stage"] for r in results] == [0, 0, 1, 1]  # data is the fastest axis
+
+
+def test_checkpoint_resumes_bitwise_and_loads_at_one_stage(pool2, tmp_path):
+    from pathlib import Path
+
+    seed = random.randrange(2**31)
+    results = pool2.run(jobs.checkpoint_resume, seed, str(tmp_path / "a"), 2)
+    for result in results:
+        assert result["path_ok"] and result["client"] == {"epoch": 7} and result["steps"] == 2
+        assert result["loaded_bitwise"] and result["resumed_bitwise"], result
+    tag = Path(tmp_path / "a" / "global_step2")
+    names = sorted(p.name for p in tag.iterdir())
+    assert "layer_00-model_states.pt" in names and "mp_rank_01_model_states.pt" in names
+    assert "zero_pp_rank_0_mp_rank_01_optim_states.pt" in names
+    damaged = tag / "layer_03-model_states.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    for error in pool2.run(jobs.load_error, seed, str(tmp_path / "a")):
+        assert "layer_03-model_states.pt" in error, error
+    results = pool2.run(jobs.checkpoint_resume, seed, str(tmp_path / "b"), 1)
+    for result in results:
+        assert result["client"] == {"epoch": 7} and result["steps"] == 2, result
+        assert result["loaded_diff"] < 1e-6 and result["eval_diff"] < 1e-6, result
