@@ -98,8 +98,9 @@ class PipelineModule(nn.Module):
     backward through ``activation_checkpoint_func`` (default, as in DeepSpeed,
     ``deepspeed.checkpointing.checkpoint``: it replays the RNG and the tracker's states so dropout
     repeats exactly, and honours ``deepspeed.checkpointing.configure``'s partitioning and host
-    copies). ``seed_layers`` seeds the RNG with ``base_seed + layer index`` before building each layer (and before running it), so a layer
-    starts from the same weights whatever stage builds it."""
+    copies). ``seed_layers`` seeds the RNG with ``base_seed + layer index`` before building each
+    layer (and before running it), so a layer starts from the same weights whatever stage builds
+    it."""
 
     def __init__(
         self,
