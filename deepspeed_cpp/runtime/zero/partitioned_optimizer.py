@@ -373,9 +373,9 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         return True
 
     def _skip_nonfinite_step(self) -> bool:
-        """Steps nothing and clears the gradients; the sub-groups a ``step_during_backward``
-        worker saw finite gradients in are settled first (``_settle_early_steps``)."""
-        self._settle_early_steps()
+        """Steps nothing and clears the gradients; what a ``step_during_backward`` worker
+        stepped with this step's gradients is undone first (``_discard_early_steps``)."""
+        self._discard_early_steps()
         if self.loss_scaler is not None:  # a norm past float's range: an overflow all the same
             self.loss_scaler.update_scale(True)
         self.skipped_steps += 1
