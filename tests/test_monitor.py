@@ -168,7 +168,7 @@ def test_disabled_monitors_import_nothing():
     assert not monitor.enabled and monitor.monitors == []
 
 
-def _train_with_timers(root: str):
+def _train_with_timers(root: str, stage: int):
     import logging
 
     import deepspeed_cpp as deepspeed
@@ -188,7 +188,8 @@ def _train_with_timers(root: str):
         "wall_clock_breakdown": True,
         "memory_breakdown": True,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 2},
+        # Threshold 0: every ZeRO-3 parameter is partitioned, so every forward gathers.
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "csv_monitor": {"enabled": True, "output_path": root, "job_name": "timers"},
         "flops_profiler": {
             "enabled": True,
@@ -208,8 +209,21 @@ def _train_with_timers(root: str):
     return [line for line in lines if line.startswith("time (ms)")]
 
 
-def test_wall_clock_breakdown_logs_deepspeed_timers(pool2, tmp_path):
-    lines = pool2.run(_train_with_timers, str(tmp_path))
+# ZeRO-3's timers that every step of this model runs (backward_all_gather only where a unit
+# was released between its forward and its backward, which the schedule decides).
+ZERO3_TIMERS_RUN = ("forward_fetch_submit", "forward_all_gather", "forward_fetch_wait",
+                    "backward_fetch_submit", "backward_fetch_wait", "reduce_scatter_submit",
+                    "reduce_scatter_wait", "optimizer_step")  # fmt: skip
+
+
+def _timer_values(line: str) -> dict[str, float]:
+    parts = [part.split(": ") for part in line.split(" | ")[1:]]
+    return {name: float(value.split()[0]) for name, value in parts}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_wall_clock_breakdown_logs_deepspeed_timers(pool2, tmp_path, stage):
+    lines = pool2.run(_train_with_timers, str(tmp_path), stage)
     assert lines[1] == []  # rank 0 logs
     micro = [line for line in lines[0] if "fwd_microstep" in line]
     global_ = [line for line in lines[0] if "| fwd:" in line]
@@ -231,6 +245,18 @@ def test_wall_clock_breakdown_logs_deepspeed_timers(pool2, tmp_path):
     profile = (tmp_path / "flops_rank0.txt").read_text()
     assert "Profile Summary at step 1:" in profile
     assert f"{'fwd MACs per GPU:':<60}{MICRO * (5 * 7 + 7 * 1)} MACs" in profile
+    # ZeRO-3: its gathers, gradient reduce-scatters and optimizer step, at every boundary, each
+    # with time spent in it (a line per optimizer step; none at stage 2).
+    zero3 = [_timer_values(line) for line in lines[0] if "| forward_fetch_submit:" in line]
+    if stage != 3:
+        assert zero3 == [] and not any("reduce_scatter" in line for line in lines[0])
+        return
+    assert len(zero3) == STEPS, lines[0]
+    for name in ZERO3_TIMERS_RUN:
+        assert all(name in values for values in zero3), (name, zero3)
+        # Summed over the run: a quick one (a wait for a gather already done) may print 0.00 ms.
+        assert sum(values[name] for values in zero3) > 0.0, (name, zero3)
+    assert all(values["forward_fetch_submit"] > 0.0 for values in zero3), zero3
 
 
 @pytest.mark.parametrize("backend", ["csv_monitor", "tensorboard"])

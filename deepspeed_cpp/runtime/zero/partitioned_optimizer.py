@@ -41,6 +41,7 @@ from ...ops.zero import (
     plan_buckets,
     unflatten_from,
 )
+from ...utils.timer import REDUCE_SCATTER_SUBMIT_TIMER, REDUCE_SCATTER_WAIT_TIMER, timed
 from .offload.optimizer_offload import OptimizerOffload
 from .offload.stepping import OffloadedStepping
 from .param_fragments import ParamFragments
@@ -162,6 +163,9 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             for index, p in enumerate(self.params)
         ]
         self._link_fragment_owners()  # deepspeed_cpp.utils.safe_get_full_fp32_param & co.
+        # The engine's wall-clock timers, set at ZeRO-3 with ``wall_clock_breakdown`` (None:
+        # nothing timed, no cost in the gradient hooks).
+        self.timers = None
 
     STAGES = (0, 1, 2)
     trains = True
@@ -301,7 +305,10 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             )
             self._fp32_accumulators[index] = None
         if grad is not None:
-            with named_collective("gradient reduction (a bucket launched during backward)"):
+            with (
+                named_collective("gradient reduction (a bucket launched during backward)"),
+                timed(self.timers, REDUCE_SCATTER_SUBMIT_TIMER),
+            ):
                 self.reducer.add_grad(index, grad)
             if self._backward_steps is not None and self._backward_steps.active:
                 self._step_reduced_sub_groups()
@@ -332,7 +339,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             if index not in self._handed:
                 self._hand_over(index, param)
         self._handed.clear()
-        with named_collective("gradient reduction"):
+        with named_collective("gradient reduction"), timed(self.timers, REDUCE_SCATTER_WAIT_TIMER):
             self.reducer.finish()  # the shard gradients now hold this micro-step's reduction too
         self._shard_grads_zero_pending = False
         self._reduce_during_backward = False
