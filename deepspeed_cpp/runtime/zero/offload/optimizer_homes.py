@@ -393,7 +393,7 @@ class NvmeHome(DeviceHome):
             return
         slot = self._claim_slot(group)
         if self._written[group]:
-            key = _key(group, self._version[group])
+            key = self.committed_key(group)
             self._reads[group] = self._files.read(key, self._persisted(group, slot))
 
     def _bring_in(self, group: int) -> int:
@@ -402,6 +402,10 @@ class NvmeHome(DeviceHome):
         if ticket is not None:
             ticket.wait()
         return self._slot_of[group]
+
+    def committed_key(self, group: int) -> str:
+        """The swap file key that holds ``group``'s committed state."""
+        return _key(group, self._version[group])
 
     def _write(self, group: int, slot: int, tentative: bool = False) -> None:
         """Writes the sub-group from ``slot`` to its committed file, or (``tentative``) to its
@@ -417,7 +421,7 @@ class NvmeHome(DeviceHome):
         # Called with no transfer of a superseded file in flight (it was read before its step);
         # a tentative write may still be: reads of its key wait for it (``SwapFolder``).
         for group in list(self._tentative):
-            superseded = _key(group, self._version[group])
+            superseded = self.committed_key(group)
             self._version[group] ^= 1
             self._written[group] = True
             self._files.remove(superseded)
