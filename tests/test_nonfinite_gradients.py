@@ -114,7 +114,9 @@ def _run(
                 if step == BAD_STEP and poison is not None and rank == world - 1:
                     if mid_backward:
                         hook = first_weight.register_hook(
-                            lambda g: g.clone().index_fill_(0, torch.tensor([0]), poison)
+                            lambda g: (
+                                g.flatten().index_fill(0, torch.tensor([0]), poison).view_as(g)
+                            )
                         )
                     else:
                         loss = loss * torch.tensor(poison)
