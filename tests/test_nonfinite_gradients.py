@@ -10,6 +10,7 @@ backward, the delayed parameter update) that step the optimizer elsewhere.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -68,10 +69,22 @@ class _Messages(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _run(config: dict, seed: int, *, poison=None, omit=None, sizes=SIZES):
+def _run(
+    config: dict,
+    seed: int,
+    *,
+    poison=None,
+    omit=None,
+    sizes=SIZES,
+    mid_backward=False,
+    optimizer_state=False,
+):
     """Trains ``STEPS`` steps of this rank's rows of fixed random batches. ``poison``: the
     factor the last rank's loss is multiplied by at step ``BAD_STEP`` (every micro-step of
-    it); ``omit``: that step's batch is not trained at all (the reference)."""
+    it), or with ``mid_backward`` the value written into one element of the first layer's
+    weight gradient on the last rank (that gradient comes last in backward, after the other
+    layers' sub-groups were stepped during backward); ``omit``: that step's batch is not
+    trained at all (the reference); ``optimizer_state``: the result holds it too."""
     import deepspeed_cpp
     from deepspeed_cpp.utils.logging import logger
 
@@ -81,7 +94,8 @@ def _run(config: dict, seed: int, *, poison=None, omit=None, sizes=SIZES):
     logger.addHandler(messages)
     generator = torch.Generator().manual_seed(seed + 1)
     model_dtype = next(engine.module.parameters()).dtype
-    early = []
+    early, stepped_early = [], []
+    first_weight = engine.module[0].weight
     try:
         for step in range(STEPS):
             micro_batches = [
@@ -96,12 +110,25 @@ def _run(config: dict, seed: int, *, poison=None, omit=None, sizes=SIZES):
                 loss = torch.nn.functional.mse_loss(
                     engine(x[rows].to(model_dtype)).float(), y[rows]
                 )
+                hook = None
                 if step == BAD_STEP and poison is not None and rank == world - 1:
-                    loss = loss * torch.tensor(poison)
+                    if mid_backward:
+                        hook = first_weight.register_hook(
+                            lambda g: (
+                                g.flatten().index_fill(0, torch.tensor([0]), poison).view_as(g)
+                            )
+                        )
+                    else:
+                        loss = loss * torch.tensor(poison)
                 engine.backward(loss)
+                if hook is not None:
+                    hook.remove()
                 backward_steps = getattr(engine.optimizer, "_backward_steps", None)
                 if backward_steps is not None and engine.is_gradient_accumulation_boundary():
                     early.append(backward_steps.stepped_count)
+                    # Those the worker stepped (not declined), waiting for it to finish them.
+                    futures = backward_steps._stepped.values()
+                    stepped_early.append(sum(f.result() is not None for f in futures))
                 engine.step()
     finally:
         logger.removeHandler(messages)
@@ -117,9 +144,29 @@ def _run(config: dict, seed: int, *, poison=None, omit=None, sizes=SIZES):
         "loss_scale": engine.get_loss_scale(),
         "logged": [line for line in messages.lines if "at step" in line],
         "early": early,
+        "stepped_early": stepped_early,
     }
+    if optimizer_state:
+        result["optimizer_state"] = _optimizer_state(engine)
     engine.destroy()
     return result
+
+
+def _optimizer_state(engine) -> dict:
+    """Every parameter's Adam moments (whole, gathered) and every master's step count."""
+    from deepspeed_cpp.utils import safe_get_full_optimizer_state
+
+    state = {
+        f"{name}.{key}": safe_get_full_optimizer_state(param, key).float().clone()
+        for name, param in engine.module.named_parameters()
+        for key in ("exp_avg", "exp_avg_sq")
+    }
+    stage = engine.optimizer
+    for bucket, master in enumerate(stage.masters):
+        outline = stage.home.state_outline(bucket)  # NVMe: the in-memory part of its state
+        entries = outline[0] if outline is not None else stage.optimizer.state[master]
+        state[f"step of master {bucket}"] = torch.as_tensor(entries["step"]).clone()
+    return state
 
 
 def _poisoned_and_reference_job(config: dict, seed: int, poisons: tuple[str, ...], sizes=SIZES):
@@ -192,7 +239,7 @@ def test_offloaded_optimizer_steps_skip_too(pool2, tmp_path, stage, dtype, offlo
             assert all(count > 0 for count in poisoned["nan"]["early"]), poisoned["nan"]["early"]
 
 
-# --- "raise", and what cannot be skipped whole ----------------------------------------------
+# --- "raise", and a NaN that appears after sub-groups were stepped during backward ---------
 
 
 def _raise_job(stage: int):
@@ -230,56 +277,49 @@ def test_raise_mode_raises_on_every_rank_after_skipping(pool2, stage):
         assert skipped == 1 and global_steps == 3
 
 
-def _partly_nonfinite_job(parent):
-    """NVMe offload stepping during backward; at step 1 one element of the first layer's
-    gradient (its bucket is reduced last) is made inf on one rank, after the other sub-groups
-    were stepped during backward with finite gradients."""
-    import deepspeed_cpp
-    from deepspeed_cpp.runtime.failed_step import FailedStepError
-    from deepspeed_cpp.runtime.nonfinite_gradients import NonFiniteGradientError
-
-    rank = dist.get_rank()
-    offload = {"device": "nvme", "nvme_path": _shared_folder(parent)}
+def _mid_backward_job(parent, stage: int, dtype: str, device: str):
+    """A reference run that never trains step ``BAD_STEP``, then runs in which one element of
+    the first layer's gradient becomes NaN or inf on the last rank during that step's backward,
+    after the later layers' sub-groups were stepped during backward with finite gradients."""
+    offload = {"device": device, "step_during_backward": True}
+    if device == "nvme":
+        offload["nvme_path"] = _shared_folder(parent)
     zero = {"offload_optimizer": offload, "sub_group_size": 300, "reduce_bucket_size": 200}
-    config = _config(2, "fp32", zero_extra=zero, extra={"gradient_clipping": 0.0})
-    engine, *_ = deepspeed_cpp.initialize(model=_model(4, OFFLOAD_SIZES), config=config)
-    first = engine.module[0].weight
-    x, y = torch.randn(MICRO, OFFLOAD_SIZES[0]), torch.randn(MICRO, OFFLOAD_SIZES[-1])
-    outcome = {}
-    for step in range(2):
-        handle = None
-        if step == 1 and rank == 1:
-            handle = first.register_hook(
-                lambda g: g.clone().index_fill_(0, torch.tensor([0]), float("inf"))
-            )
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-        if handle is not None:
-            handle.remove()
-        outcome["early"] = engine.optimizer._backward_steps.stepped_count
-        before = {n: v.clone() for n, v in engine.module.state_dict().items()}
-        try:
-            engine.step()
-        except NonFiniteGradientError as error:
-            outcome["error"] = str(error)
-            after = engine.module.state_dict()
-            outcome["unchanged"] = all(torch.equal(after[n], v) for n, v in before.items())
-    try:
-        engine(x)
-    except FailedStepError as error:
-        outcome["refused"] = str(error)
-    return outcome
+    config = _config(stage, dtype, zero_extra=zero, extra={"gradient_clipping": 0.0})
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    seeds = [seed]
+    dist.broadcast_object_list(seeds, src=0)
+    run = functools.partial(_run, config, seeds[0], sizes=OFFLOAD_SIZES, optimizer_state=True)
+    runs = {"reference": run(omit=True)}
+    for kind in ("nan", "inf"):
+        runs[kind] = run(poison=float(kind), mid_backward=True)
+    return runs
 
 
-def test_a_step_partly_taken_during_backward_is_an_error_on_every_rank(pool2, tmp_path):
-    outcomes = pool2.run(_partly_nonfinite_job, tmp_path)
-    # The sub-groups before the poisoned one were handed to the worker during backward (as in
-    # every step of test_offload_optimizer's early-step test), with finite gradients.
-    assert max(outcome["early"] for outcome in outcomes) > 0, outcomes
-    for outcome in outcomes:
-        assert "cannot be skipped whole" in outcome["error"], outcome
-        assert "step_during_backward" in outcome["error"]
-        assert outcome["unchanged"], outcome
-        assert "load a checkpoint" in outcome["refused"], outcome
+@pytest.mark.parametrize(
+    "stage, dtype, device",
+    [(2, "fp32", "nvme"), (3, "bf16", "nvme"), (2, "bf16", "cpu")],
+)
+def test_a_step_partly_taken_during_backward_is_skipped_whole(
+    pool2, tmp_path, stage, dtype, device
+):
+    """The sub-groups stepped during backward before the NaN/inf appeared are undone: the run
+    equals, bitwise, the reference that never trained the step (parameters, Adam moments and
+    step counts, LR), with the step counted as skipped."""
+    results = pool2.run(_mid_backward_job, tmp_path, stage, dtype, device)
+    _assert_skipped_like_reference([(r["reference"], r) for r in results], ("nan", "inf"))
+    for rank, runs in enumerate(results):
+        reference = runs["reference"]["optimizer_state"]
+        for kind in ("nan", "inf"):
+            run = runs[kind]
+            # Every rank really stepped sub-groups during the poisoned step's backward (and
+            # every other one), with finite gradients: the discarded path was the one taken.
+            assert all(count > 0 for count in run["stepped_early"]), (kind, rank, run)
+            assert run["optimizer_state"].keys() == reference.keys()
+            for name, value in reference.items():
+                assert torch.equal(run["optimizer_state"][name], value), (kind, rank, name)
+            steps = [v for k, v in reference.items() if k.startswith("step of")]
+            assert steps and all(float(v) == STEPS - 1 for v in steps), steps
 
 
 # --- save_checkpoint refuses weights that are not finite --------------------------------------

@@ -1,6 +1,7 @@
-"""comet: Comet ML experiments (``online: false`` or ``mode`` for an offline one). As in
-DeepSpeed, events are logged every ``samples_log_interval`` samples. (Not exercised by the
-tests: comet_ml is not installed where they run; the missing-package error is.)"""
+"""comet: Comet ML experiments (``online: false`` or ``mode`` for an offline one, whose archive
+goes to ``COMET_OFFLINE_DIRECTORY``). As in DeepSpeed, each event is logged once
+``samples_log_interval`` samples have passed since it was last logged
+(``tests/test_monitor.py`` reads an offline archive back)."""
 
 from __future__ import annotations
 

@@ -130,6 +130,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self.loss_scaler = make_loss_scaler(config.fp16) if self.fp16_enabled() else None
         stage = self._configure_zero_optimizer(optimizer, model_parameters)
         self._zero_stage = stage  # at ZeRO-3 also without an optimizer: it gathers parameters
+        if self._report.wall_clock_breakdown and hasattr(stage, "set_timers"):
+            stage.set_timers(self.timers)  # ZeRO-3's gathers, reduce-scatters and step
         self.optimizer = stage if stage is not None and stage.trains else None
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
         self.training_dataloader = (

@@ -29,7 +29,7 @@ CHOICES = (SKIP, RAISE)
 
 class NonFiniteGradientError(FloatingPointError):
     """The global gradient of an optimizer step held NaN or inf (``nonfinite_gradients`` is
-    ``"raise"``, or the step could not be skipped whole); the message says which step."""
+    ``"raise"``); the message says which step."""
 
 
 def skipped_step_message(step: int, norm: float | None, skipped_steps: int) -> str:

@@ -7,8 +7,9 @@ train_loss`` (the mean of the micro-steps' losses, rank 0's own, at the samples 
 step), then after the step ``Train/Samples/lr`` (the first param group's, after the schedule
 stepped) and, with fp16, ``Train/Samples/loss_scale``, at the samples seen after it. With
 ``wall_clock_breakdown`` the micro timers are logged at every ``step()`` call and the global
-ones every ``steps_per_print`` steps (with the monitors also getting ``Train/Samples/
-elapsed_time_ms_*`` at every boundary). With ``flops_profiler`` rank 0 profiles the forward
+ones every ``steps_per_print`` steps, with the monitors also getting ``Train/Samples/
+elapsed_time_ms_*`` at every boundary; ZeRO-3's gather, reduce-scatter and optimizer-step timers
+are logged at every boundary. With ``flops_profiler`` rank 0 profiles the forward
 passes of step ``profile_step`` (counted from 0, before it is taken) and prints the profile when
 that step is taken, as DeepSpeed does.
 """
@@ -18,7 +19,13 @@ from __future__ import annotations
 import torch
 
 from ..monitor import MonitorMaster
-from ..utils.timer import GLOBAL_TIMERS, MICRO_TIMERS, NoopTimer, SynchronizedWallClockTimer
+from ..utils.timer import (
+    GLOBAL_TIMERS,
+    MICRO_TIMERS,
+    ZERO3_TIMERS,
+    NoopTimer,
+    SynchronizedWallClockTimer,
+)
 
 # Global timer -> the monitor event DeepSpeed writes for it.
 _ELAPSED_EVENTS = {
@@ -123,6 +130,10 @@ class TrainingReport:
         self.timers.log(MICRO_TIMERS, memory_breakdown=self.memory_breakdown)
         if not boundary:
             return
+        # ZeRO-3's collectives and step, summed over this step's micro-steps (those that ran).
+        zero3 = [name for name in ZERO3_TIMERS if name in self.timers.get_timers()]
+        if zero3:
+            self.timers.log(zero3)
         if self._writes:
             self.monitor.write_events(
                 (event, self.timers(name).elapsed(reset=False) * 1000.0, engine.global_samples)

@@ -41,6 +41,55 @@ GLOBAL_TIMERS = (
     STEP_GLOBAL_TIMER,
 )
 
+# ZeRO-3's collectives and step. DeepSpeed's names where it has them: its parameter coordinator's
+# fetch events (``forward_fetch_submit`` ... ``backward_all_gather``, which DeepSpeed only records
+# with a profiler switch compiled off) and its stage-3 ``optimizer_step``. DeepSpeed times no
+# stage-3 gradient reduce-scatter of its own; ours are named like the fetch pairs: the launches
+# during backward (``reduce_scatter_submit``, the copy into the bucket included) and the wait for
+# the last ones when backward ends (``reduce_scatter_wait``). Each sums one optimizer step's
+# micro-steps and is logged, in one line, at every accumulation boundary.
+FORWARD_FETCH_SUBMIT_TIMER = "forward_fetch_submit"
+FORWARD_FETCH_WAIT_TIMER = "forward_fetch_wait"
+FORWARD_ALL_GATHER_TIMER = "forward_all_gather"
+BACKWARD_FETCH_SUBMIT_TIMER = "backward_fetch_submit"
+BACKWARD_FETCH_WAIT_TIMER = "backward_fetch_wait"
+BACKWARD_ALL_GATHER_TIMER = "backward_all_gather"
+REDUCE_SCATTER_SUBMIT_TIMER = "reduce_scatter_submit"
+REDUCE_SCATTER_WAIT_TIMER = "reduce_scatter_wait"
+OPTIMIZER_STEP_TIMER = "optimizer_step"
+
+ZERO3_TIMERS = (
+    FORWARD_FETCH_SUBMIT_TIMER,
+    FORWARD_ALL_GATHER_TIMER,
+    FORWARD_FETCH_WAIT_TIMER,
+    BACKWARD_FETCH_SUBMIT_TIMER,
+    BACKWARD_ALL_GATHER_TIMER,
+    BACKWARD_FETCH_WAIT_TIMER,
+    REDUCE_SCATTER_SUBMIT_TIMER,
+    REDUCE_SCATTER_WAIT_TIMER,
+    OPTIMIZER_STEP_TIMER,
+)
+
+
+class timed:  # noqa: N801 - used as a context manager, like contextlib's
+    """``with timed(timers, name):`` times the block under ``name``; does nothing when
+    ``timers`` is None (``wall_clock_breakdown`` off) or that timer already runs (a block
+    re-entered from inside itself is counted once, by the outer one)."""
+
+    __slots__ = ("_timer",)
+
+    def __init__(self, timers, name: str) -> None:
+        timer = None if timers is None else timers(name)
+        self._timer = None if timer is None or getattr(timer, "started_", True) else timer
+
+    def __enter__(self) -> None:
+        if self._timer is not None:
+            self._timer.start()
+
+    def __exit__(self, *exc_info) -> None:
+        if self._timer is not None:
+            self._timer.stop()
+
 
 def _synchronize() -> None:
     from ..accelerator import get_accelerator

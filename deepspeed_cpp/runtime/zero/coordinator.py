@@ -52,6 +52,15 @@ import torch.distributed as dist
 from ...comm.collective_errors import named_collective, new_group
 from ...ops.zero import make_fetch_schedule
 from ...utils.logging import logger
+from ...utils.timer import (
+    BACKWARD_ALL_GATHER_TIMER,
+    BACKWARD_FETCH_SUBMIT_TIMER,
+    BACKWARD_FETCH_WAIT_TIMER,
+    FORWARD_ALL_GATHER_TIMER,
+    FORWARD_FETCH_SUBMIT_TIMER,
+    FORWARD_FETCH_WAIT_TIMER,
+    timed,
+)
 from ...utils.z3_leaf_modules import LEAF_PARAMETER_ATTRIBUTE, z3_leaf_module
 from . import partition_parameters as pp
 from .shard_gather import all_gather_flat
@@ -121,6 +130,9 @@ class ParameterCoordinator:
         self._uses_unchecked = 0  # uses since the last check, and their digest
         self._digest = 0
         self._logged_divergence = 0
+        # The engine's wall-clock timers with ``wall_clock_breakdown`` (else None): fetches and
+        # gathers timed under DeepSpeed's coordinator names (``utils/timer.py``).
+        self.timers = None
         self._hooks = []
         # A destroyed engine's guards would refuse every forward of this new one.
         for handle in module.__dict__.pop("_ds_destroyed_guards", ()):
@@ -214,13 +226,17 @@ class ParameterCoordinator:
         (it was prefetched) at the next fetch or release, behind this module's compute. Both
         are points every rank reaches in the same order, so the gathers interleave with the
         gradient reductions identically on every rank (NCCL needs that across groups)."""
-        self._settle()
-        self._record_use(unit)
-        launches = self.schedule.on_use(unit)
-        if launches:
-            self._pending = (self._start_check(unit), launches)
-        if unit in launches:
+        backward = _in_backward()
+        with timed(
+            self.timers, BACKWARD_FETCH_SUBMIT_TIMER if backward else FORWARD_FETCH_SUBMIT_TIMER
+        ):
             self._settle()
+            self._record_use(unit)
+            launches = self.schedule.on_use(unit)
+            if launches:
+                self._pending = (self._start_check(unit), launches)
+            if unit in launches:
+                self._settle()
         if self.schedule.diverged() and self._logged_divergence < self.schedule.divergences():
             self._logged_divergence = self.schedule.divergences()
             if self._logged_divergence == 1:
@@ -229,7 +245,10 @@ class ParameterCoordinator:
                     "recorded pass (at %s); fetching on demand and recording again",
                     self.unit_names[unit],
                 )
-        self.units[unit].wait()
+        with timed(
+            self.timers, BACKWARD_FETCH_WAIT_TIMER if backward else FORWARD_FETCH_WAIT_TIMER
+        ):
+            self.units[unit].wait()
 
     def _settle(self) -> None:
         """Waits for the pending agreement and launches the gathers decided with it."""
@@ -238,9 +257,11 @@ class ParameterCoordinator:
         check, launches = self._pending
         self._pending = None
         self._finish_check(check)
-        for gathered in launches:
-            self._held[gathered] = True
-            self.units[gathered].unshard(self.fetch_group)
+        name = BACKWARD_ALL_GATHER_TIMER if _in_backward() else FORWARD_ALL_GATHER_TIMER
+        with timed(self.timers, name):
+            for gathered in launches:
+                self._held[gathered] = True
+                self.units[gathered].unshard(self.fetch_group)
 
     def done(self, unit: int) -> None:
         self._settle()
@@ -333,6 +354,11 @@ class ParameterCoordinator:
                 self._hooks.append(submodule.register_forward_pre_hook(_destroyed_guard(name)))
         # Kept on the model so that the next engine's coordinator removes them.
         self.module.__dict__["_ds_destroyed_guards"] = list(self._hooks)
+
+
+def _in_backward() -> bool:
+    """Whether autograd's backward is running this thread's code (a hook of it)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _destroyed_guard(name: str):

@@ -41,6 +41,7 @@ from ...ops.zero import (
     plan_buckets,
     unflatten_from,
 )
+from ...utils.timer import REDUCE_SCATTER_SUBMIT_TIMER, REDUCE_SCATTER_WAIT_TIMER, timed
 from .offload.optimizer_offload import OptimizerOffload
 from .offload.stepping import OffloadedStepping
 from .param_fragments import ParamFragments
@@ -169,6 +170,9 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             for index, p in enumerate(self.params)
         ]
         self._link_fragment_owners()  # deepspeed_cpp.utils.safe_get_full_fp32_param & co.
+        # The engine's wall-clock timers, set at ZeRO-3 with ``wall_clock_breakdown`` (None:
+        # nothing timed, no cost in the gradient hooks).
+        self.timers = None
 
     STAGES = (0, 1, 2)
     trains = True
@@ -308,7 +312,10 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             )
             self._fp32_accumulators[index] = None
         if grad is not None:
-            with named_collective("gradient reduction (a bucket launched during backward)"):
+            with (
+                named_collective("gradient reduction (a bucket launched during backward)"),
+                timed(self.timers, REDUCE_SCATTER_SUBMIT_TIMER),
+            ):
                 self.reducer.add_grad(index, grad)
             if self._backward_steps is not None and self._backward_steps.active:
                 self._step_reduced_sub_groups()
@@ -339,7 +346,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             if index not in self._handed:
                 self._hand_over(index, param)
         self._handed.clear()
-        with named_collective("gradient reduction"):
+        with named_collective("gradient reduction"), timed(self.timers, REDUCE_SCATTER_WAIT_TIMER):
             self.reducer.finish()  # the shard gradients now hold this micro-step's reduction too
         self._shard_grads_zero_pending = False
         self._reduce_during_backward = False
@@ -388,9 +395,9 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         return True
 
     def _skip_nonfinite_step(self) -> bool:
-        """Steps nothing and clears the gradients; the sub-groups a ``step_during_backward``
-        worker saw finite gradients in are settled first (``_settle_early_steps``)."""
-        self._settle_early_steps()
+        """Steps nothing and clears the gradients; what a ``step_during_backward`` worker
+        stepped with this step's gradients is undone first (``_discard_early_steps``)."""
+        self._discard_early_steps()
         if self.loss_scaler is not None:  # a norm past float's range: an overflow all the same
             self.loss_scaler.update_scale(True)
         self.skipped_steps += 1

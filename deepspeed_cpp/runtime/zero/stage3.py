@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
 from ...ops.zero import BucketPlan, plan_buckets
+from ...utils.timer import OPTIMIZER_STEP_TIMER, timed
 from . import partition_parameters as pp
 from .coordinator import ParameterCoordinator
 from .estimators import (
@@ -251,8 +252,19 @@ class ZeroStage3:
                 self.param_home.read_ahead_first()
         self.partitioned.end_backward()
 
+    def set_timers(self, timers) -> None:
+        """Times the gathers, the gradient reduce-scatters and the optimizer step under
+        ``timers`` (the engine's, with ``wall_clock_breakdown``; see ``utils/timer.py``)."""
+        self.coordinator.timers = timers
+        if self.partitioned is not None:
+            self.partitioned.timers = timers
+        self._step_timers = timers
+
+    _step_timers = None
+
     def step(self) -> bool:
-        stepped = self.partitioned.step()
+        with timed(self._step_timers, OPTIMIZER_STEP_TIMER):
+            stepped = self.partitioned.step()
         if self.param_home is not None:
             self.param_home.read_ahead_first()  # overlaps the next forward's first gathers
         return stepped

@@ -16,6 +16,14 @@ sub-group order), so that backward never waits for a swap read or a CPU Adam pas
 goes on producing gradients while the worker brings in and steps what is final. The worker only
 touches the masters, state and host buffers of the sub-group it steps and shard gradients the
 reducer has finished with; ``engine.step()`` waits for it before touching anything else.
+
+These steps are tentative: they run before the step's global gradient norm is known, and a NaN
+or inf may appear after them (later in backward, or only in another rank's shards). The home
+keeps the state from before them (``optimizer_homes.py``) until ``engine.step()`` commits them,
+or discards them to skip the step whole. Of the designs that give an exact skip, this one keeps
+the overlap (stepping only after backward would give up what the option is for) and costs NVMe
+no host memory and no extra I/O: the new state goes to a second swap file instead of over the
+first, so only disk space is doubled, for the stepped sub-groups and for one step.
 """
 
 from __future__ import annotations
@@ -87,7 +95,7 @@ class BackwardSteps:
         on the worker; sub-groups run in the order they are submitted. ``grad_norms``: the
         norms of the group's shard gradients. From the first group whose norms are not all
         finite on, the worker steps nothing in this backward (``take`` gives None): engine.step()
-        will skip the step (``runtime/nonfinite_gradients.py``)."""
+        will skip the step (``runtime/nonfinite_gradients.py``) and discard what was stepped."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="deepspeed_cpp-sdb")
         if self._hyper_parameters is None:

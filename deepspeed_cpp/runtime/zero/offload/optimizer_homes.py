@@ -16,6 +16,14 @@ inside ``home.resident(sub_group)``:
 
 Sub-groups are runs of consecutive buckets of at most ``sub_group_size`` owned elements (a bucket
 larger than that is a sub-group of its own): the unit that is swapped and stepped at once.
+
+A step during backward (``backward_steps.py``) is *tentative*: it runs before the step's global
+gradient norm is known, so ``resident(..., tentative=True)`` keeps the state from before it until
+``commit_tentative()`` (the norm was finite) or ``discard_tentative()`` (it was not: the step is
+skipped whole). NVMe writes the new state to the sub-group's other swap file (double-buffered
+files: the same reads and writes as an in-place step, no host memory, and for the length of one
+step the disk space of the stepped sub-groups twice; the file superseded at commit is removed);
+the host home copies what the step overwrites (``host_undo.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import torch
 
 from .host_heap import return_large_frees_to_the_kernel
 from .host_transfer import HostTransfer
+from .host_undo import HostUndo
 from .swap_errors import SwapFileError
 
 _EMPTY = torch.empty(0)
@@ -69,10 +78,21 @@ class DeviceHome:
         return None  # the shard gradient itself is the master's gradient
 
     @contextlib.contextmanager
-    def resident(self, sub_group: Sequence[int], write_back: bool = True) -> Iterator[None]:
+    def resident(
+        self, sub_group: Sequence[int], write_back: bool = True, tentative: bool = False
+    ) -> Iterator[None]:
         """The sub-group's masters and state are valid inside; ``write_back=False``: they are
-        only read (NVMe skips writing them back)."""
+        only read (NVMe skips writing them back); ``tentative``: a step inside may be undone by
+        ``discard_tentative`` (see the module docstring)."""
+        if tentative:
+            raise RuntimeError(f"{type(self).__name__} cannot step tentatively (no offload)")
         yield
+
+    def commit_tentative(self) -> None:
+        """The tentative steps since the last commit or discard are final."""
+
+    def discard_tentative(self) -> None:
+        """Puts every sub-group stepped tentatively since the last commit back as it was."""
 
     def discard_contents(self) -> None:
         """A load is about to replace every master and state: what is stored need not be read
@@ -105,9 +125,24 @@ class HostHome(DeviceHome):
         self._grads = [transfer.host_empty(size) for size in owned_sizes]
         self._masters: list[torch.nn.Parameter] = []
         self._optimizer = None
+        self._undo = HostUndo()
 
     def offloaded(self, bucket: int) -> bool:
         return True
+
+    @contextlib.contextmanager
+    def resident(
+        self, sub_group: Sequence[int], write_back: bool = True, tentative: bool = False
+    ) -> Iterator[None]:
+        if tentative:
+            self._undo.keep(sub_group, self._masters, self._optimizer)
+        yield
+
+    def commit_tentative(self) -> None:
+        self._undo.drop()
+
+    def discard_tentative(self) -> None:
+        self._undo.restore(self._masters, self._optimizer)
 
     def make_master(self, bucket: int, values: torch.Tensor) -> torch.Tensor:
         host = self.transfer.host_empty(values.numel())
@@ -122,7 +157,7 @@ class HostHome(DeviceHome):
         return self._grads[bucket]
 
     def host_bytes(self) -> int:
-        total = sum(g.numel() * g.element_size() for g in self._grads)
+        total = sum(g.numel() * g.element_size() for g in self._grads) + self._undo.host_bytes()
         total += sum(m.numel() * m.element_size() for m in self._masters)
         for master in self._masters:
             # list(): the delayed update's thread may be creating this state right now.
@@ -174,6 +209,10 @@ class NvmeHome(DeviceHome):
         aio = AioSettings.from_config(aio_config)
         self._files = SwapFolder(nvme_path, purpose="optimizer", rank=rank, aio=aio)
         self._written = [False] * len(self.sub_groups)
+        # Per sub-group, which of its two swap files holds its committed state (``_key``), and
+        # per sub-group stepped tentatively, its buckets' in-memory state from before that step.
+        self._version = [0] * len(self.sub_groups)
+        self._tentative: dict[int, list[tuple[dict, dict]]] = {}
         # What is not per-element (step counters, hyper-parameter scalars) stays in memory, and
         # the dtype of each per-element state entry (held in an fp32-sized region).
         self._scalars: list[dict] = [{} for _ in owned_sizes]
@@ -247,8 +286,22 @@ class NvmeHome(DeviceHome):
         return self._grad_region(group, self._slot_of[group], bucket)
 
     @contextlib.contextmanager
-    def resident(self, sub_group: Sequence[int], write_back: bool = True) -> Iterator[None]:
+    def resident(
+        self, sub_group: Sequence[int], write_back: bool = True, tentative: bool = False
+    ) -> Iterator[None]:
         group = self._group_of[sub_group[0]]
+        if tentative:
+            if group in self._tentative:
+                raise RuntimeError(
+                    f"offload_optimizer.device nvme: sub-group {group} was stepped twice "
+                    f"tentatively before the step was committed or discarded"
+                )
+            # The in-memory part of the state (step counters, which entries exist): what the
+            # step replaces in ``_harvest``. The per-element part stays in the committed file.
+            self._tentative[group] = [
+                (_cloned(self._scalars[bucket]), dict(self._state_dtypes[bucket]))
+                for bucket in self.sub_groups[group]
+            ]
         slot = self._bring_in(group)
         self._in_use = slot
         # With S slots, one holds this sub-group and one the previous sub-group's write, still
@@ -277,7 +330,7 @@ class NvmeHome(DeviceHome):
             if self.pipeline_read and group < last_ahead < len(self.sub_groups):
                 self._start_read(last_ahead)  # the previous write had this whole step to finish
             if write_back:
-                self._write(group, slot)
+                self._write(group, slot, tentative=tentative)
             else:
                 del self._slot_of[group]  # the file is still current
             self._in_use = None
@@ -340,7 +393,8 @@ class NvmeHome(DeviceHome):
             return
         slot = self._claim_slot(group)
         if self._written[group]:
-            self._reads[group] = self._files.read(_key(group), self._persisted(group, slot))
+            key = self.committed_key(group)
+            self._reads[group] = self._files.read(key, self._persisted(group, slot))
 
     def _bring_in(self, group: int) -> int:
         self._start_read(group)
@@ -349,10 +403,38 @@ class NvmeHome(DeviceHome):
             ticket.wait()
         return self._slot_of[group]
 
-    def _write(self, group: int, slot: int) -> None:
-        self._writes[slot] = self._files.write(_key(group), self._persisted(group, slot))
-        self._written[group] = True
+    def committed_key(self, group: int) -> str:
+        """The swap file key that holds ``group``'s committed state."""
+        return _key(group, self._version[group])
+
+    def _write(self, group: int, slot: int, tentative: bool = False) -> None:
+        """Writes the sub-group from ``slot`` to its committed file, or (``tentative``) to its
+        other one, leaving the committed file as it was until ``commit_tentative``."""
+        version = self._version[group] ^ int(tentative)
+        key = _key(group, version)
+        self._writes[slot] = self._files.write(key, self._persisted(group, slot))
+        if not tentative:
+            self._written[group] = True
         del self._slot_of[group]
+
+    def commit_tentative(self) -> None:
+        # Called with no transfer of a superseded file in flight (it was read before its step);
+        # a tentative write may still be: reads of its key wait for it (``SwapFolder``).
+        for group in list(self._tentative):
+            superseded = self.committed_key(group)
+            self._version[group] ^= 1
+            self._written[group] = True
+            self._files.remove(superseded)
+        self._tentative.clear()
+
+    def discard_tentative(self) -> None:
+        # The sub-groups' slots were given up at their tentative write (``_write``), so nothing
+        # resident holds the discarded state; ``remove`` waits for a write still in flight.
+        for group, saved in self._tentative.items():
+            self._files.remove(_key(group, self._version[group] ^ 1))
+            for bucket, (scalars, dtypes) in zip(self.sub_groups[group], saved):
+                self._scalars[bucket], self._state_dtypes[bucket] = scalars, dtypes
+        self._tentative.clear()
 
     def _finish_writes(self) -> None:
         for slot in list(self._writes):
@@ -367,6 +449,10 @@ class NvmeHome(DeviceHome):
                     tickets.pop(key).wait()
         self._slot_of.clear()
         self._written = [False] * len(self.sub_groups)
+        for group in self._tentative:  # a step that failed part-way: the load replaces it all
+            with contextlib.suppress(SwapFileError):
+                self._files.remove(_key(group, self._version[group] ^ 1))
+        self._tentative.clear()
 
     def read_ahead_next_step(self) -> None:
         """With ``pipeline_read``: the first sub-groups of the next step are read now, into
@@ -425,10 +511,18 @@ class PartialHome:
         local = self._local.get(bucket)
         return None if local is None else self.inner.grad_buffer(local)
 
-    def resident(self, sub_group: Sequence[int], write_back: bool = True):
+    def resident(self, sub_group: Sequence[int], write_back: bool = True, tentative=False):
         if not self.offloaded(sub_group[0]):
+            if tentative:
+                raise RuntimeError("the device part of a partial offload cannot step tentatively")
             return contextlib.nullcontext()
-        return self.inner.resident([self._local[b] for b in sub_group], write_back)
+        return self.inner.resident([self._local[b] for b in sub_group], write_back, tentative)
+
+    def commit_tentative(self) -> None:
+        self.inner.commit_tentative()
+
+    def discard_tentative(self) -> None:
+        self.inner.discard_tentative()
 
     def read_ahead_next_step(self) -> None:
         self.inner.read_ahead_next_step()
@@ -458,5 +552,10 @@ def _typed_view(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return region.view(torch.uint8).view(dtype).narrow(0, 0, region.numel())
 
 
-def _key(group: int) -> str:
-    return f"subgroup_{group:05d}"
+def _key(group: int, version: int) -> str:
+    """The swap file of ``group``'s state: two per sub-group, for tentative steps."""
+    return f"subgroup_{group:05d}" + ("" if version == 0 else "_b")
+
+
+def _cloned(entries: dict) -> dict:
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in entries.items()}

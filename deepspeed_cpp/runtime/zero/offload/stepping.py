@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from ....comm.collective_errors import named_collective
-from ...nonfinite_gradients import NonFiniteGradientError
 from .backward_steps import KEY as STEP_DURING_BACKWARD
 from .backward_steps import BackwardSteps
 from .delayed_update import DelayedUpdate
@@ -94,31 +93,22 @@ class OffloadedStepping:
             early.shard_grad_norms.update(zip(members, norms))
             early.submit(group, lambda m=members: self._step_sub_group(m, into_staging=True), norms)
 
-    def _settle_early_steps(self) -> None:
+    def _discard_early_steps(self) -> None:
         """Before a step with non-finite gradients is skipped: waits for the sub-groups handed
-        to the ``step_during_backward`` worker. It declines every sub-group from the first whose
-        gradient is not finite on this rank, so when the NaN or inf reaches every rank's first
-        sub-group (a loss that is not finite does) nothing was stepped and the skip is whole.
-        Where some rank stepped a sub-group before it saw one, that sub-group's optimizer state
-        has moved and cannot be put back: every rank raises (the engine then refuses to go on
-        until a checkpoint is loaded, as after any step that failed part-way)."""
+        to the ``step_during_backward`` worker and undoes those it stepped. A rank may have
+        stepped sub-groups whose part of the gradient was finite (the worker declines every
+        sub-group from the first one that is not finite on its rank; a NaN confined to other
+        ranks' shards or to a later sub-group is seen only in the global norm). Those steps were
+        tentative (``optimizer_homes.py``): their new state went to the other swap file (NVMe)
+        or over a kept copy (host), and their updated parameters only to staging buffers, so
+        discarding them leaves masters, optimizer state and parameters exactly as before the
+        step, on every rank, with no collective (every rank sees the same global norm)."""
         early = self._backward_steps
         if early is None:
             return
-        stepped = torch.tensor([float(early.wait_for_worker())], device=self.shard_grads[0].device)
+        early.wait_for_worker()
         early.end_step()
-        if self.world_size > 1:
-            with named_collective("all_reduce of the count of sub-groups stepped during backward"):
-                dist.all_reduce(stepped, group=self.group)
-        if stepped.item() > 0:
-            raise NonFiniteGradientError(
-                f"the global gradient is not finite (norm {self.global_grad_norm}), but "
-                f"{int(stepped.item())} optimizer sub-group(s) had been stepped during backward "
-                f"({STEP_DURING_BACKWARD}) with their finite part of it, on a rank that saw no "
-                f"NaN/inf in them; their optimizer state moved, so the step cannot be skipped "
-                f"whole (the parameters did not change). Load a checkpoint to go on, and set "
-                f"{STEP_DURING_BACKWARD} to false to have such steps skipped"
-            )
+        self.home.discard_tentative()
 
     def _shard_grad_norms(self) -> list[torch.Tensor]:
         """The norm of each shard gradient, those stepped during backward as taken then."""
@@ -187,6 +177,9 @@ class OffloadedStepping:
             pending.extend(self._launch_gather(self.buckets[i], source) for i, source in sources)
         if early is not None:
             early.end_step()
+            # The global norm was finite: what was stepped during backward is this step's.
+            # (The worker is idle: every early sub-group was taken above, in order.)
+            self.home.commit_tentative()
         self._finish_gathers(pending)
         self.home.read_ahead_next_step()
 
@@ -196,7 +189,9 @@ class OffloadedStepping:
         is the parameters' own storage where it can be; ``into_staging``: a new tensor, the
         parameters untouched (a step during backward, whose gathers wait for engine.step())."""
         sources = []
-        with self.home.resident(members):
+        # A step during backward is tentative: engine.step() commits or discards it once the
+        # global gradient norm is known (``_discard_early_steps``).
+        with self.home.resident(members, tentative=into_staging):
             for index in members:
                 buffer = self.home.grad_buffer(index)
                 if buffer is None:  # left on the device by a partial offload
