@@ -208,3 +208,40 @@ def test_optimizer_class_names_cannot_be_constructed():
 
     with pytest.raises(TypeError, match="deepspeed.initialize"):
         DeepSpeedZeroOptimizer(None)
+
+
+# --- DeepSpeed's helpers that depend on other ranks, on the same 2 ranks ----------------------
+
+
+def test_sharded_moe_no_drop_capacity_is_agreed_over_the_expert_group(pool2):
+    from deepspeed_names_jobs import no_drop_capacity_is_the_group_maximum
+
+    for rank_result in pool2.run(no_drop_capacity_is_the_group_maximum, 11):
+        for name, width, local, everyone, routes, tokens in rank_result:
+            # top-1 caps it at the rank's own token count, as DeepSpeed's does
+            assert width == (min(everyone, tokens) if name == "top1" else everyone), name
+            assert everyone >= local, name
+            assert routes == int(name[-1]) * tokens, name  # nothing dropped
+
+
+def test_clip_grad_norm_averages_the_ranks_norms_and_overflow_is_agreed(pool2):
+    from deepspeed_names_jobs import grad_norm_helpers
+
+    seed = int(torch.randint(0, 2**31, ()))
+    results = pool2.run(grad_norm_helpers, seed)
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randn(5, generator=generator).double()  # the draws the job made, in float64
+    experts = [(torch.randn(3, generator=generator) * 3).double() for _ in range(2)]
+    norms = [torch.cat([shared, e]).norm() for e in experts]
+    average = sum(norms) / 2
+    coefficient = min(1.0, 0.5 / (float(average) + 1e-6))
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["norm"].double(), average, rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            result["shared"].double(), shared * coefficient, rtol=1e-6, atol=0
+        )
+        torch.testing.assert_close(
+            result["expert"].double(), experts[rank] * coefficient, rtol=1e-6, atol=0
+        )
+        assert result["overflow"] is True  # rank 1's expert gradient has an inf
+        assert result["overflow_by_norm"] is True
