@@ -167,11 +167,9 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def _configure_zero_optimizer(self, client_optimizer, model_parameters):
         config_optimizer = self.config.optimizer
-        if client_optimizer is not None and config_optimizer is not None:
-            raise ValueError(
-                "an optimizer was passed to initialize() and the config has an 'optimizer' "
-                "section too; keep one of them"
-            )
+        if client_optimizer is not None:
+            config_optimizer = _client_optimizer_wins(config_optimizer, self.global_rank)
+        self._config_optimizer = config_optimizer  # the section in use (None: the client's)
         zero = self.config.zero_optimization
         offload = OptimizerOffload.from_config(
             zero, self.config.aio, self.config.step_during_backward_setting()
@@ -219,9 +217,10 @@ class DeepSpeedEngine(torch.nn.Module):
         optimizer = client_optimizer
         if isinstance(optimizer, torch.optim.Optimizer):
             self._check_optimizer_covers_module(optimizer)
-        if optimizer is None and self.config.optimizer is not None:
+        config_optimizer = self._config_optimizer
+        if optimizer is None and config_optimizer is not None:
             optimizer = config_optimizer_factory(
-                self.config.optimizer.type, self.config.optimizer.params, optimizer_device
+                config_optimizer.type, config_optimizer.params, optimizer_device
             )
         dtype = (
             torch.float16
@@ -247,7 +246,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def _device_part_optimizer(self, offload):
         """With a partial offload (``ratio`` < 1), the config optimizer for the device's part."""
-        config_optimizer = self.config.optimizer
+        config_optimizer = self._config_optimizer
         if offload is None or offload.ratio >= 1.0 or config_optimizer is None:
             return None
         return config_optimizer_factory(config_optimizer.type, config_optimizer.params, self.device)
@@ -587,6 +586,21 @@ class DeepSpeedEngine(torch.nn.Module):
     @property
     def communication_data_type(self) -> torch.dtype:
         return torch.float32
+
+
+def _client_optimizer_wins(config_optimizer, rank: int) -> None:
+    """An optimizer passed to initialize() is the one trained with, as in DeepSpeed (whose
+    initialize() documents that it "overrides any optimizer definition in the DeepSpeed json
+    config"); the config's section is then ignored, which rank 0 says."""
+    if rank == 0:
+        logger.info("Using client Optimizer as basic optimizer")
+        if config_optimizer is not None:
+            logger.warning(
+                "deepspeed_cpp: the config's 'optimizer' section (type %r) is ignored: an "
+                "optimizer was passed to initialize() and is used instead",
+                config_optimizer.type,
+            )
+    return None
 
 
 def _release_previous_engine(model: torch.nn.Module) -> None:
