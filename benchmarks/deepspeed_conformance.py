@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -75,31 +76,53 @@ def run_file(python: str, tests: Path, path: str, env: dict, timeout: float) -> 
                 "reasons": reasons}  # fmt: skip
 
 
+# A pytest plugin (loaded with -p) that writes what collection found: the suite's conftest forces
+# a verbose tree output, which is no format to parse.
+COLLECT_PLUGIN = """
+import json, os
+
+_errors = {}
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        text = str(report.longrepr).strip().splitlines()
+        last = [line for line in text if line.startswith("E   ")] or text[-1:]
+        _errors[report.nodeid] = last[-1][4:].strip() if last else "collection failed"
+
+
+def pytest_collection_finish(session):
+    with open(os.environ["CONFORMANCE_COLLECT_OUT"], "w") as out:
+        json.dump({"items": [item.nodeid for item in session.items], "errors": _errors}, out)
+"""
+
+
 def collect_files(python: str, tests: Path, paths: list[str], env: dict, timeout: float) -> dict:
     """Collection only, every file in one pytest process (each DistributedTest run spawns fresh
     ranks, ~25 s a test on 2 busy cores, so a full run of every file takes hours): per file,
     the tests collected and, where the file does not import, the error's last line."""
-    command = [python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-               "--continue-on-collection-errors", *paths]  # fmt: skip
-    try:
-        out = subprocess.run(command, cwd=tests, env=env, capture_output=True, text=True,
-                             timeout=timeout).stdout  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return {path: {"collected": 0, "error": f"timed out after {timeout:g} s"} for path in paths}
     results = {path: {"collected": 0, "error": ""} for path in paths}
-    for line in out.splitlines():
-        path = line.split("::", 1)[0]
-        if "::" in line and path in results:
+    with tempfile.TemporaryDirectory() as scratch:
+        Path(scratch, "conformance_collect.py").write_text(COLLECT_PLUGIN)
+        out = Path(scratch, "collected.json")
+        env = dict(env, CONFORMANCE_COLLECT_OUT=str(out))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (scratch, env.get("PYTHONPATH")) if p)
+        command = [python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p",
+                   "conformance_collect", "--continue-on-collection-errors", *paths]  # fmt: skip
+        try:
+            subprocess.run(command, cwd=tests, env=env, capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {p: {"collected": 0, "error": f"timed out after {timeout:g} s"} for p in paths}
+        if not out.is_file():
+            return {p: {"collected": 0, "error": "pytest wrote no collection"} for p in paths}
+        found = json.loads(out.read_text())
+    for nodeid in found["items"]:
+        path = nodeid.split("::", 1)[0]
+        if path in results:
             results[path]["collected"] += 1
-    # "_____ ERROR collecting unit/x.py _____" sections end with the exception's "E   " lines.
-    current = None
-    for line in out.splitlines():
-        if "ERROR collecting" in line:
-            current = line.split("ERROR collecting", 1)[1].strip(" _")
-        elif current in results and line.startswith("E   "):
-            results[current]["error"] = line[4:].strip()[:160]
-        elif line.startswith("____") or line.startswith("===="):
-            current = None
+    for nodeid, error in found["errors"].items():
+        if nodeid in results:
+            results[nodeid]["error"] = error[:160]
     return results
 
 
