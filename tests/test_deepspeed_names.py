@@ -376,3 +376,27 @@ def test_offload_adam_states_round_trip_keeps_the_state_tensors():
     torch.testing.assert_close(state["exp_avg"], before, rtol=0, atol=0)
     replaced = offload_states.reload_optimizer_states(optimizer, "cpu")
     assert len(replaced) == 5  # step, exp_avg, exp_avg_sq and the two buffers
+
+
+def test_checkpoint_file_helpers_and_unavailable_ops(tmp_path):
+    import deepspeed_cpp
+    from deepspeed_cpp.checkpoint.utils import get_model_ckpt_name_for_rank
+    from deepspeed_cpp.ops.op_builder import FusedLambBuilder, OpNotAvailableError
+    from deepspeed_cpp.utils.zero_to_fp32 import get_optim_files
+
+    names = [f"zero_{i}_optim_states.pt" for i in (0, 2, 10, 11, 1)]
+    for name in names:
+        (tmp_path / name).write_text(name)
+    # Natural order: rank 2 before rank 10.
+    assert [p.rsplit("/", 1)[1] for p in get_optim_files(str(tmp_path))] == [
+        "zero_0_optim_states.pt", "zero_1_optim_states.pt", "zero_2_optim_states.pt",
+        "zero_10_optim_states.pt", "zero_11_optim_states.pt",
+    ]  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="_optim_states.pt"):
+        get_optim_files(str(tmp_path / "empty"))
+    assert get_model_ckpt_name_for_rank("d", "00") == "d/mp_rank_00_model_states.pt"
+    assert FusedLambBuilder().is_compatible()[0] is False
+    assert deepspeed_cpp.ops.__compatible_ops__[FusedLambBuilder.NAME] is False
+    with pytest.raises(OpNotAvailableError, match="no LAMB"):
+        FusedLambBuilder().load()
+    assert deepspeed_cpp.get_accelerator().device_name() in ("cpu", "cuda")
