@@ -129,7 +129,7 @@ def collect_files(python: str, tests: Path, paths: list[str], env: dict, timeout
 def collect_main(args, files: list[str]) -> int:
     with tempfile.TemporaryDirectory() as alias_dir:
         Path(alias_dir, "sitecustomize.py").write_text(ALIAS_SITECUSTOMIZE)
-        runs = {"deepspeed_cpp": (sys.executable, _environment(alias_dir))}
+        runs = {"deepspeed_cpp": (sys.executable, _environment(alias_dir, args.alias_path))}
         if args.deepspeed_python:
             runs["DeepSpeed"] = (args.deepspeed_python, _environment(None))
         results = {lib: collect_files(py, args.tests, files, env, args.timeout)
@@ -151,10 +151,10 @@ def collect_main(args, files: list[str]) -> int:
     return 0
 
 
-def _environment(sitecustomize_dir: str | None) -> dict:
+def _environment(sitecustomize_dir: str | None, extra_paths: tuple = ()) -> dict:
     env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1")
     if sitecustomize_dir:
-        paths = [sitecustomize_dir, str(HERE.parent), env.get("PYTHONPATH", "")]
+        paths = [sitecustomize_dir, str(HERE.parent), *extra_paths, env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return env
 
@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", nargs="*", help="run these files instead of the list")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per file")
     parser.add_argument("--commit", help="DeepSpeed commit of --tests when it is not a git folder")
+    parser.add_argument("--alias-path", nargs="*", default=(),
+                        help="folders for the alias run's PYTHONPATH: the suite's own test "
+                        "dependencies (hjson, py-cpuinfo) without DeepSpeed")  # fmt: skip
     parser.add_argument("--collect-only", action="store_true",
                         help="only collect: per file, tests collected, import errors")  # fmt: skip
     args = parser.parse_args(argv)
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as alias_dir:
         Path(alias_dir, "sitecustomize.py").write_text(ALIAS_SITECUSTOMIZE)
-        runs = {"deepspeed_cpp": (sys.executable, _environment(alias_dir))}
+        runs = {"deepspeed_cpp": (sys.executable, _environment(alias_dir, args.alias_path))}
         if args.deepspeed_python:
             runs["DeepSpeed"] = (args.deepspeed_python, _environment(None))
         for path in files:
