@@ -48,11 +48,14 @@ def _reason(case: ElementTree.Element) -> str:
     return ""
 
 
-def run_file(python: str, tests: Path, path: str, env: dict, timeout: float) -> dict:
+def run_file(python: str, tests: Path, path: str, env: dict, timeout: float,
+             keyword: str | None = None) -> dict:  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "report.xml"
         command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", path,
                    f"--junitxml={report}", "-o", "junit_family=xunit2"]  # fmt: skip
+        if keyword:
+            command += ["-k", keyword]
         try:
             subprocess.run(command, cwd=tests, env=env, capture_output=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -166,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", nargs="*", help="run these files instead of the list")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per file")
     parser.add_argument("--commit", help="DeepSpeed commit of --tests when it is not a git folder")
+    parser.add_argument("-k", "--keyword", help="pytest -k expression (e.g. leave out slow "
+                        "DistributedTest classes)")  # fmt: skip
     parser.add_argument("--alias-path", nargs="*", default=(),
                         help="folders for the alias run's PYTHONPATH: the suite's own test "
                         "dependencies (hjson, py-cpuinfo) without DeepSpeed")  # fmt: skip
@@ -188,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         for path in files:
             results[path] = {}
             for library, (python, env) in runs.items():
-                results[path][library] = run_file(python, args.tests, path, env, args.timeout)
+                results[path][library] = run_file(
+                    python, args.tests, path, env, args.timeout, args.keyword
+                )
                 r = results[path][library]
                 print(f"  {path} [{library}]: {r['collected']} collected, {r['passed']} passed, "
                       f"{r['skipped']} skipped, {r['failed']} failed", flush=True)  # fmt: skip

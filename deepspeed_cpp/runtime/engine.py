@@ -17,7 +17,7 @@ from ..utils import groups as moe_groups
 from ..utils.logging import logger
 from .call_order import CallOrder, refuse_foreign_parameters
 from .config import DeepSpeedConfig
-from .config_optimizer import config_optimizer_factory
+from .config_optimizer import client_optimizer_wins, config_optimizer_factory
 from .dataloader import make_distributed_loader
 from .failed_step import FailedStepGuard
 from .half_inputs import cast_floating_to_half
@@ -168,7 +168,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def _configure_zero_optimizer(self, client_optimizer, model_parameters):
         config_optimizer = self.config.optimizer
         if client_optimizer is not None:
-            config_optimizer = _client_optimizer_wins(config_optimizer, self.global_rank)
+            config_optimizer = client_optimizer_wins(config_optimizer, self.global_rank)
         self._config_optimizer = config_optimizer  # the section in use (None: the client's)
         zero = self.config.zero_optimization
         offload = OptimizerOffload.from_config(
@@ -586,21 +586,6 @@ class DeepSpeedEngine(torch.nn.Module):
     @property
     def communication_data_type(self) -> torch.dtype:
         return torch.float32
-
-
-def _client_optimizer_wins(config_optimizer, rank: int) -> None:
-    """An optimizer passed to initialize() is the one trained with, as in DeepSpeed (whose
-    initialize() documents that it "overrides any optimizer definition in the DeepSpeed json
-    config"); the config's section is then ignored, which rank 0 says."""
-    if rank == 0:
-        logger.info("Using client Optimizer as basic optimizer")
-        if config_optimizer is not None:
-            logger.warning(
-                "deepspeed_cpp: the config's 'optimizer' section (type %r) is ignored: an "
-                "optimizer was passed to initialize() and is used instead",
-                config_optimizer.type,
-            )
-    return None
 
 
 def _release_previous_engine(model: torch.nn.Module) -> None:
