@@ -400,3 +400,14 @@ def test_checkpoint_file_helpers_and_unavailable_ops(tmp_path):
     with pytest.raises(OpNotAvailableError, match="no LAMB"):
         FusedLambBuilder().load()
     assert deepspeed_cpp.get_accelerator().device_name() in ("cpu", "cuda")
+
+
+def test_swap_threshold_zero_param_status_and_fused_lion_names():
+    from deepspeed_cpp.ops.lion import FusedLion
+    from deepspeed_cpp.runtime.swap_tensor import MIN_SWAPPABLE_BYTES
+    from deepspeed_cpp.runtime.zero import ZeroParamStatus
+    from deepspeed_cpp.runtime.zero.partition_parameters import ZeroParamStatus as status
+
+    assert ZeroParamStatus is status and MIN_SWAPPABLE_BYTES == 1 << 20
+    with pytest.raises(NotImplementedError, match="DeepSpeedCPULion"):
+        FusedLion([torch.nn.Parameter(torch.ones(1))])
