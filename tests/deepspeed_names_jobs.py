@@ -62,3 +62,24 @@ def grad_norm_helpers(seed: int) -> dict:
     checker = ds_utils.CheckOverflow([[shared, expert]])
     result["overflow_by_norm"] = checker.check_using_norm([norm_of_grads], reduce_overflow=False)
     return result
+
+
+def unwrap_for_generation(seed: int) -> dict:
+    """A ZeRO-3 engine inside unwrap_model_for_generation: every parameter whole, forwards
+    (twice, as generate() does) equal the unpartitioned model's, shards again afterwards."""
+    import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.runtime.zero import unwrap_model_for_generation
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    reference = [p.detach().clone() for p in model.parameters()]
+    # Threshold 0: no parameter is kept whole (persistent) for being small.
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed + 1))
+    with unwrap_model_for_generation(engine) as unwrapped:
+        whole = [p.detach().clone() for p in unwrapped.module.parameters()]
+        outputs = [unwrapped(x).detach(), unwrapped(x).detach()]
+    after = [p.ds_status.name for p in engine.module.parameters()]
+    return {"whole": whole, "reference": reference, "outputs": outputs, "after": after}

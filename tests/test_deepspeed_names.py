@@ -411,3 +411,37 @@ def test_swap_threshold_zero_param_status_and_fused_lion_names():
     assert ZeroParamStatus is status and MIN_SWAPPABLE_BYTES == 1 << 20
     with pytest.raises(NotImplementedError, match="DeepSpeedCPULion"):
         FusedLion([torch.nn.Parameter(torch.ones(1))])
+
+
+def test_unwrap_model_for_generation_gathers_a_zero3_model(pool2):
+    from deepspeed_names_jobs import unwrap_for_generation
+
+    seed = int(torch.randint(0, 2**31, ()))
+    for result in pool2.run(unwrap_for_generation, seed):
+        for whole, reference in zip(result["whole"], result["reference"]):
+            torch.testing.assert_close(whole, reference, rtol=0, atol=0)
+        w1, b1, w2, b2 = result["reference"]
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed + 1))
+        expected = torch.tanh(x @ w1.t() + b1) @ w2.t() + b2
+        for output in result["outputs"]:
+            torch.testing.assert_close(output, expected, rtol=1e-6, atol=1e-6)
+        assert result["after"] == ["NOT_AVAILABLE"] * 4  # partitioned again after the block
+
+
+def test_precision_config_names_are_the_parsed_sections():
+    from pydantic import ValidationError
+
+    from deepspeed_cpp.runtime.config.sections import BF16Config, FP16Config
+    from deepspeed_cpp.runtime.config_utils import DeepSpeedConfigModel
+    from deepspeed_cpp.runtime.precision_config import (
+        DeepSpeedFP16Config,
+        get_bfloat16_config,
+        get_float16_config,
+    )
+
+    assert DeepSpeedFP16Config is FP16Config and issubclass(FP16Config, DeepSpeedConfigModel)
+    assert get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled is True
+    assert isinstance(get_bfloat16_config({}), BF16Config)
+    assert get_float16_config({"fp16": {"loss_scale": 128}}).loss_scale == 128
+    with pytest.raises(ValidationError):
+        DeepSpeedFP16Config(loss_scale=-1)

@@ -7,4 +7,8 @@ def __getattr__(name: str):
         from .partition_parameters import ZeroParamStatus
 
         return ZeroParamStatus
+    if name == "unwrap_model_for_generation":
+        from .generation import unwrap_model_for_generation
+
+        return unwrap_model_for_generation
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
