@@ -400,6 +400,10 @@ def test_checkpoint_file_helpers_and_unavailable_ops(tmp_path):
     with pytest.raises(OpNotAvailableError, match="no LAMB"):
         FusedLambBuilder().load()
     assert deepspeed_cpp.get_accelerator().device_name() in ("cpu", "cuda")
+    from deepspeed_cpp.accelerator import cpu_accelerator, cuda_accelerator
+
+    assert cpu_accelerator.CPU_Accelerator is cpu_accelerator.CPUAccelerator
+    assert cuda_accelerator.CUDA_Accelerator is cuda_accelerator.CUDAAccelerator
 
 
 def test_swap_threshold_zero_param_status_and_fused_lion_names():
