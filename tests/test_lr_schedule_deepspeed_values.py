@@ -46,3 +46,20 @@ def test_unknown_warmup_type_warns_naming_it(caplog):
     finally:
         deepspeed_logger.removeHandler(caplog.handler)
     assert "warmup_type='cubic' is not one of ('log', 'linear'); using 'log'" in caplog.text
+
+
+def test_one_cycle_step_ratio():
+    import torch
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    schedule = lr_schedules.OneCycle
+    assert (
+        schedule(
+            optimizer, 0.01, 0.1, cycle_first_step_size=100, cycle_second_step_size=0
+        ).step_ratio
+        == 1.0
+    )
+    assert (
+        schedule(optimizer, 0.01, 0.1, cycle_first_step_size=3, cycle_second_step_size=5).step_ratio
+        == 3 / 8
+    )

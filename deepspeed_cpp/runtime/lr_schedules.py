@@ -321,6 +321,7 @@ class OneCycle(_BatchSchedule):
             "cycle_second_step_size", cycle_second_step_size, minimum=0
         )
         self.total_size = self.first_step_size + self.second_step_size
+        self.step_ratio = self.first_step_size / self.total_size  # DeepSpeed's attribute
         # Negative counts are DeepSpeed's command-line "off" value (-1); keep them meaning off.
         self.first_stair_count = _check_int("cycle_first_stair_count", cycle_first_stair_count)
         if cycle_second_stair_count is None:
