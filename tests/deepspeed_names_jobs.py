@@ -82,4 +82,6 @@ def unwrap_for_generation(seed: int) -> dict:
         whole = [p.detach().clone() for p in unwrapped.module.parameters()]
         outputs = [unwrapped(x).detach(), unwrapped(x).detach()]
     after = [p.ds_status.name for p in engine.module.parameters()]
-    return {"whole": whole, "reference": reference, "outputs": outputs, "after": after}
+    clipping = engine.gradient_clipping()  # DeepSpeed's accessor; the config sets none
+    return {"whole": whole, "reference": reference, "outputs": outputs, "after": after,
+            "clipping": clipping}  # fmt: skip

@@ -577,6 +577,10 @@ class DeepSpeedEngine(torch.nn.Module):
             return []
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    def gradient_clipping(self) -> float:
+        """The config's ``gradient_clipping`` (0: none)."""
+        return self.config.gradient_clipping
+
     def get_global_grad_norm(self) -> float | None:
         return self.optimizer.global_grad_norm if self.optimizer is not None else None
 
