@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -47,11 +48,14 @@ def _reason(case: ElementTree.Element) -> str:
     return ""
 
 
-def run_file(python: str, tests: Path, path: str, env: dict, timeout: float) -> dict:
+def run_file(python: str, tests: Path, path: str, env: dict, timeout: float,
+             keyword: str | None = None) -> dict:  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "report.xml"
         command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", path,
                    f"--junitxml={report}", "-o", "junit_family=xunit2"]  # fmt: skip
+        if keyword:
+            command += ["-k", keyword]
         try:
             subprocess.run(command, cwd=tests, env=env, capture_output=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -75,10 +79,85 @@ def run_file(python: str, tests: Path, path: str, env: dict, timeout: float) -> 
                 "reasons": reasons}  # fmt: skip
 
 
-def _environment(sitecustomize_dir: str | None) -> dict:
+# A pytest plugin (loaded with -p) that writes what collection found: the suite's conftest forces
+# a verbose tree output, which is no format to parse.
+COLLECT_PLUGIN = """
+import json, os
+
+_errors = {}
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        text = str(report.longrepr).strip().splitlines()
+        last = [line for line in text if line.startswith("E   ")] or text[-1:]
+        _errors[report.nodeid] = last[-1][4:].strip() if last else "collection failed"
+
+
+def pytest_collection_finish(session):
+    with open(os.environ["CONFORMANCE_COLLECT_OUT"], "w") as out:
+        json.dump({"items": [item.nodeid for item in session.items], "errors": _errors}, out)
+"""
+
+
+def collect_files(python: str, tests: Path, paths: list[str], env: dict, timeout: float) -> dict:
+    """Collection only, every file in one pytest process (each DistributedTest run spawns fresh
+    ranks, ~25 s a test on 2 busy cores, so a full run of every file takes hours): per file,
+    the tests collected and, where the file does not import, the error's last line."""
+    results = {path: {"collected": 0, "error": ""} for path in paths}
+    with tempfile.TemporaryDirectory() as scratch:
+        Path(scratch, "conformance_collect.py").write_text(COLLECT_PLUGIN)
+        out = Path(scratch, "collected.json")
+        env = dict(env, CONFORMANCE_COLLECT_OUT=str(out))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (scratch, env.get("PYTHONPATH")) if p)
+        command = [python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p",
+                   "conformance_collect", "--continue-on-collection-errors", *paths]  # fmt: skip
+        try:
+            subprocess.run(command, cwd=tests, env=env, capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {p: {"collected": 0, "error": f"timed out after {timeout:g} s"} for p in paths}
+        if not out.is_file():
+            return {p: {"collected": 0, "error": "pytest wrote no collection"} for p in paths}
+        found = json.loads(out.read_text())
+    for nodeid in found["items"]:
+        path = nodeid.split("::", 1)[0]
+        if path in results:
+            results[path]["collected"] += 1
+    for nodeid, error in found["errors"].items():
+        if nodeid in results:
+            results[nodeid]["error"] = error[:160]
+    return results
+
+
+def collect_main(args, files: list[str]) -> int:
+    with tempfile.TemporaryDirectory() as alias_dir:
+        Path(alias_dir, "sitecustomize.py").write_text(ALIAS_SITECUSTOMIZE)
+        runs = {"deepspeed_cpp": (sys.executable, _environment(alias_dir, args.alias_path))}
+        if args.deepspeed_python:
+            runs["DeepSpeed"] = (args.deepspeed_python, _environment(None))
+        results = {lib: collect_files(py, args.tests, files, env, args.timeout)
+                   for lib, (py, env) in runs.items()}  # fmt: skip
+    print("file".ljust(60) + "".join(f" | {lib:>13}" for lib in results))
+    totals = collections.Counter()
+    for path in files:
+        cells = []
+        for lib, per_file in results.items():
+            totals[lib] += per_file[path]["collected"]
+            cells.append(f" | {per_file[path]['collected']:>13}")
+        print(path[-60:].ljust(60) + "".join(cells))
+    print("total".ljust(60) + "".join(f" | {totals[lib]:>13}" for lib in results))
+    for lib, per_file in results.items():
+        errors = {p: r["error"] for p, r in per_file.items() if r["error"]}
+        print(f"\ncollection errors, {lib}: {len(errors)}")
+        for path, error in errors.items():
+            print(f"  {path}: {error}")
+    return 0
+
+
+def _environment(sitecustomize_dir: str | None, extra_paths: tuple = ()) -> dict:
     env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1")
     if sitecustomize_dir:
-        paths = [sitecustomize_dir, str(HERE.parent), env.get("PYTHONPATH", "")]
+        paths = [sitecustomize_dir, str(HERE.parent), *extra_paths, env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return env
 
@@ -90,8 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", nargs="*", help="run these files instead of the list")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per file")
     parser.add_argument("--commit", help="DeepSpeed commit of --tests when it is not a git folder")
+    parser.add_argument("-k", "--keyword", help="pytest -k expression (e.g. leave out slow "
+                        "DistributedTest classes)")  # fmt: skip
+    parser.add_argument("--alias-path", nargs="*", default=(),
+                        help="folders for the alias run's PYTHONPATH: the suite's own test "
+                        "dependencies (hjson, py-cpuinfo) without DeepSpeed")  # fmt: skip
+    parser.add_argument("--collect-only", action="store_true",
+                        help="only collect: per file, tests collected, import errors")  # fmt: skip
     args = parser.parse_args(argv)
     files = args.files or in_scope_files()
+    if args.collect_only:
+        return collect_main(args, files)
     commit = subprocess.run(["git", "-C", str(args.tests), "rev-parse", "HEAD"],
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     commit = args.commit or commit
@@ -99,13 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as alias_dir:
         Path(alias_dir, "sitecustomize.py").write_text(ALIAS_SITECUSTOMIZE)
-        runs = {"deepspeed_cpp": (sys.executable, _environment(alias_dir))}
+        runs = {"deepspeed_cpp": (sys.executable, _environment(alias_dir, args.alias_path))}
         if args.deepspeed_python:
             runs["DeepSpeed"] = (args.deepspeed_python, _environment(None))
         for path in files:
             results[path] = {}
             for library, (python, env) in runs.items():
-                results[path][library] = run_file(python, args.tests, path, env, args.timeout)
+                results[path][library] = run_file(
+                    python, args.tests, path, env, args.timeout, args.keyword
+                )
                 r = results[path][library]
                 print(f"  {path} [{library}]: {r['collected']} collected, {r['passed']} passed, "
                       f"{r['skipped']} skipped, {r['failed']} failed", flush=True)  # fmt: skip

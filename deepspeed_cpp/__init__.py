@@ -18,6 +18,7 @@ _LAZY = {
     "RankDisagreementError": ".comm",
     "init_distributed": ".comm",
     "OnDevice": ".utils.init_on_device",
+    "get_accelerator": ".accelerator",
     "version": ".git_version_info",
     "git_hash": ".git_version_info",
     "git_branch": ".git_version_info",

@@ -22,7 +22,7 @@ def group_layout(ep_size: int, use_data_before_expert_parallel: bool) -> dict:
     groups._create_expert_and_data_parallel(ep_size, use_data_before_expert_parallel)
     name = groups.expert_group_name(ep_size)
     return {
-        "ep_ranks": groups._get_expert_parallel_ranks(name),
+        "ep_ranks": groups.expert_parallel_ranks(name),
         "ep_world": groups._get_expert_parallel_world_size(name),
         "ep_rank": groups._get_expert_parallel_rank(name),
         "edp_ranks": dist.get_process_group_ranks(groups._get_expert_data_parallel_group(name)),

@@ -390,23 +390,64 @@ def test_client_optimizer_and_scheduler(pool2, stage):
     assert lrs == [g["lr"] for g in optimizer.param_groups]
 
 
-def both_optimizers_job():
+def both_optimizers_job(seed: int) -> dict:
+    """initialize(optimizer=SGD) with a config whose 'optimizer' section is AdamW: DeepSpeed
+    trains with the client's optimizer and ignores the section; so must we."""
+    import logging
+
     import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.utils.logging import logger
 
-    model = _make_model(0)
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    records = Records()
+    logger.addHandler(records)
     try:
-        deepspeed.initialize(
-            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            config=_config(1, "fp32", 1, 0.0),
-        )  # fmt: skip
-    except ValueError as error:
-        return str(error)
-    return "no error"
+        rank = dist.get_rank()
+        model = _make_model(seed)
+        model.flip = rank % 2 == 1
+        client = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=client, config=_config(1, "fp32", 1, 0.0)
+        )
+        x, y = _global_batches(seed, 1, 1, 2)[0][0]
+        xs = x[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH]
+        ys = y[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH]
+        engine.backward(torch.nn.functional.mse_loss(engine(xs), ys))
+        engine.step()
+    finally:
+        logger.removeHandler(records)
+    return {
+        "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        "messages": records.messages,
+    }
 
 
-def test_client_and_config_optimizer_together_is_an_error(pool2):
-    messages = pool2.run(both_optimizers_job)
-    assert all("keep one of them" in m for m in messages)
+def test_client_optimizer_wins_over_the_config_section(pool2):
+    seed = int(torch.randint(0, 2**31, ()))
+    results = pool2.run(both_optimizers_job, seed)
+    # Reference: one plain SGD step (lr 0.1) on the mean of both ranks' gradients.
+    model = _make_model(seed)
+    x, y = _global_batches(seed, 1, 1, 2)[0][0]
+    for rank in range(2):
+        model.flip = rank % 2 == 1
+        xs = x[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH]
+        ys = y[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH]
+        (torch.nn.functional.mse_loss(model(xs), ys) / 2).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    reference = {n: p.detach() for n, p in model.named_parameters()}
+    for result in results:
+        assert _max_relative_difference(result["params"], reference) <= 1e-6
+    assert "Using client Optimizer as basic optimizer" in results[0]["messages"]
+    ignored = [m for m in results[0]["messages"] if "'optimizer' section" in m]
+    assert len(ignored) == 1 and "adamw" in ignored[0].lower() and "is ignored" in ignored[0]
+    assert not any("is ignored" in m for m in results[1]["messages"])  # rank 0 says it
 
 
 def test_reference_itself_is_sensitive():

@@ -8,8 +8,8 @@ import random
 import pipe_jobs as jobs
 import pytest
 
+from deepspeed_cpp.runtime.layer_partitions import partition_balanced, partition_uniform
 from deepspeed_cpp.runtime.pipe import schedule
-from deepspeed_cpp.runtime.pipe.partition import partition_balanced, partition_uniform
 from deepspeed_cpp.runtime.pipe.topology import (
     PipeDataParallelTopology,
     PipeModelDataParallelTopology,

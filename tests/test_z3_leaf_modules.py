@@ -39,6 +39,25 @@ def test_no_match_is_an_error_unless_allowed():
         set_z3_leaf_modules(model, [3])
 
 
+def test_marks_by_module_name_and_by_name_suffix():
+    from deepspeed_cpp.utils import set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix
+
+    model = jobs.MoeNet()
+    assert set_z3_leaf_modules_by_name(model, ["moe", "head"]) == ([model.moe, model.head], [])
+    assert get_z3_leaf_modules(model) == [model.moe, model.head]
+    unmarked = set_z3_leaf_modules_by_name(model, ["head", "nope"], False, False)
+    assert unmarked == ([model.head], ["nope"])
+    with pytest.raises(ValueError, match=r"\['nope'\]"):
+        set_z3_leaf_modules_by_name(model, ["nope"])
+    experts = list(model.moe.experts)
+    suffixes = ["experts.0", "experts.1", "zzz"]
+    matched, missing = set_z3_leaf_modules_by_suffix(model, suffixes, raise_if_not_found=False)
+    assert matched == experts[:2] and missing == ["zzz"]
+    assert all(z3_leaf_module(m) for m in experts[:2])
+    with pytest.raises(ValueError, match="zzz"):
+        set_z3_leaf_modules_by_suffix(model, ["zzz"])
+
+
 @pytest.mark.parametrize("mark_by", ["class", "name"])
 def test_leaf_block_is_one_unit_and_trains_like_the_reference(pool2, mark_by):
     result = pool2.run(jobs.leaf_block_trains, mark_by)[0]

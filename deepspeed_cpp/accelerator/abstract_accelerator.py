@@ -213,6 +213,12 @@ class DeepSpeedAccelerator(abc.ABC):
         """Whether ``tensor`` lives in page-locked host memory."""
         return tensor.is_pinned()
 
+    def unpin_memory(self, tensor: torch.Tensor) -> None:
+        """DeepSpeed's release of a natively pinned allocation. Our pinned tensors are torch's
+        (``tensor.pin_memory()``), released with the tensor, so there is nothing to do: None,
+        what DeepSpeed returns for torch-pinned memory."""
+        return None
+
     @abc.abstractmethod
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives on this kind of device."""

@@ -181,3 +181,7 @@ class CPUAccelerator(DeepSpeedAccelerator):
     @property
     def DoubleTensor(self) -> type:
         return torch.DoubleTensor
+
+
+# DeepSpeed's class name (``from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator``).
+CPU_Accelerator = CPUAccelerator

@@ -175,3 +175,7 @@ class CUDAAccelerator(DeepSpeedAccelerator):
     @property
     def DoubleTensor(self) -> type:
         return torch.cuda.DoubleTensor
+
+
+# DeepSpeed's class name (``from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator``).
+CUDA_Accelerator = CUDAAccelerator

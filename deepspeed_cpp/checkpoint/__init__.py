@@ -2,3 +2,6 @@
 
 The engine's own checkpoint code lives in ``deepspeed_cpp.runtime.checkpoint``.
 """
+
+# The client_state key under which Megatron-style scripts store universal-checkpoint hints.
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"

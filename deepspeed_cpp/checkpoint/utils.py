@@ -1,7 +1,9 @@
-"""``deepspeed.checkpoint.utils.clone_tensors_for_torch_save``, which accelerate calls on a model's
-state dict before saving it (ZeRO stages 0-2)."""
+"""``deepspeed.checkpoint.utils``: ``clone_tensors_for_torch_save``, which accelerate calls on a
+model's state dict before saving it (ZeRO stages 0-2), and DeepSpeed's checkpoint file names."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -33,3 +35,15 @@ def clone_tensors_for_torch_save(item, device: torch.device = _CPU):
         return value
 
     return clone(item)
+
+
+def get_model_ckpt_name_for_rank(base_folder: str, mp_rank_str: str) -> str:
+    """DeepSpeed's model-states file of model-parallel rank ``mp_rank_str`` (e.g. ``"00"``)."""
+    return os.path.join(base_folder, f"mp_rank_{mp_rank_str}_model_states.pt")
+
+
+def get_zero_ckpt_name_for_rank(base_folder: str, dp_rank: int, mp_rank: int) -> str:
+    """DeepSpeed's ZeRO optimizer-states file of data-parallel rank ``dp_rank``."""
+    return os.path.join(
+        base_folder, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+    )

@@ -37,6 +37,9 @@ UNSUPPORTED_FLAGS: dict[str, tuple[bool, str]] = {
 }
 
 
+SHORT_FLAGS = {"--include": ("-i",), "--exclude": ("-e",)}  # DeepSpeed's short forms
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of ``deepspeed-cpp`` / ``python -m deepspeed_cpp.launcher``."""
     parser = argparse.ArgumentParser(
@@ -62,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(GPUs on CUDA, 1 on the CPU)",
     )
     parser.add_argument(
-        "--num_nodes", type=int, default=1, metavar="N", help="number of nodes (default 1)"
+        "--num_nodes", type=int, default=None, metavar="N", help="number of nodes (default 1)"
     )
     parser.add_argument(
         "--node_rank", type=int, default=0, metavar="R", help="this node's rank (default 0)"
@@ -113,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
         "deepspeed is importable (deepspeed_cpp.compat)",
     )
     for flag, (takes_value, _) in UNSUPPORTED_FLAGS.items():
+        names = [flag, *SHORT_FLAGS.get(flag, ())]
         if takes_value:
-            parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
+            parser.add_argument(*names, default=None, help=argparse.SUPPRESS)
         else:
             parser.add_argument(flag, action="store_true", default=None, help=argparse.SUPPRESS)
     parser.add_argument("user_script", help="the training script (or module / executable)")
@@ -128,6 +132,14 @@ def parse_launch_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check the launcher's arguments; bad ones exit with a message naming them."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if (args.include or args.exclude) and (args.num_nodes is not None or args.num_procs):
+        # DeepSpeed refuses this mix with a ValueError before anything else; so do we.
+        raise ValueError(
+            "--num_nodes/--num_gpus cannot be combined with -i/--include or -e/--exclude: the "
+            "filters choose the hosts and slots themselves"
+        )
+    if args.num_nodes is None:
+        args.num_nodes = 1
     for flag, (_, instead) in UNSUPPORTED_FLAGS.items():
         value = getattr(args, flag.lstrip("-"))
         if value is not None:

@@ -27,25 +27,28 @@ class HostSlots:
 
 
 def read_hostfile(path: str | Path) -> list[HostSlots]:
-    """The hosts of a DeepSpeed hostfile, in file order.
-
-    Blank lines and ``#`` comments are skipped. A missing file, a line that is not
-    ``hostname slots=N``, zero slots or a repeated host raise ``HostfileError`` naming the file
-    and line.
-    """
+    """The hosts of a DeepSpeed hostfile, in file order (see ``parse_hostfile_lines``); a file
+    that cannot be read raises ``HostfileError`` naming it."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as error:
         raise HostfileError(f"--hostfile {str(path)!r} cannot be read: {error.strerror}") from None
+    return parse_hostfile_lines(text.splitlines(), f"--hostfile {str(path)!r}")
+
+
+def parse_hostfile_lines(lines, source: str = "hostfile") -> list[HostSlots]:
+    """The hosts of hostfile ``lines``, in order. Blank lines and ``#`` comments are skipped. A
+    line that is not ``hostname slots=N``, zero slots or a repeated host raise
+    ``HostfileError`` (a ValueError) naming ``source`` and the line."""
     hosts: list[HostSlots] = []
     seen: dict[str, int] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in enumerate(lines, start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         match = _HOST_LINE.match(line)
-        where = f"--hostfile {str(path)!r} line {number}"
+        where = f"{source} line {number}"
         if match is None:
             raise HostfileError(f"{where} is {raw!r}; expected 'hostname slots=N'")
         host, slots = match["host"], int(match["slots"])
@@ -56,7 +59,7 @@ def read_hostfile(path: str | Path) -> list[HostSlots]:
         seen[host] = number
         hosts.append(HostSlots(host, slots))
     if not hosts:
-        raise HostfileError(f"--hostfile {str(path)!r} lists no hosts")
+        raise HostfileError(f"{source} lists no hosts")
     return hosts
 
 

@@ -5,14 +5,37 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from collections import OrderedDict
 
 from ..utils.logging import logger
 from .arguments import parse_launch_args
-from .hostfile import HostfileError, describe_hostfile, read_hostfile
+from .hostfile import HostfileError, describe_hostfile, parse_hostfile_lines, read_hostfile
+from .resource_filter import parse_inclusion_exclusion, parse_resource_filter
 from .torchrun_command import build_torchrun_command
 
+__all__ = [
+    "fetch_hostfile",
+    "main",
+    "parse_inclusion_exclusion",
+    "parse_resource_filter",
+]
 
-def main(argv: list[str] | None = None) -> None:
+
+def _parse_hostfile(hostfile_lines) -> OrderedDict:
+    """DeepSpeed's ``{host: slots}`` of hostfile lines; a malformed, repeated or empty one
+    raises ValueError (``HostfileError``) naming the line."""
+    return OrderedDict((h.host, h.slots) for h in parse_hostfile_lines(hostfile_lines))
+
+
+def fetch_hostfile(hostfile_path: str) -> OrderedDict | None:
+    """``{host: slots}`` of the hostfile at ``hostfile_path``, or None when there is none (as
+    DeepSpeed: no hostfile means this machine alone)."""
+    if not os.path.isfile(hostfile_path):
+        return None
+    return OrderedDict((h.host, h.slots) for h in read_hostfile(hostfile_path))
+
+
+def main(args: list[str] | None = None) -> None:
     """Parse DeepSpeed's launcher flags and replace this process with torchrun.
 
     Example, two processes on this machine::
@@ -23,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     <node 0>``. Never returns: torchrun's exit status becomes the launcher's, which is the status
     of the worker that failed first (named on stderr), see ``torchrun_exit_status.py``.
     """
-    args = parse_launch_args(argv)
+    args = parse_launch_args(args)
     if args.hostfile is not None:
         try:
             hosts = read_hostfile(args.hostfile)

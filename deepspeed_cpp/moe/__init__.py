@@ -2,7 +2,7 @@
 (gating.py), experts (experts.py) and token dispatch (dispatch.py); parameter-group helpers
 (utils.py)."""
 
-from . import layer, utils
+from . import layer, sharded_moe, utils
 from .layer import MoE
 
-__all__ = ["MoE", "layer", "utils"]
+__all__ = ["MoE", "layer", "sharded_moe", "utils"]

@@ -93,8 +93,18 @@ class TopKGate(nn.Module):
         self.ep_group = ep_group
 
     def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None) -> GateOutput:
+        return self.route_input(input, used_token)
+
+    def route_input(self, input: torch.Tensor, used_token: torch.Tensor | None = None):
+        """The routing of ``input`` ``[tokens, model_dim]`` (what ``MOELayer`` calls, so that
+        ``deepspeed.moe.sharded_moe.TopKGate`` can give ``forward`` DeepSpeed's tuple result)."""
         if used_token is not None:
             raise NotImplementedError("TopKGate: used_token is not supported by deepspeed_cpp")
+        return self.route(self.gate_logits(input))
+
+    def gate_logits(self, input: torch.Tensor) -> torch.Tensor:
+        """fp32 expert logits ``[tokens, experts]`` of ``input`` (jittered in training under the
+        'Jitter' policy)."""
         if self.wg.weight.dtype != torch.float32:
             self.wg = self.wg.float()  # the gate always runs in fp32, as DeepSpeed's
         input_fp32 = input.float()
@@ -103,8 +113,7 @@ class TopKGate(nn.Module):
                 1.0 - JITTER_EPSILON, 1.0 + JITTER_EPSILON
             )
             input_fp32 = input_fp32 * jitter
-        logits = self.wg(input_fp32)
-        return self.route(logits)
+        return self.wg(input_fp32)
 
     def route(self, logits: torch.Tensor) -> GateOutput:
         """Routing of ``logits`` ``[tokens, experts]`` (fp32) in this gate's mode."""

@@ -50,7 +50,7 @@ class MOELayer(nn.Module):
         d_model = hidden.shape[-1]
         tokens = hidden.reshape(-1, d_model)
         used_token = input[1] if len(input) > 1 else None
-        gate = self.gate(tokens, used_token)
+        gate = self.gate.route_input(tokens, used_token)
         self.l_aux, self.exp_counts = gate.l_aux, gate.exp_counts
         num_experts = self.ep_size * self.num_local_experts
         slots = Slots(gate.routing, num_experts, gate.capacity)

@@ -1,4 +1,5 @@
-"""The optimizer named by the ds_config ``optimizer`` section, built over given param groups."""
+"""The optimizer named by the ds_config ``optimizer`` section, built over given param groups, and
+which of it and an optimizer passed to initialize() wins."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from ..ops.fused_adam import fused_adam_available
 from ..optim import DeepSpeedCPUAdam, FusedAdam
+from ..utils.logging import logger
 
 
 def config_optimizer_factory(
@@ -55,3 +57,18 @@ def config_optimizer_factory(
     raise ValueError(
         f"optimizer.type '{optimizer_type}' is not supported yet; supported: Adam, AdamW, SGD"
     )
+
+
+def client_optimizer_wins(config_optimizer, rank: int) -> None:
+    """An optimizer passed to initialize() is the one trained with, as in DeepSpeed (whose
+    initialize() documents that it "overrides any optimizer definition in the DeepSpeed json
+    config"); the config's section is then ignored, which rank 0 says."""
+    if rank == 0:
+        logger.info("Using client Optimizer as basic optimizer")
+        if config_optimizer is not None:
+            logger.warning(
+                "deepspeed_cpp: the config's 'optimizer' section (type %r) is ignored: an "
+                "optimizer was passed to initialize() and is used instead",
+                config_optimizer.type,
+            )
+    return None

@@ -17,7 +17,7 @@ from ..utils import groups as moe_groups
 from ..utils.logging import logger
 from .call_order import CallOrder, refuse_foreign_parameters
 from .config import DeepSpeedConfig
-from .config_optimizer import config_optimizer_factory
+from .config_optimizer import client_optimizer_wins, config_optimizer_factory
 from .dataloader import make_distributed_loader
 from .engine_refusals import (
     refuse_expert_parallel_with,
@@ -192,11 +192,9 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def _configure_zero_optimizer(self, client_optimizer, model_parameters):
         config_optimizer = self.config.optimizer
-        if client_optimizer is not None and config_optimizer is not None:
-            raise ValueError(
-                "an optimizer was passed to initialize() and the config has an 'optimizer' "
-                "section too; keep one of them"
-            )
+        if client_optimizer is not None:
+            config_optimizer = client_optimizer_wins(config_optimizer, self.global_rank)
+        self._config_optimizer = config_optimizer  # the section in use (None: the client's)
         zero = self.config.zero_optimization
         offload = OptimizerOffload.from_config(
             zero, self.config.aio, self.config.step_during_backward_setting()
@@ -248,9 +246,10 @@ class DeepSpeedEngine(torch.nn.Module):
         optimizer = client_optimizer
         if isinstance(optimizer, torch.optim.Optimizer):
             self._check_optimizer_covers_module(optimizer)
-        if optimizer is None and self.config.optimizer is not None:
+        config_optimizer = self._config_optimizer
+        if optimizer is None and config_optimizer is not None:
             optimizer = config_optimizer_factory(
-                self.config.optimizer.type, self.config.optimizer.params, optimizer_device
+                config_optimizer.type, config_optimizer.params, optimizer_device
             )
         dtype = (
             torch.float16
@@ -276,7 +275,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def _device_part_optimizer(self, offload):
         """With a partial offload (``ratio`` < 1), the config optimizer for the device's part."""
-        config_optimizer = self.config.optimizer
+        config_optimizer = self._config_optimizer
         if offload is None or offload.ratio >= 1.0 or config_optimizer is None:
             return None
         return config_optimizer_factory(config_optimizer.type, config_optimizer.params, self.device)
@@ -622,6 +621,10 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.optimizer is None:
             return []
         return [group["lr"] for group in self.optimizer.param_groups]
+
+    def gradient_clipping(self) -> float:
+        """The config's ``gradient_clipping`` (0: none)."""
+        return self.config.gradient_clipping
 
     def get_global_grad_norm(self) -> float | None:
         return self.optimizer.global_grad_norm if self.optimizer is not None else None

@@ -32,6 +32,8 @@ from ..utils.logging import logger
 from .lr_schedule_keys import *  # noqa: F403
 
 WARMUP_TYPES = ("log", "linear")
+# OneCycle writes betas as (momentum, SECOND_BETA), DeepSpeed's constant second beta.
+SECOND_BETA = 0.99
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,8 +74,13 @@ def _per_group(name: str, value, num_groups: int, **bounds) -> list[float]:
 
 
 def _check_warmup_type(value) -> str:
+    """``value``, or "log" with a warning when it is not a known type: DeepSpeed warns and warms
+    up on the log curve, so a script with another value trains there as it does in DeepSpeed."""
     if value not in WARMUP_TYPES:
-        raise ValueError(f"warmup_type must be one of {WARMUP_TYPES}, got {value!r}")
+        logger.warning(
+            "warmup_type=%r is not one of %s; using 'log' (as DeepSpeed does)", value, WARMUP_TYPES
+        )
+        return "log"
     return value
 
 
@@ -262,11 +269,12 @@ class OneCycle(_BatchSchedule):
 
     each held at ``cycle_min_lr`` / ``cycle_max_mom`` when ``decay_step_size`` or its rate is 0.
 
-    Momentum goes to ``betas[0]`` for Adam-like groups (``betas[1]`` is kept; DeepSpeed
-    overwrites it with 0.99) and to ``momentum`` for SGD-like groups (DeepSpeed cycles only
-    ``betas``). A group with neither turns momentum cycling off with a warning, as in DeepSpeed.
-    At construction the optimizer gets the values at ``h = 0``: ``cycle_min_lr`` and
-    ``cycle_max_mom`` (DeepSpeed writes ``cycle_min_mom`` there, against its own formula).
+    Momentum goes to ``betas`` as ``(momentum, 0.99)``, as DeepSpeed writes it (``betas[1]``
+    too: a script trains with the same Adam betas as under DeepSpeed). An optimizer without
+    ``betas`` in its defaults (SGD) turns momentum cycling off with a warning, as in DeepSpeed,
+    and its ``momentum`` is left alone. At construction the optimizer gets ``cycle_min_lr`` and,
+    as DeepSpeed writes it, ``cycle_min_mom`` (``get_mom()`` there says ``cycle_max_mom``, the
+    value at ``h = 0``; the first ``step()`` writes that).
 
     Args:
         optimizer: the optimizer whose param groups get the lr (and momentum).
@@ -308,10 +316,12 @@ class OneCycle(_BatchSchedule):
         self.first_step_size = _check_int("cycle_first_step_size", cycle_first_step_size, minimum=1)
         if cycle_second_step_size is None:
             cycle_second_step_size = self.first_step_size
+        # 0 is allowed (DeepSpeed allows it): the cycle only rises, h = offset / first.
         self.second_step_size = _check_int(
-            "cycle_second_step_size", cycle_second_step_size, minimum=1
+            "cycle_second_step_size", cycle_second_step_size, minimum=0
         )
         self.total_size = self.first_step_size + self.second_step_size
+        self.step_ratio = self.first_step_size / self.total_size  # DeepSpeed's attribute
         # Negative counts are DeepSpeed's command-line "off" value (-1); keep them meaning off.
         self.first_stair_count = _check_int("cycle_first_stair_count", cycle_first_stair_count)
         if cycle_second_stair_count is None:
@@ -323,20 +333,20 @@ class OneCycle(_BatchSchedule):
         self.min_moms = _per_group("cycle_min_mom", cycle_min_mom, groups, minimum=0, maximum=1)
         self.max_moms = _per_group("cycle_max_mom", cycle_max_mom, groups, minimum=0, maximum=1)
         self.decay_mom_rate = _check_real("decay_mom_rate", decay_mom_rate)
-        self.cycle_momentum = cycle_momentum and self._groups_have_momentum()
+        self.cycle_momentum = cycle_momentum and self._optimizer_has_betas()
         self._start()
+        if self.last_batch_iteration == -1 and self.cycle_momentum:
+            self._write_momenta(self.min_moms)  # DeepSpeed's value at construction
 
-    def _groups_have_momentum(self) -> bool:
-        for index, group in enumerate(self.optimizer.param_groups):
-            if "betas" not in group and "momentum" not in group:
-                logger.warning(
-                    "OneCycle: cycle_momentum is off because param group %d of %s has neither "
-                    "'betas' nor 'momentum'",
-                    index,
-                    type(self.optimizer).__name__,
-                )
-                return False
-        return True
+    def _optimizer_has_betas(self) -> bool:
+        if "betas" in getattr(self.optimizer, "defaults", {}):
+            return True
+        logger.warning(
+            "OneCycle: cycle_momentum is off because %s has no 'betas' in its defaults (as in "
+            "DeepSpeed, only Adam-like betas are cycled)",
+            type(self.optimizer).__name__,
+        )
+        return False
 
     def _height(self) -> float:
         """The cycle's height in [0, 1] at this batch: 0 at the lr floor, 1 at the peak."""
@@ -367,10 +377,14 @@ class OneCycle(_BatchSchedule):
         divisor = 1.0 + self.decay_lr_rate * self._decay_units()
         return [lo / divisor for lo in self.min_lrs]
 
-    def get_mom(self) -> list[float] | None:
-        """The momentum of every param group at this batch, or None when not cycling it."""
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """Every param group's betas at this batch, ``(momentum, 0.99)`` as DeepSpeed gives them,
+        or None when momentum is not cycled."""
         if not self.cycle_momentum:
             return None
+        return [(momentum, SECOND_BETA) for momentum in self._momenta()]
+
+    def _momenta(self) -> list[float]:
         if self.last_batch_iteration < self.total_size:
             height = self._height()
             return [hi - (hi - lo) * height for lo, hi in zip(self.min_moms, self.max_moms)]
@@ -381,18 +395,20 @@ class OneCycle(_BatchSchedule):
 
     def _apply(self) -> None:
         super()._apply()
-        momenta = self.get_mom()
-        if momenta is None:
-            return
+        if self.cycle_momentum:
+            self._write_momenta(self._momenta())
+
+    def _write_momenta(self, momenta: list[float]) -> None:
         for group, momentum in zip(self.optimizer.param_groups, momenta):
-            if "betas" in group:
-                betas = group["betas"]
-                if isinstance(betas[0], torch.Tensor):
-                    betas[0].fill_(momentum)
+            betas = group.get("betas")
+            if betas is not None and isinstance(betas[0], torch.Tensor):
+                betas[0].fill_(momentum)
+                if isinstance(betas[1], torch.Tensor):
+                    betas[1].fill_(SECOND_BETA)
                 else:
-                    group["betas"] = (momentum, *tuple(betas)[1:])
+                    group["betas"] = (betas[0], SECOND_BETA)
             else:
-                _write(group, "momentum", momentum)
+                group["betas"] = (momentum, SECOND_BETA)
 
 
 class WarmupLR(_BatchSchedule):

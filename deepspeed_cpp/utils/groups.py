@@ -161,8 +161,73 @@ def _get_expert_broadcast_src_rank(group_name: str) -> int:
     return min(dist.get_process_group_ranks(_get_expert_data_parallel_group(group_name)))
 
 
-def _get_expert_parallel_ranks(group_name: str) -> list[int]:
+def expert_parallel_ranks(group_name: str) -> list[int]:
+    """The global ranks of this rank's expert-parallel group ``group_name``."""
     return dist.get_process_group_ranks(_get_expert_parallel_group(group_name))
+
+
+def _get_expert_parallel_ranks(
+    world_size: int,
+    tensor_parallel_size_: int,
+    expert_parallel_size_: int,
+    pipeline_parallel_size_: int = 1,
+    use_data_before_expert_parallel_: bool = False,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """DeepSpeed's rank layout, without creating any group: ``(expert_parallel_groups,
+    expert_data_parallel_groups)`` as lists of global ranks, for ``world_size`` ranks split into
+    pipeline stages of consecutive ranks, tensor-parallel groups of consecutive ranks inside a
+    stage, and data-parallel groups across them (strided by the tensor-parallel size). Each
+    data-parallel group is cut into consecutive expert-parallel groups of
+    ``expert_parallel_size_``; the i-th ranks of those form the expert-data-parallel groups.
+    ``use_data_before_expert_parallel_`` orders each data-parallel group data-first, so that
+    expert-parallel groups are strided."""
+    for name, value in (
+        ("tensor_parallel_size_", tensor_parallel_size_),
+        ("expert_parallel_size_", expert_parallel_size_),
+        ("pipeline_parallel_size_", pipeline_parallel_size_),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if world_size % (tensor_parallel_size_ * pipeline_parallel_size_) != 0:
+        raise ValueError(
+            f"world_size={world_size} is not divisible by tensor_parallel_size_ * "
+            f"pipeline_parallel_size_ = {tensor_parallel_size_ * pipeline_parallel_size_}"
+        )
+    dp_world_size = world_size // (tensor_parallel_size_ * pipeline_parallel_size_)
+    if dp_world_size % expert_parallel_size_ != 0:
+        raise ValueError(
+            f"the data-parallel size {dp_world_size} (world_size={world_size} / (tensor x "
+            f"pipeline parallel)) is not divisible by expert_parallel_size_="
+            f"{expert_parallel_size_}"
+        )
+    stage_size = world_size // pipeline_parallel_size_
+    data_parallel_groups = []
+    for stage_start in range(0, world_size, stage_size):
+        stage_end = stage_start + stage_size
+        for tp_rank in range(tensor_parallel_size_):
+            if use_data_before_expert_parallel_:
+                stride = dp_world_size // expert_parallel_size_
+                ranks = []
+                for offset in range(stride):
+                    first = stage_start + tp_rank + offset * tensor_parallel_size_
+                    ranks.extend(range(first, stage_end, stride * tensor_parallel_size_))
+            else:
+                ranks = list(range(stage_start + tp_rank, stage_end, tensor_parallel_size_))
+            data_parallel_groups.append(ranks)
+    expert_parallel_groups, expert_data_parallel_groups = [], []
+    for ranks in data_parallel_groups:
+        chunks = [
+            ranks[i : i + expert_parallel_size_]
+            for i in range(0, dp_world_size, expert_parallel_size_)
+        ]
+        expert_parallel_groups.extend(chunks)
+        expert_data_parallel_groups.extend(list(column) for column in zip(*chunks))
+    return expert_parallel_groups, expert_data_parallel_groups
+
+
+def _get_max_expert_parallel_group():
+    """The expert-parallel group of the largest ep_size created so far (None when none)."""
+    return _EXPERT_PARALLEL_GROUP.get(_get_max_expert_size_name())
 
 
 def _get_max_expert_size() -> int:

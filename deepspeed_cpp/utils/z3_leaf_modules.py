@@ -25,6 +25,8 @@ __all__ = [
     "get_z3_leaf_modules",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
     "unset_z3_leaf_modules",
     "z3_leaf_module",
     "z3_leaf_parameter",
@@ -75,6 +77,59 @@ def unset_z3_leaf_modules(
     return _mark(model, leaf_module_classes, False, raise_if_not_found)
 
 
+def set_z3_leaf_modules_by_name(
+    model: torch.nn.Module,
+    module_names: Sequence[str],
+    flag: bool = True,
+    raise_if_not_found: bool = True,
+) -> tuple[list[torch.nn.Module], list[str]]:
+    """Marks (``flag``) the modules named in ``module_names`` (``model.named_modules()`` names);
+    returns ``(modules, names not found)``. Raises ValueError naming the missing ones unless
+    ``raise_if_not_found`` is False."""
+    by_name = dict(model.named_modules())
+    missing = [name for name in module_names if name not in by_name]
+    if missing and raise_if_not_found:
+        raise ValueError(f"no module named {missing} in {type(model).__name__}")
+    matched = [by_name[name] for name in module_names if name in by_name]
+    _apply_marks(model, matched, flag)
+    return matched, missing
+
+
+def set_z3_leaf_modules_by_suffix(
+    model: torch.nn.Module,
+    module_name_suffixes: Sequence[str],
+    flag: bool = True,
+    raise_if_not_found: bool = True,
+) -> tuple[list[torch.nn.Module], list[str]]:
+    """Marks (``flag``) every module whose ``named_modules()`` name ends with one of
+    ``module_name_suffixes``; returns ``(modules, suffixes that matched nothing)``, each module
+    once. Raises ValueError naming the unmatched suffixes unless ``raise_if_not_found`` is
+    False."""
+    named = list(model.named_modules())
+    matched: list[torch.nn.Module] = []
+    missing = []
+    for suffix in module_name_suffixes:
+        hits = [module for name, module in named if name.endswith(suffix)]
+        if not hits:
+            missing.append(suffix)
+        matched.extend(m for m in hits if all(m is not seen for seen in matched))
+    if missing and raise_if_not_found:
+        raise ValueError(f"no module name ends with {missing} in {type(model).__name__}")
+    _apply_marks(model, matched, flag)
+    return matched, missing
+
+
+def _apply_marks(model, modules, flag: bool) -> None:
+    for module in modules:
+        set_z3_leaf_module(module, flag)
+    if modules and _has_live_engine(model):
+        logger.warning(
+            "deepspeed_cpp: ZeRO-3 leaf marks changed on a model that already has an engine: "
+            "its ZeRO-3 fetch units were fixed when it was built; the marks apply to engines "
+            "built from now on"
+        )
+
+
 def _mark(model, classes, flag: bool, raise_if_not_found: bool) -> list[torch.nn.Module]:
     if isinstance(classes, (type, str)):
         classes = [classes]
@@ -87,14 +142,7 @@ def _mark(model, classes, flag: bool, raise_if_not_found: bool) -> list[torch.nn
     if not matched and raise_if_not_found:
         names = [c if isinstance(c, str) else c.__name__ for c in classes]
         raise ValueError(f"no module of {names} found in {type(model).__name__}")
-    for module in matched:
-        set_z3_leaf_module(module, flag)
-    if matched and _has_live_engine(model):
-        logger.warning(
-            "deepspeed_cpp: set_z3_leaf_modules/unset_z3_leaf_modules on a model that already "
-            "has an engine: its ZeRO-3 fetch units were fixed when it was built; the marks "
-            "apply to engines built from now on"
-        )
+    _apply_marks(model, matched, flag)
     return matched
 
 

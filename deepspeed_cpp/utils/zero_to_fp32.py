@@ -42,7 +42,9 @@ master slices of one shard file while it is read), not the size of the checkpoin
 from __future__ import annotations
 
 import argparse
+import glob
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -229,6 +231,30 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     path = Path(output)
     size = (write_safetensors if safe_serialization else write_torch)(state_dict, path)
     return WrittenWeights({path.name: size}, [], ShardPlan({path.name: list(state_dict)}, size))
+
+
+def _natural_key(text: str) -> list:
+    """Sort key with digit runs compared as numbers: ``zero_2_...`` before ``zero_10_...``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def get_checkpoint_files(checkpoint_dir, glob_pattern: str) -> list[str]:
+    """DeepSpeed's helper: the files of ``checkpoint_dir`` matching ``glob_pattern``, in natural
+    order (rank 2 before rank 10); FileNotFoundError naming the pattern when there are none."""
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, glob_pattern)), key=_natural_key)
+    if not files:
+        raise FileNotFoundError(f"can't find {glob_pattern} files in directory '{checkpoint_dir}'")
+    return files
+
+
+def get_optim_files(checkpoint_dir) -> list[str]:
+    """The ``*_optim_states.pt`` files of a DeepSpeed checkpoint folder, in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir) -> list[str]:
+    """The ``*_model_states.pt`` files of a DeepSpeed checkpoint folder, in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
 
 
 def _parser(prog: str | None) -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ from .cpu_lion import CPULionBuilder
 from .fused_adam import FusedAdamBuilder, FusedAdamHostBuilder
 from .moe import MoEBuilder, MoECudaBuilder
 from .registry import RegistryBuilder
+from .unavailable import FusedLambBuilder
 from .zero import ZeroBuilder
 
 # Every op family, by the name its DS_BUILD_<NAME> flag and its library carry.
@@ -34,6 +35,7 @@ __all__ = [
     "CPULionBuilder",
     "FusedAdamBuilder",
     "FusedAdamHostBuilder",
+    "FusedLambBuilder",
     "MoEBuilder",
     "MoECudaBuilder",
     "OpBuilder",

@@ -16,7 +16,7 @@ from torch import nn
 
 from ...comm.collective_errors import named_collective, new_group
 from ..activation_checkpointing import checkpointing
-from .partition import partition_balanced, partition_uniform
+from ..layer_partitions import partition_balanced, partition_uniform
 from .topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
 
 

@@ -25,8 +25,19 @@ class OffloadDeviceEnum(str, Enum):
     nvme = "nvme"
 
 
+class OffloadStateTypeEnum(str, Enum):
+    """The engine states ``engine.offload_states(include=...)`` can move."""
+
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
+
 __all__ = [
     "DeepSpeedZeroOffloadOptimizerConfig",
     "DeepSpeedZeroOffloadParamConfig",
     "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
 ]

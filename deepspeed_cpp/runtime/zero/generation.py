@@ -1,0 +1,18 @@
+"""DeepSpeed's ``unwrap_model_for_generation``: a ZeRO-3 engine's module with every parameter
+gathered for the duration of a ``with`` block, so that ``generate()`` runs its many small
+forwards without a gather per layer per token (trl and OpenRLHF use it)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from .partition_parameters import GatheredParameters
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model):
+    """Yields ``model`` (an engine) with all its parameters gathered (ZeRO-3; other stages hold
+    them whole already), released again at the end of the block. Read-only: changes to the
+    gathered weights are not written back."""
+    with GatheredParameters(list(model.parameters())):
+        yield model
