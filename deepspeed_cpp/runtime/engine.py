@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ..accelerator import get_accelerator
 from ..comm.collective_errors import named_collective
 from ..comm.logging_api import configure as configure_comms_logger
+from ..module_inject import gather_full_state_dict, tensor_parallel_info
 from ..utils import groups as moe_groups
 from ..utils.logging import logger
 from .call_order import CallOrder, refuse_foreign_parameters
@@ -24,6 +25,7 @@ from .half_inputs import cast_floating_to_half
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
 from .nonfinite_gradients import raise_if_asked, report_skipped_step
+from .tensor_parallel.setup import remap_parameters as remap_for_tensor_parallel
 from .training_report import TrainingReport
 from .zero.moe_stage import (
     DENSE,
@@ -94,6 +96,9 @@ class DeepSpeedEngine(torch.nn.Module):
             _refuse_expert_parallel_with(config)
         self._is_boundary_override: bool | None = None
         self.module = model
+        # AutoTP: the model split over tensor-parallel groups, ZeRO over the data-parallel ones.
+        self.mpu, replaced = self._configure_tensor_parallel(model)
+        model_parameters = remap_for_tensor_parallel(optimizer, model_parameters, replaced)
         if self.zero_optimization_stage() < 3:
             _refuse_partitioned_parameters(model, self.zero_optimization_stage())
             self.module.to(self.device)
@@ -120,8 +125,8 @@ class DeepSpeedEngine(torch.nn.Module):
             make_distributed_loader(
                 training_data,
                 batch_size=self.train_micro_batch_size_per_gpu(),
-                rank=self.global_rank,
-                world_size=self.world_size,
+                rank=dist.get_rank(self.group),  # TP ranks read the same samples
+                world_size=dist.get_world_size(self.group),
                 collate_fn=collate_fn,
                 drop_last=bool(config.dataloader_drop_last),
             )
@@ -143,10 +148,33 @@ class DeepSpeedEngine(torch.nn.Module):
         give_back_free_heap()  # what set-up freed in glibc's heap, where the engine swaps
 
     # --- construction -------------------------------------------------------------------------
+    def _configure_tensor_parallel(self, model):
+        """The mpu and {id(replaced parameter): its slice} (see tensor_parallel/setup.py)."""
+        from .tensor_parallel.setup import prepare_model
+
+        tp_size = int(self.config.tensor_parallel.autotp_size)
+        split_before = tensor_parallel_info(model) is not None
+        if tp_size <= 1 and not split_before:
+            return None, {}
+        if self.zero_optimization_stage() == 3 or self._expert_parallel:
+            raise NotImplementedError(
+                "tensor_parallel.autotp_size > 1 trains at ZeRO stages 0-2 without "
+                "expert-parallel MoE layers; got zero_optimization.stage "
+                f"{self.zero_optimization_stage()}"
+                + (" with expert-parallel MoE layers" if self._expert_parallel else "")
+            )
+        if not split_before:
+            model.to(self.device)  # the whole model is broadcast from rank 0, then split
+        mpu, replaced = prepare_model(model, tp_size, self.config)
+        self.group = mpu.get_data_parallel_group()
+        return mpu, replaced
+
     def _broadcast_module_from_rank0(self) -> None:
-        """Every rank starts from rank 0's weights and buffers, as data parallelism requires."""
-        if self.world_size == 1:
+        """Every rank starts from rank 0's weights and buffers, as data parallelism requires
+        (the first rank of this rank's data-parallel group, under tensor parallelism)."""
+        if dist.get_world_size(self.group) == 1:
             return
+        source = dist.get_process_group_ranks(self.group)[0]
         tensors = list(self.module.parameters()) + list(self.module.buffers())
         with torch.no_grad():
             for index, tensor in enumerate(tensors):
@@ -154,7 +182,7 @@ class DeepSpeedEngine(torch.nn.Module):
                 what = _initial_broadcast_label(index, len(tensors), tensor, key)
                 with named_collective(what):
                     if key == DENSE:
-                        dist.broadcast(tensor.data, src=0, group=self.group)
+                        dist.broadcast(tensor.data, src=source, group=self.group)
                     else:
                         # ep_size > 1 experts differ between expert-parallel ranks: each is a
                         # replica only within its expert-data-parallel group, whose first
@@ -192,6 +220,8 @@ class DeepSpeedEngine(torch.nn.Module):
             offload=offload,
             device_optimizer=self._device_part_optimizer(offload),
         )
+        if self.mpu is not None:
+            common["tensor_parallel_group"] = self.mpu.get_tensor_model_parallel_group()
         stage_class = ZeroPartitionedOptimizer
         if self._expert_parallel:
             # Expert parameters of ep_size > 1 get sets of their own, each reduced and sharded
@@ -393,6 +423,11 @@ class DeepSpeedEngine(torch.nn.Module):
         """The module's state dict with every parameter whole (gathered under ZeRO-3) and
         every expert of every rank under its global name (``moe/expert_names.py``); collective.
         With ``rank0_only`` the other ranks get ``{}``."""
+        if self.mpu is not None:  # every TP rank takes part in gathering the slices
+            if self._zero_stage is not None:
+                self._zero_stage.apply_pending_update()
+            whole = gather_full_state_dict(self.module, self.module.state_dict())
+            return {} if rank0_only and self.global_rank != 0 else whole
         if self._zero_stage is None:
             return {} if rank0_only and self.global_rank != 0 else self.module.state_dict()
         return self._zero_stage.full_state_dict(self.module, rank0_only=rank0_only)
@@ -468,6 +503,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         from .checkpoint import save_checkpoint
 
+        self._refuse_tensor_parallel_checkpoint("save_checkpoint")
         self._failed_step.check("engine.save_checkpoint")
         return save_checkpoint(
             self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, allow_pickle
@@ -519,6 +555,7 @@ class DeepSpeedEngine(torch.nn.Module):
             )
         from .checkpoint import load_checkpoint
 
+        self._refuse_tensor_parallel_checkpoint("load_checkpoint")
         loaded = load_checkpoint(
             self,
             load_dir,
@@ -533,6 +570,13 @@ class DeepSpeedEngine(torch.nn.Module):
         if loaded[0] is not None and load_optimizer_states and not load_module_only:
             self._failed_step.clear()  # every part a failed step could have touched is replaced
         return loaded
+
+    def _refuse_tensor_parallel_checkpoint(self, what: str) -> None:
+        if self.mpu is not None:
+            raise NotImplementedError(
+                f"engine.{what} with tensor_parallel.autotp_size > 1: per-TP-rank checkpoint "
+                "files are not written yet; save the whole model with engine.save_16bit_model"
+            )
 
     # --- what scripts ask the engine ----------------------------------------------------------
     def train(self, mode: bool = True):

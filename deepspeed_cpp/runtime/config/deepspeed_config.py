@@ -48,7 +48,7 @@ from .optimizer import PARAMS_BY_TYPE as OPTIMIZER_PARAMS
 from .optimizer import OptimizerConfig, validate_optimizer_params
 from .scheduler import PARAMS_BY_TYPE as SCHEDULER_PARAMS
 from .scheduler import SchedulerConfig, validate_scheduler_params
-from .sections import AioConfig, BF16Config, FP16Config, ZeroConfig
+from .sections import AioConfig, BF16Config, FP16Config, TensorParallelConfig, ZeroConfig
 from .source import choose_config, read_config
 from .values import ConfigSection, boolean, choice, integer, is_auto, number, print_interval
 
@@ -92,6 +92,8 @@ class DeepSpeedConfig(ConfigSection):
     dataloader_drop_last: boolean() = False
     """Drop the last incomplete batch of the engine's data loader."""
     aio: AioConfig = Field(default_factory=AioConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """AutoTP training: ``autotp_size`` ranks split each model (deepspeed_cpp.module_inject)."""
     """Asynchronous I/O of NVMe offload (the swap files' aio handles)."""
     nonfinite_gradients: choice(("skip", "raise")) = "skip"
     """deepspeed_cpp extension: a step whose global gradient holds NaN or inf is skipped on
@@ -256,7 +258,8 @@ class DeepSpeedConfig(ConfigSection):
 
     def finalize(self, world_size: int = 1) -> "DeepSpeedConfig":
         """A copy ready for the engine: no ``"auto"`` left, the three batch numbers resolved
-        for ``world_size`` data-parallel ranks, and nothing asked for that is not built yet."""
+        for ``world_size`` ranks (``world_size / tensor_parallel.autotp_size`` data-parallel
+        ones), and nothing asked for that is not built yet."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise DeepSpeedConfigError(
                 [
@@ -269,8 +272,18 @@ class DeepSpeedConfig(ConfigSection):
         if auto:
             raise DeepSpeedConfigError([unresolved_auto_problem(list(auto))], self._source)
         problems = []
+        # Tensor-parallel ranks share their batch: the batch-size rule counts data-parallel ones.
+        tp_size = max(int(self.tensor_parallel.autotp_size), 1)
+        if world_size % tp_size != 0:
+            raise DeepSpeedConfigError(
+                [
+                    f"tensor_parallel.autotp_size = {tp_size} does not divide the world size "
+                    f"{world_size}: expected a divisor of it"
+                ],
+                self._source,
+            )
         try:
-            sizes = resolve_batch_sizes(*self._given_batch, world_size)
+            sizes = resolve_batch_sizes(*self._given_batch, world_size // tp_size)
         except ValueError as error:
             problems.append(str(error))
         problems += refuse_features_not_built_yet(self.zero_optimization)

@@ -48,6 +48,7 @@ from .shard_checkpoint_state import ShardCheckpointState
 from .shard_gather import backend_for, launch_all_gather
 from .stage import PartitionLayout
 from .stage_setup import init_stage_fields, optimizer_over_masters
+from .tensor_parallel_norm import sum_over_tensor_parallel
 
 
 @dataclass
@@ -83,6 +84,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         offload: OptimizerOffload | None = None,
         device_optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
         grad_divisor: int | None = None,
+        tensor_parallel_group: dist.ProcessGroup | None = None,
     ):
         """`optimizer` is either a torch optimizer over the model's parameters (the user's: its
         param groups are re-pointed at the master shards in place) or a factory that builds one
@@ -94,7 +96,9 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         stepped by ``device_optimizer`` (a factory like a config ``optimizer``).
         ``grad_divisor`` (default: the size of ``group``) is what the summed gradients are divided
         by: expert parameters are reduced over their expert-data-parallel group but averaged over
-        the whole data-parallel world (``moe_stage.py``)."""
+        the whole data-parallel world (``moe_stage.py``). ``tensor_parallel_group``: the model
+        is split over it (AutoTP), ``group`` is then the data-parallel group; the gradient norm
+        and the overflow check take in the whole model (``tensor_parallel_norm.py``)."""
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} handles stages {self.STAGES}, got {stage}")
         param_groups = init_stage_fields(
@@ -107,6 +111,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             loss_scaler=loss_scaler,
         )
 
+        self.tensor_parallel_group = tensor_parallel_group
         owned_whole = stage == 0
         if offload is not None and owned_whole:
             raise ValueError(
@@ -407,13 +412,19 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         local = torch.zeros(1, dtype=torch.float32, device=self.shard_grads[0].device)
         for grad in self.shard_grads:
             local += (~torch.isfinite(grad)).any().float()
-        return bool(self._sum_over_shards(local, "all_reduce of the overflow flag").item() > 0)
+        local = self._sum_over_shards(local, "all_reduce of the overflow flag")
+        if self.tensor_parallel_group is not None:
+            with named_collective("all_reduce of the overflow flag over the tensor-parallel group"):
+                dist.all_reduce(local, group=self.tensor_parallel_group)
+        return bool(local.item() > 0)
 
     def _global_norm(self) -> float:
         # One fused read of the shards (float32 norms, as torch's clip_grad_norm_), then the
         # partial sums of squares in float64 across shards and ranks.
         norms = self._shard_grad_norms()
         squares = torch.stack(norms).double().pow(2).sum().reshape(1)
+        if self.tensor_parallel_group is not None:
+            squares = sum_over_tensor_parallel(self, squares)
         total = self._sum_over_shards(squares, "all_reduce of the gradient norm")
         return math.sqrt(float(total.item()))
 
