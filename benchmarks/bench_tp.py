@@ -11,7 +11,7 @@ and of Adam's moments (+ fp32 masters where kept apart from the parameters).
 deepspeed_cpp keeps the embeddings and lm_head whole on every TP rank; DeepSpeed 0.19.8 splits
 the vocabulary of an untied lm_head, so its parameters per rank are smaller by half the lm_head.
 
-    python benchmarks/bench_tp.py [--hidden 512] [--layers 4] [--rounds 5] [--deepspeed /work/ds_target]
+    python benchmarks/bench_tp.py [--hidden 512] [--layers 4] [--rounds 5] [--deepspeed DIR]
 
 DeepSpeed is imported from ``--deepspeed`` (a source tree put on sys.path in the workers only,
 with DS_ACCELERATOR=cpu); a DeepSpeed that is missing or fails is reported and the rest runs.
