@@ -200,6 +200,10 @@ def refusals() -> dict:
     except NotImplementedError as error:
         found["stage3"] = str(error)
     try:
+        deepspeed_cpp.initialize(model=tiny_model("gpt2"), config=_config(1, 0.0, 3, True))
+    except ValueError as error:
+        found["size"] = str(error)
+    try:
         deepspeed_cpp.initialize(model=torch.nn.Sequential(torch.nn.Linear(4, 4)),
                                  config=_config(1, 0.0, 2, True))  # fmt: skip
     except ValueError as error:

@@ -20,10 +20,17 @@ from .call_order import CallOrder, refuse_foreign_parameters
 from .config import DeepSpeedConfig
 from .config_optimizer import config_optimizer_factory
 from .dataloader import make_distributed_loader
+from .engine_refusals import (
+    refuse_expert_parallel_with,
+    refuse_partitioned_parameters,
+    refuse_zero3_with_model_parallelism,
+    release_previous_engine,
+)
 from .failed_step import FailedStepGuard
 from .half_inputs import cast_floating_to_half
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
+from .model_parallel import ModelParallelGroups
 from .nonfinite_gradients import raise_if_asked, report_skipped_step
 from .tensor_parallel.setup import remap_parameters as remap_for_tensor_parallel
 from .training_report import TrainingReport
@@ -67,12 +74,20 @@ class DeepSpeedEngine(torch.nn.Module):
         lr_scheduler=None,
         config: DeepSpeedConfig,
         collate_fn=None,
+        mpu=None,
     ):
         super().__init__()
         if model is None:
             raise ValueError("deepspeed_cpp.initialize needs model=<torch.nn.Module>")
         self.config = config
-        self.group = dist.group.WORLD
+        # Data parallelism runs over the mpu's data-parallel group (the world without an mpu):
+        # gradients are reduced, ZeRO state sharded and checkpoints written over it
+        # (model_parallel.py).
+        self.mpu = mpu
+        self.parallel = ModelParallelGroups.from_mpu(mpu)
+        self.group = self.parallel.dp_group
+        self.dp_rank, self.dp_world_size = self.parallel.dp_rank, self.parallel.dp_world_size
+        self.mp_rank, self.mp_world_size = self.parallel.mp_rank, self.parallel.mp_world_size
         self.global_rank = dist.get_rank()
         # Before any collective: a monitor whose package is missing fails on every rank alike.
         self._report = TrainingReport(config, self.global_rank)
@@ -90,17 +105,18 @@ class DeepSpeedEngine(torch.nn.Module):
             accelerator.set_device(self.local_rank)
         self.device = torch.device(accelerator.device_name(self.local_rank))
 
-        _release_previous_engine(model)
+        release_previous_engine(model)
         self._expert_parallel = needs_expert_sets(model.parameters())
         if self._expert_parallel:
-            _refuse_expert_parallel_with(config)
+            refuse_expert_parallel_with(config, self.mp_world_size)
+        refuse_zero3_with_model_parallelism(config, self.mp_world_size)
         self._is_boundary_override: bool | None = None
         self.module = model
-        # AutoTP: the model split over tensor-parallel groups, ZeRO over the data-parallel ones.
-        self.mpu, replaced = self._configure_tensor_parallel(model)
+        # AutoTP: the model split over the mpu's tensor-parallel group (initialize() built it).
+        replaced = self._configure_tensor_parallel(model)
         model_parameters = remap_for_tensor_parallel(optimizer, model_parameters, replaced)
         if self.zero_optimization_stage() < 3:
-            _refuse_partitioned_parameters(model, self.zero_optimization_stage())
+            refuse_partitioned_parameters(model, self.zero_optimization_stage())
             self.module.to(self.device)
             if self.fp16_enabled():
                 self.module.half()
@@ -125,8 +141,8 @@ class DeepSpeedEngine(torch.nn.Module):
             make_distributed_loader(
                 training_data,
                 batch_size=self.train_micro_batch_size_per_gpu(),
-                rank=dist.get_rank(self.group),  # TP ranks read the same samples
-                world_size=dist.get_world_size(self.group),
+                rank=self.dp_rank,  # the ranks of a TP group read the same samples
+                world_size=self.dp_world_size,
                 collate_fn=collate_fn,
                 drop_last=bool(config.dataloader_drop_last),
             )
@@ -135,11 +151,16 @@ class DeepSpeedEngine(torch.nn.Module):
         )
         if self.global_rank == 0:
             logger.info(
-                "deepspeed_cpp: engine ready: ZeRO stage %d, %s, world size %d, micro batch %d, "
+                "deepspeed_cpp: engine ready: ZeRO stage %d, %s, world size %d%s, micro batch %d, "
                 "gradient accumulation %d%s",
                 self.zero_optimization_stage(),
                 "fp16" if self.fp16_enabled() else "bf16" if self.bfloat16_enabled() else "fp32",
                 self.world_size,
+                (
+                    f" (data parallel {self.dp_world_size} x model parallel {self.mp_world_size})"
+                    if self.mpu is not None
+                    else ""
+                ),
                 self.train_micro_batch_size_per_gpu(),
                 self.gradient_accumulation_steps(),
                 f", {self.optimizer.describe()}" if self.optimizer is not None else "",
@@ -148,33 +169,23 @@ class DeepSpeedEngine(torch.nn.Module):
         give_back_free_heap()  # what set-up freed in glibc's heap, where the engine swaps
 
     # --- construction -------------------------------------------------------------------------
-    def _configure_tensor_parallel(self, model):
-        """The mpu and {id(replaced parameter): its slice} (see tensor_parallel/setup.py)."""
+    def _configure_tensor_parallel(self, model) -> dict:
+        """Splits the model over the mpu's TP group when the config asks for AutoTP; returns
+        {id(replaced parameter): its slice} (see tensor_parallel/setup.py)."""
         from .tensor_parallel.setup import prepare_model
 
-        tp_size = int(self.config.tensor_parallel.autotp_size)
-        split_before = tensor_parallel_info(model) is not None
-        if tp_size <= 1 and not split_before:
-            return None, {}
-        if self.zero_optimization_stage() == 3 or self._expert_parallel:
-            raise NotImplementedError(
-                "tensor_parallel.autotp_size > 1 trains at ZeRO stages 0-2 without "
-                "expert-parallel MoE layers; got zero_optimization.stage "
-                f"{self.zero_optimization_stage()}"
-                + (" with expert-parallel MoE layers" if self._expert_parallel else "")
-            )
-        if not split_before:
+        if int(self.config.tensor_parallel.autotp_size) <= 1 or self.mpu is None:
+            return {}
+        if tensor_parallel_info(model) is None:
             model.to(self.device)  # the whole model is broadcast from rank 0, then split
-        mpu, replaced = prepare_model(model, tp_size, self.config)
-        self.group = mpu.get_data_parallel_group()
-        return mpu, replaced
+        return prepare_model(model, self.mpu, self.config)
 
     def _broadcast_module_from_rank0(self) -> None:
-        """Every rank starts from rank 0's weights and buffers, as data parallelism requires
-        (the first rank of this rank's data-parallel group, under tensor parallelism)."""
-        if dist.get_world_size(self.group) == 1:
+        """Every rank starts from its data-parallel group's first rank's weights and buffers, as
+        data parallelism requires (model-parallel ranks hold other parts: not broadcast)."""
+        if self.dp_world_size == 1:
             return
-        source = dist.get_process_group_ranks(self.group)[0]
+        source = self.parallel.broadcast_src
         tensors = list(self.module.parameters()) + list(self.module.buffers())
         with torch.no_grad():
             for index, tensor in enumerate(tensors):
@@ -220,8 +231,10 @@ class DeepSpeedEngine(torch.nn.Module):
             offload=offload,
             device_optimizer=self._device_part_optimizer(offload),
         )
-        if self.mpu is not None:
-            common["tensor_parallel_group"] = self.mpu.get_tensor_model_parallel_group()
+        if self.mp_world_size > 1:  # the norm over the whole model (model_parallel.py)
+            common.update(
+                norm_group=self.parallel.mp_group, counts_in_norm=self.parallel.counts_in_norm
+            )
         stage_class = ZeroPartitionedOptimizer
         if self._expert_parallel:
             # Expert parameters of ep_size > 1 get sets of their own, each reduced and sharded
@@ -423,13 +436,13 @@ class DeepSpeedEngine(torch.nn.Module):
         """The module's state dict with every parameter whole (gathered under ZeRO-3) and
         every expert of every rank under its global name (``moe/expert_names.py``); collective.
         With ``rank0_only`` the other ranks get ``{}``."""
-        if self.mpu is not None:  # every TP rank takes part in gathering the slices
+        if tensor_parallel_info(self.module) is not None:  # every TP rank gathers the slices
             if self._zero_stage is not None:
                 self._zero_stage.apply_pending_update()
             whole = gather_full_state_dict(self.module, self.module.state_dict())
             return {} if rank0_only and self.global_rank != 0 else whole
         if self._zero_stage is None:
-            return {} if rank0_only and self.global_rank != 0 else self.module.state_dict()
+            return {} if rank0_only and self.dp_rank != 0 else self.module.state_dict()
         return self._zero_stage.full_state_dict(self.module, rank0_only=rank0_only)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
@@ -503,7 +516,6 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         from .checkpoint import save_checkpoint
 
-        self._refuse_tensor_parallel_checkpoint("save_checkpoint")
         self._failed_step.check("engine.save_checkpoint")
         return save_checkpoint(
             self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, allow_pickle
@@ -555,7 +567,6 @@ class DeepSpeedEngine(torch.nn.Module):
             )
         from .checkpoint import load_checkpoint
 
-        self._refuse_tensor_parallel_checkpoint("load_checkpoint")
         loaded = load_checkpoint(
             self,
             load_dir,
@@ -570,13 +581,6 @@ class DeepSpeedEngine(torch.nn.Module):
         if loaded[0] is not None and load_optimizer_states and not load_module_only:
             self._failed_step.clear()  # every part a failed step could have touched is replaced
         return loaded
-
-    def _refuse_tensor_parallel_checkpoint(self, what: str) -> None:
-        if self.mpu is not None:
-            raise NotImplementedError(
-                f"engine.{what} with tensor_parallel.autotp_size > 1: per-TP-rank checkpoint "
-                "files are not written yet; save the whole model with engine.save_16bit_model"
-            )
 
     # --- what scripts ask the engine ----------------------------------------------------------
     def train(self, mode: bool = True):
@@ -631,34 +635,3 @@ class DeepSpeedEngine(torch.nn.Module):
     @property
     def communication_data_type(self) -> torch.dtype:
         return torch.float32
-
-
-def _release_previous_engine(model: torch.nn.Module) -> None:
-    """A model handed to a second engine must not keep the first one's hooks."""
-    engine_ref = getattr(model, "_deepspeed_cpp_engine", None)
-    previous = engine_ref() if engine_ref is not None else None
-    if previous is not None:
-        logger.info("deepspeed_cpp: the model had an engine; destroying its hooks first")
-        previous.destroy()
-
-
-def _refuse_expert_parallel_with(config: DeepSpeedConfig) -> None:
-    """Expert-parallel (ep_size > 1) MoE trains at ZeRO stages 0-2 (1-2 with offload_optimizer):
-    ZeRO-3 partitions every parameter over one group."""
-    zero = config.zero_optimization
-    if zero.stage == 3:
-        raise NotImplementedError(
-            "deepspeed_cpp.initialize: zero_optimization.stage 3 with expert-parallel MoE layers "
-            "(ep_size > 1) is not supported; use stage 0, 1 or 2 (offload_optimizer works at 1 "
-            "and 2), or ep_size=1"
-        )
-
-
-def _refuse_partitioned_parameters(model: torch.nn.Module, stage: int) -> None:
-    for name, param in model.named_parameters():
-        if hasattr(param, "ds_id") and not param.ds_persist:
-            raise ValueError(
-                f"parameter '{name}' is partitioned by ZeRO-3 (built under zero.Init or by a "
-                f"ZeRO-3 engine) but the config asks for ZeRO stage {stage}; use stage 3, or "
-                f"build the model outside zero.Init"
-            )

@@ -10,7 +10,10 @@ from ..comm import init_distributed
 from ..comm.exit_grace import release_gil_at_exit
 from .config import DeepSpeedConfig
 from .engine import DeepSpeedEngine
+from .model_parallel import check_mpu
+from .model_parallel import register as register_mpu
 from .rank_consistency import check_ranks_agree, report_setup_failure
+from .tensor_parallel.setup import mpu_for
 
 
 def initialize(
@@ -33,12 +36,16 @@ def initialize(
 
     The config is ``config`` (a path or a dict; ``config_params`` is its older name) or
     ``args.deepspeed_config``. The process group is created if needed (torchrun's environment,
-    or a world of one). ``mpu`` (model parallelism) and ``mesh_param`` are not supported yet.
+    or a world of one). ``mpu`` (DeepSpeed's model-parallel unit, ``get_{data,model}_parallel_
+    {group,rank,world_size}()``) makes ZeRO 0-2 train over its data-parallel group with the
+    gradient norm taken over the whole model (``model_parallel.py``); the config's
+    ``tensor_parallel.autotp_size`` builds such an mpu and splits the model over its
+    tensor-parallel groups (``tensor_parallel/setup.py``); ``mesh_param`` is not supported yet.
     """
-    if mpu is not None or mesh_param is not None:
+    if mesh_param is not None:
         raise NotImplementedError(
-            "initialize(mpu=...) / mesh_param: model and sequence parallelism are not supported "
-            "yet; deepspeed_cpp trains with data parallelism and ZeRO"
+            "initialize(mesh_param=...): sequence parallelism over a device mesh is not "
+            "supported yet; pass mpu=... for model parallelism"
         )
     if config is None:
         config = config_params
@@ -52,7 +59,15 @@ def initialize(
     # Before the engine's first collective, the ranks agree that they set up the same training
     # (rank_consistency.py); a rank whose config fails to load tells the others so.
     try:
-        ds_config = DeepSpeedConfig.load(config=config, args=args, world_size=dist.get_world_size())
+        if mpu is not None:
+            check_mpu(mpu)
+        read = DeepSpeedConfig.read(config=config, args=args)
+        # AutoTP (tensor_parallel.autotp_size, or a model split by tp_model_init): the TP x DP
+        # groups are this mpu (runtime/tensor_parallel).
+        mpu = mpu_for(model, int(read.tensor_parallel.autotp_size), mpu)
+        # The batch-size rule counts data-parallel replicas only.
+        dp_world_size = mpu.get_data_parallel_world_size() if mpu is not None else None
+        ds_config = read.finalize(dp_world_size or dist.get_world_size())
     except Exception as error:
         report_setup_failure(error, args=args)
         raise
@@ -63,7 +78,10 @@ def initialize(
         model_parameters=model_parameters,
         lr_scheduler=lr_scheduler,
         args=args,
+        model_group=mpu.get_data_parallel_group() if mpu is not None else None,
     )
+    if mpu is not None:
+        register_mpu(mpu)  # deepspeed_cpp.utils.groups answers from it (as DeepSpeed's does)
     engine = DeepSpeedEngine(
         args=args,
         model=model,
@@ -73,6 +91,7 @@ def initialize(
         lr_scheduler=lr_scheduler,
         config=ds_config,
         collate_fn=collate_fn,
+        mpu=mpu,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 

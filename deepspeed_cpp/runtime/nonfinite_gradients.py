@@ -2,7 +2,8 @@
 
 A ZeRO stage takes the global gradient norm at every step (after the reduction, before
 clipping); it is all-reduced over the ranks (stage 0: every rank holds the same all-reduced
-gradient), so every rank sees the same value and no extra pass or collective is needed to agree.
+gradient), and with model parallelism over the model-parallel group too (``model_parallel.py``),
+so every rank of the world sees the same value and no extra pass or collective is needed to agree.
 A norm that is not finite means some element of the reduced gradient is not (NaN and inf survive
 the sum of squares; a sum of squares past float's range, ~1e19 per element, counts too, as in
 DeepSpeed's bf16 optimizer, which checks the same norm). The stage then steps nothing: parameters,

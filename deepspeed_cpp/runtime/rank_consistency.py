@@ -17,6 +17,11 @@ rank 0's are broadcast to the others; expert parameters of ep_size > 1 differ in
 expert-parallel ranks but have the same local names and shapes on every rank, so they are
 compared like the dense ones); an optimizer or scheduler object passed to ``initialize()`` (its
 class and hyper-parameters) and parameter groups given as ``model_parameters``.
+
+With model parallelism (``initialize(mpu=...)``) the ranks of one data-parallel group hold the
+same part of the model, and other model-parallel ranks other parts (other slices, other
+shapes): the parameters and buffers are compared within the data-parallel group
+(``model_group``), everything else across the world.
 """
 
 from __future__ import annotations
@@ -69,24 +74,33 @@ def check_ranks_agree(
     lr_scheduler=None,
     args=None,
     group=None,
+    model_group=None,
 ) -> None:
     """Raises ``RankDisagreementError`` on every rank unless all ranks of ``group`` describe the
-    same set-up. Collective: every rank must call it (or ``report_setup_failure``)."""
+    same set-up; with ``model_group`` (a data-parallel group of model parallelism) the model's
+    parameters and buffers only need to agree within it. Collective: every rank must call it
+    (or ``report_setup_failure``)."""
+    split = model_group is not None
     entries = describe_setup(
         config,
         model,
         optimizer=optimizer,
         model_parameters=model_parameters,
         lr_scheduler=lr_scheduler,
+        include_model=not split,
     )
-    agree_on_entries(
-        entries,
-        what=_WHAT,
-        advice=_ADVICE,
-        readable=readable_entries,
-        device=_collective_device(args),
-        group=group,
-    )
+    parts = [(entries, group)]
+    if split:
+        parts.append((_model_entries(model), model_group))
+    for these, over in parts:
+        agree_on_entries(
+            these,
+            what=_WHAT,
+            advice=_ADVICE,
+            readable=readable_entries,
+            device=_collective_device(args),
+            group=over,
+        )
 
 
 def report_setup_failure(error: BaseException, *, args=None, group=None) -> None:
@@ -103,14 +117,21 @@ def report_setup_failure(error: BaseException, *, args=None, group=None) -> None
 
 
 def describe_setup(
-    config, model, *, optimizer=None, model_parameters=None, lr_scheduler=None
+    config,
+    model,
+    *,
+    optimizer=None,
+    model_parameters=None,
+    lr_scheduler=None,
+    include_model: bool = True,
 ) -> list[tuple[str, object]]:
     """This rank's set-up as ordered ``(key, value)`` entries (what ``check_ranks_agree``
     compares). Values are text, except parameters' and buffers' (plain tuples, formatted by
     ``readable_entries`` only when an error needs them: formatting hundreds of them would cost
     more than the whole agreement)."""
     entries = [(f"config {path}", value) for path, value in _config_entries(config)]
-    entries += _model_entries(model)
+    if include_model:
+        entries += _model_entries(model)
     groups = None
     if isinstance(model_parameters, (list, tuple)) and model_parameters:
         if all(isinstance(item, dict) for item in model_parameters):

@@ -12,7 +12,12 @@ With ``world_size`` ranks and ``ep_size`` experts-parallel ranks (DeepSpeed's de
 With ``use_data_before_expert_parallel_=True`` the roles are swapped: expert-data-parallel groups
 are consecutive blocks of ``world_size // ep_size`` ranks and expert-parallel groups are strided.
 Every rank must create the groups at the same point, in the same order (``new_group`` is
-collective). Tensor and pipeline parallelism are not part of deepspeed_cpp: ``mpu`` is None.
+collective).
+
+``mpu`` is DeepSpeed's model-parallel unit (``get_{data,model}_parallel_{group,rank,world_size}``):
+``initialize(mpu=...)`` registers it here (``set_model_parallel_unit``), and the data- and
+model-parallel accessors below answer from it; without one, data parallelism spans the world
+and the model-parallel size is 1.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from .logging import logger
 # Group objects this rank belongs to, by name ("ep_size_<n>").
 _EXPERT_PARALLEL_GROUP: dict = {}
 _EXPERT_DATA_PARALLEL_GROUP: dict = {}
-# DeepSpeed's model-parallel unit; deepspeed_cpp has no tensor parallelism.
+# DeepSpeed's model-parallel unit, registered by initialize(mpu=...); None: data parallel only.
 mpu = None
 
 
@@ -170,16 +175,55 @@ def _get_max_expert_size_name() -> str:
     return expert_group_name(_get_max_expert_size())
 
 
+def set_model_parallel_unit(mpu_) -> None:
+    """Registers DeepSpeed's ``mpu`` (or None to forget it): the accessors below answer from
+    it. ``initialize(mpu=...)`` calls it; pipeline and tensor-parallel set-ups may call it
+    earlier so that code built before the engine (layers, ``deepspeed.checkpointing``) sees it."""
+    global mpu
+    mpu = mpu_
+
+
 def _get_data_parallel_group():
-    return dist.group.WORLD
+    return mpu.get_data_parallel_group() if mpu is not None else dist.group.WORLD
 
 
 def _get_data_parallel_world_size() -> int:
+    if mpu is not None:
+        return mpu.get_data_parallel_world_size()
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _get_data_parallel_rank() -> int:
+    if mpu is not None:
+        return mpu.get_data_parallel_rank()
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _get_data_parallel_group_ranks() -> list[int]:
+    """The global ranks of this rank's data-parallel group."""
+    if mpu is not None and hasattr(mpu, "get_data_parallel_group_ranks"):
+        return list(mpu.get_data_parallel_group_ranks())
+    if mpu is not None:
+        return dist.get_process_group_ranks(mpu.get_data_parallel_group())
+    return list(range(dist.get_world_size() if dist.is_initialized() else 1))
+
+
+def _get_broadcast_src_rank() -> int:
+    """The global rank of the first rank of this rank's data-parallel group."""
+    return min(_get_data_parallel_group_ranks())
+
+
+def _get_model_parallel_group():
+    """This rank's model-parallel group; None without an mpu (no model parallelism)."""
+    return mpu.get_model_parallel_group() if mpu is not None else None
+
+
+def _get_model_parallel_world_size() -> int:
+    return mpu.get_model_parallel_world_size() if mpu is not None else 1
+
+
+def _get_model_parallel_rank() -> int:
+    return mpu.get_model_parallel_rank() if mpu is not None else 0
 
 
 def _get_expert_model_parallel_world_size() -> int:
@@ -190,3 +234,4 @@ def _reset_for_tests() -> None:
     """Forgets every group (the process groups themselves stay alive)."""
     _EXPERT_PARALLEL_GROUP.clear()
     _EXPERT_DATA_PARALLEL_GROUP.clear()
+    set_model_parallel_unit(None)

@@ -14,6 +14,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
     IncompleteCheckpointError,
+    ModelParallelMismatchError,
     PickleNotAllowedError,
     UnsafeCheckpointError,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "IncompleteCheckpointError",
+    "ModelParallelMismatchError",
     "NonFiniteParametersError",
     "PickleNotAllowedError",
     "UnsafeCheckpointError",

@@ -17,6 +17,11 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint does not fit this engine: other parameters, shapes, groups or optimizer."""
 
 
+class ModelParallelMismatchError(CheckpointMismatchError):
+    """The checkpoint was written at another model-parallel size (or rank) than this engine's
+    mpu has; resharding across model-parallel sizes is not supported."""
+
+
 class CheckpointSaveError(RuntimeError):
     """Some rank could not write its part; nothing was published and ``latest`` did not move."""
 

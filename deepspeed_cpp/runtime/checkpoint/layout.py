@@ -16,6 +16,18 @@ save_dir/
   <tag>.partial/                           a save in progress (or one that crashed)
 ```
 
+With model parallelism (``initialize(mpu=...)``, model-parallel size M > 1) each model-parallel
+rank's data-parallel group writes a complete checkpoint of the above shape, of its own part of
+the model, under a folder of its own, so that ranks holding different slices never overwrite
+each other and every part is published atomically with its own ``latest``::
+
+  save_dir/mp_rank_00/latest, save_dir/mp_rank_00/<tag>/...   model-parallel rank 0's part
+  save_dir/mp_rank_01/...                                     model-parallel rank 1's part
+
+Each part's metadata records ``model_parallel`` (``{"rank": m, "world_size": M}``); loading
+needs the same model-parallel size (``model_parallel_dir``). Resharding across model-parallel
+sizes is the tensor-parallel and pipeline layers' job.
+
 A tag directory is only ever created by renaming a finished ``<tag>.partial`` directory that
 already holds its metadata, and the metadata lists every other file with its size, so "has a
 readable metadata file whose files are all present with those sizes" is what "complete" means;
@@ -37,7 +49,12 @@ import stat
 from pathlib import Path
 
 from .digests import check_metadata
-from .errors import CheckpointNotFoundError, IncompleteCheckpointError, UnsafeCheckpointError
+from .errors import (
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    ModelParallelMismatchError,
+    UnsafeCheckpointError,
+)
 
 FORMAT_NAME = "deepspeed_cpp.zero_checkpoint"
 FORMAT_VERSION = 1
@@ -52,6 +69,54 @@ DISPLACED_SUFFIX = ".replaced"
 def optimizer_shard_file(rank: int) -> str:
     """The name of rank ``rank``'s shard file (DeepSpeed's name for it)."""
     return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def model_parallel_folder(mp_rank: int) -> str:
+    """The folder of model-parallel rank ``mp_rank``'s part (model-parallel size > 1)."""
+    return f"mp_rank_{mp_rank:02d}"
+
+
+def model_parallel_dir(save_dir, mp_rank: int, mp_world_size: int, *, loading: bool) -> Path:
+    """Where this model-parallel rank's checkpoints live: ``save_dir`` itself at model-parallel
+    size 1, else ``save_dir/mp_rank_XX``. When ``loading``, ModelParallelMismatchError if the
+    folder was written at another model-parallel size (told by which ``mp_rank_XX`` folders
+    exist; each part's metadata is checked again when read)."""
+    base = Path(save_dir)
+    if not loading:
+        return base if mp_world_size == 1 else base / model_parallel_folder(mp_rank)
+    saved_parts = sorted(p.name for p in base.glob("mp_rank_[0-9][0-9]") if p.is_dir())
+    if mp_world_size == 1:
+        if saved_parts and not (base / LATEST_FILE).exists():
+            raise ModelParallelMismatchError(
+                f"{base} holds a checkpoint saved with model parallelism (parts {saved_parts}); "
+                "this engine has none (model-parallel size 1): load it with an mpu of model-"
+                f"parallel size {len(saved_parts)}"
+            )
+        return base
+    if base.is_dir() and not saved_parts and (base / LATEST_FILE).exists():
+        raise ModelParallelMismatchError(
+            f"{base} holds a checkpoint saved without model parallelism (model-parallel size "
+            f"1); this engine's mpu has model-parallel size {mp_world_size}"
+        )
+    if saved_parts and len(saved_parts) != mp_world_size:
+        raise ModelParallelMismatchError(
+            f"{base} holds a checkpoint of model-parallel size {len(saved_parts)} (parts "
+            f"{saved_parts}); this engine's mpu has model-parallel size {mp_world_size}: loading "
+            "at another model-parallel size is not supported"
+        )
+    return base / model_parallel_folder(mp_rank)
+
+
+def check_model_parallel_metadata(metadata: dict, mp_rank: int, mp_world_size: int, where) -> None:
+    """ModelParallelMismatchError unless the part's metadata was written by model-parallel rank
+    ``mp_rank`` of ``mp_world_size`` (metadata without the key: size 1)."""
+    saved = metadata.get("model_parallel", {"rank": 0, "world_size": 1})
+    if saved != {"rank": mp_rank, "world_size": mp_world_size}:
+        raise ModelParallelMismatchError(
+            f"checkpoint {where} was written by model-parallel rank {saved.get('rank')} of "
+            f"{saved.get('world_size')}; this rank is model-parallel rank {mp_rank} of "
+            f"{mp_world_size}"
+        )
 
 
 def _is_plain_name(text: str) -> bool:

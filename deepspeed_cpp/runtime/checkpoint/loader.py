@@ -23,13 +23,19 @@ from ...utils.logging import logger
 from .client_state import NEEDS_PICKLE_KEY, load_client_state
 from .deepspeed_format import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from .digests import file_digests
-from .errors import CheckpointMismatchError, IncompleteCheckpointError
+from .errors import (
+    CheckpointMismatchError,
+    IncompleteCheckpointError,
+    ModelParallelMismatchError,
+)
 from .expert_files import check_experts_match, read_expert_states, wanted_by
 from .expert_layout import global_names_by_parameter, local_layout
 from .layout import (
     CLIENT_STATE_FILE,
     MODULE_FILE,
+    check_model_parallel_metadata,
     listed_file,
+    model_parallel_dir,
     optimizer_shard_file,
     read_latest_tag,
     tag_directory,
@@ -144,21 +150,22 @@ class _Plan:
 
 def _rng_states(engine, directory: Path, metadata: dict, reader: ShardReader) -> dict | None:
     """This rank's saved RNG states, when the checkpoint was saved by as many ranks."""
-    if metadata["world_size"] == engine.world_size:
-        return reader.file(optimizer_shard_file(engine.global_rank))["rng"]
-    if engine.global_rank == 0:
+    if metadata["world_size"] == engine.dp_world_size:
+        return reader.file(optimizer_shard_file(engine.dp_rank))["rng"]
+    if engine.dp_rank == 0:
         logger.info(
             "deepspeed_cpp: %s was saved by %d ranks, this run has %d: the random-number "
             "generator states are not restored",
             directory,
             metadata["world_size"],
-            engine.world_size,
+            engine.dp_world_size,
         )
     return None
 
 
 def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None:
     metadata = read_checked_metadata(directory, options["allow_symlinks"])
+    check_model_parallel_metadata(metadata, engine.mp_rank, engine.mp_world_size, directory)
     digests = file_digests(metadata)
     layers = expert_layers(engine.module)
     check_experts_match(metadata, layers)
@@ -199,7 +206,7 @@ def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None
         )
         plan.rng = _rng_states(engine, directory, metadata, reader)
         if saved.stage != current.stage or saved.world_size != current.world_size:
-            if engine.global_rank == 0:
+            if engine.dp_rank == 0:
                 logger.info(
                     "deepspeed_cpp: resharding %s from ZeRO stage %d on %d ranks to stage %d on "
                     "%d ranks",
@@ -265,7 +272,7 @@ def _read_deepspeed(engine, directory: Path, options: dict, plan: _Plan) -> None
     plan.masters, plan.states = Resharder(plan.reader, current, kinds).slices_for(
         zero.owned_ranges(), with_state=options["optimizer_states"], mapped=_in_swap(zero)
     )
-    if engine.global_rank == 0:
+    if engine.dp_rank == 0:
         logger.info(
             "deepspeed_cpp: loading DeepSpeed's checkpoint %s (ZeRO stage %d on %d ranks) into "
             "ZeRO stage %d on %d ranks",
@@ -347,6 +354,7 @@ def load_checkpoint(
     ``latest`` must each be one directory name in ``load_dir``; a symbolic link (``latest``, the
     tag folder, a file in it) is followed only with ``allow_symlinks`` (see ``layout.py``).
     """
+    load_dir = model_parallel_dir(load_dir, engine.mp_rank, engine.mp_world_size, loading=True)
     if tag is None:
         tag = read_latest_tag(load_dir, allow_symlinks)
         if tag is None:
@@ -370,6 +378,11 @@ def load_checkpoint(
     def read_and_check() -> None:
         plans.append(_Plan())
         if is_deepspeed_checkpoint(directory):
+            if engine.mp_world_size > 1:
+                raise ModelParallelMismatchError(
+                    f"{directory} is a DeepSpeed checkpoint; reading DeepSpeed's model-parallel "
+                    f"layout (model-parallel size {engine.mp_world_size}) is not supported yet"
+                )
             _read_deepspeed(engine, directory, options, plans[0])
         else:
             _read_and_check(engine, directory, options, plans[0])
@@ -387,6 +400,6 @@ def load_checkpoint(
     finally:
         if plans:
             plans[0].close()
-    if engine.global_rank == 0:
+    if engine.dp_rank == 0:
         logger.info("deepspeed_cpp: loaded checkpoint %s", directory)
     return str(directory), plan.client_state

@@ -94,6 +94,14 @@ def save_16bit_model(
     """Writes the whole model's state dict to ``save_dir/save_filename`` from rank 0 (see the
     module docstring); collective. Returns True when saved, False (every rank) when ZeRO-3 is
     not configured to gather the weights."""
+    # A model split by AutoTP is gathered from its slices (engine.full_module_state_dict).
+    split_by_autotp = getattr(engine.module, "ds_autotp_parsed", False)
+    if getattr(engine, "mp_world_size", 1) > 1 and not split_by_autotp:
+        raise NotImplementedError(
+            f"save_16bit_model: the model is split over {engine.mp_world_size} model-parallel "
+            "ranks (initialize(mpu=...)) and gathering the whole model from its parts is not "
+            "supported yet; use save_checkpoint (one part per model-parallel rank)"
+        )
     path = Path(save_dir) / save_filename
     zero = engine.config.zero_optimization
     if engine.zero_optimization_stage() == 3 and not zero.gather_16bit_weights_on_model_save:

@@ -53,6 +53,7 @@ from .layout import (
     MODULE_FILE,
     STAGING_SUFFIX,
     check_tag,
+    model_parallel_dir,
     optimizer_shard_file,
     read_latest_tag,
 )
@@ -124,7 +125,7 @@ def _module_payload(engine, state_dict: dict, exclude_frozen_parameters: bool) -
             else None
         ),
         "zero_stage": engine.zero_optimization_stage(),
-        "world_size": engine.world_size,
+        "world_size": engine.dp_world_size,
         "dtype": _model_dtype(engine),
     }
 
@@ -142,13 +143,13 @@ def _file_entry(
 def _write_rank_files(
     engine, staging: Path, client_state, exclude_frozen: bool, state_dict: dict, indices
 ) -> list[dict]:
-    rank = engine.global_rank
+    rank = engine.dp_rank  # within the data-parallel group: one part per model-parallel rank
     if before_rank_files is not None:
         before_rank_files(staging, rank)
     shard_name = optimizer_shard_file(rank)
     shard = {
         "rank": rank,
-        "world_size": engine.world_size,
+        "world_size": engine.dp_world_size,
         "rng": capture_rng_states(engine.device),
         "buckets": _bucket_entries(engine, indices),
     }
@@ -203,7 +204,7 @@ def _metadata(
         "deepspeed_cpp_version": __version__,
         "saved_at_unix": time.time(),
         "zero_stage": engine.zero_optimization_stage(),
-        "world_size": engine.world_size,
+        "world_size": engine.dp_world_size,
         "dtype": _model_dtype(engine),
         "counters": {
             "global_steps": engine.global_steps,
@@ -230,6 +231,11 @@ def _metadata(
         "files": files,
         NEEDS_PICKLE_KEY: pickled,
         "ds_config": plain(engine.config.raw),
+        **(
+            {"model_parallel": {"rank": engine.mp_rank, "world_size": engine.mp_world_size}}
+            if engine.mp_world_size > 1
+            else {}
+        ),
     }
 
 
@@ -325,16 +331,17 @@ def save_checkpoint(
 
     ``client_state`` may hold tensors and plain data; other objects only with ``allow_pickle``
     (then loading needs ``allow_pickle`` too, see ``client_state.py``)."""
-    rank, group = engine.global_rank, engine.group
+    rank, group = engine.dp_rank, engine.group
     tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
-    tags = [None] * engine.world_size
+    # Over the whole world: every model-parallel part is saved under the same tag.
+    tags = [None] * dist.get_world_size()
     with named_collective("all_gather of the tag at the start of save_checkpoint"):
-        dist.all_gather_object(tags, tag, group=group)
+        dist.all_gather_object(tags, tag)
     if len(set(tags)) != 1:
         raise ValueError(
             f"save_checkpoint: every rank must save the same tag; the ranks gave {tags}"
         )
-    save_dir = Path(save_dir)
+    save_dir = model_parallel_dir(save_dir, engine.mp_rank, engine.mp_world_size, loading=False)
     staging = save_dir / f"{tag}{STAGING_SUFFIX}"
     try:
         previous = read_latest_tag(save_dir)

@@ -117,6 +117,13 @@ class DeepSpeedConfig(ConfigSection):
         return cls._parse(chosen, warnings).finalize(world_size)
 
     @classmethod
+    def read(cls, config: Any = None, args: Any = None) -> "DeepSpeedConfig":
+        """What ``load`` reads, validated but not finalised (``initialize()`` learns the
+        tensor-parallel size from it before it knows the data-parallel world size)."""
+        chosen, warnings = choose_config(config, args)
+        return cls._parse(chosen, warnings)
+
+    @classmethod
     def parse(cls, config: Any) -> "DeepSpeedConfig":
         """The validated config, not finalised: ``"auto"`` values are allowed."""
         return cls._parse(config, [])
@@ -258,8 +265,7 @@ class DeepSpeedConfig(ConfigSection):
 
     def finalize(self, world_size: int = 1) -> "DeepSpeedConfig":
         """A copy ready for the engine: no ``"auto"`` left, the three batch numbers resolved
-        for ``world_size`` ranks (``world_size / tensor_parallel.autotp_size`` data-parallel
-        ones), and nothing asked for that is not built yet."""
+        for ``world_size`` data-parallel ranks, and nothing asked for that is not built yet."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise DeepSpeedConfigError(
                 [
@@ -272,18 +278,8 @@ class DeepSpeedConfig(ConfigSection):
         if auto:
             raise DeepSpeedConfigError([unresolved_auto_problem(list(auto))], self._source)
         problems = []
-        # Tensor-parallel ranks share their batch: the batch-size rule counts data-parallel ones.
-        tp_size = max(int(self.tensor_parallel.autotp_size), 1)
-        if world_size % tp_size != 0:
-            raise DeepSpeedConfigError(
-                [
-                    f"tensor_parallel.autotp_size = {tp_size} does not divide the world size "
-                    f"{world_size}: expected a divisor of it"
-                ],
-                self._source,
-            )
         try:
-            sizes = resolve_batch_sizes(*self._given_batch, world_size // tp_size)
+            sizes = resolve_batch_sizes(*self._given_batch, world_size)
         except ValueError as error:
             problems.append(str(error))
         problems += refuse_features_not_built_yet(self.zero_optimization)

@@ -1,7 +1,10 @@
 """AutoTP training set-up: ``tp_model_init`` and what ``initialize()`` does with
 ``"tensor_parallel": {"autotp_size": N}``.
 
-1. The TP × DP groups are built (``groups.py``) and exposed as the engine's ``mpu``.
+1. The TP × DP groups are built (``groups.py``) and passed to the engine as its ``mpu``: ZeRO
+   runs over its data-parallel group, the gradient norm over the whole model
+   (``runtime/model_parallel.py``). A caller's own ``mpu`` may be given instead: its
+   model-parallel group is then the TP group.
 2. Every rank starts from global rank 0's whole model (weights and buffers broadcast over the
    world), then each keeps its TP slices (``module_inject.shard_model``). A model split by
    ``tp_model_init`` before is taken as it is.
@@ -23,7 +26,7 @@ import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
 from ...module_inject import shard_model, tensor_parallel_info
-from .groups import ModelParallelUnit, model_parallel_unit
+from .groups import model_parallel_unit
 
 
 def tp_model_init(model: torch.nn.Module, tp_size: int, dtype=None, config=None, **kwargs):
@@ -54,44 +57,51 @@ def tp_model_init(model: torch.nn.Module, tp_size: int, dtype=None, config=None,
     return model
 
 
-def split_model(model, mpu: ModelParallelUnit, partition_config=None, preset=None) -> dict:
-    """Broadcasts rank 0's whole model to every rank, then splits it over ``mpu``'s TP group;
-    returns {id(replaced parameter): its slice}."""
+def split_model(model, mpu, partition_config=None, preset=None) -> dict:
+    """Broadcasts rank 0's whole model to every rank, then splits it over ``mpu``'s
+    model-parallel (tensor-parallel) group; returns {id(replaced parameter): its slice}."""
+    group = mpu.get_model_parallel_group()
     _broadcast_whole_model(model)
-    _align_random_state(mpu)
+    _align_random_state(group)
     policy = None
     if preset is not None:
         from ...module_inject.tp_policies import policy_for_model_type
 
         policy = policy_for_model_type(preset)
     before = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
-    shard_model(
-        model,
-        mpu.get_tensor_model_parallel_group(),
-        policy=policy,
-        partition_config=partition_config,
-    )
+    shard_model(model, group, policy=policy, partition_config=partition_config)
     after = dict(model.named_parameters(remove_duplicate=False))
     return {id(old): after[name] for name, old in before.items() if after.get(name) is not old}
 
 
-def prepare_model(model, tp_size: int, config) -> tuple[ModelParallelUnit | None, dict]:
-    """What ``initialize()`` does first with a TP config (see the module docstring): returns
-    the mpu (None without TP) and {id(replaced parameter): its slice}."""
+def mpu_for(model, tp_size: int, mpu=None):
+    """The mpu ``initialize()`` trains with: the caller's (its model-parallel group is the TP
+    group; its size must be ``tp_size``), else the groups of the model's split (by
+    ``tp_model_init``) or of ``tp_size``; None without tensor parallelism."""
     info = tensor_parallel_info(model)
-    if info is not None:
-        if tp_size not in (0, 1, info.size):
+    if info is not None and tp_size not in (0, 1, info.size):
+        raise ValueError(
+            f"the model was split by tp_model_init for tensor-parallel size {info.size} but "
+            f"the config's tensor_parallel.autotp_size is {tp_size}: expected the same"
+        )
+    size = info.size if info is not None else tp_size
+    if mpu is not None:
+        if size > 1 and mpu.get_model_parallel_world_size() != size:
             raise ValueError(
-                f"the model was split by tp_model_init for tensor-parallel size {info.size} but "
-                f"the config's tensor_parallel.autotp_size is {tp_size}: expected the same"
+                f"tensor_parallel.autotp_size is {size} but the mpu passed to initialize() has "
+                f"model-parallel size {mpu.get_model_parallel_world_size()}: expected the same"
             )
-        return model_parallel_unit(info.size), {}
-    if tp_size <= 1:
-        return None, {}
-    mpu = model_parallel_unit(tp_size)
+        return mpu
+    return model_parallel_unit(size) if size > 1 else None
+
+
+def prepare_model(model, mpu, config) -> dict:
+    """What the engine does first with a TP config (see the module docstring): splits ``model``
+    over ``mpu`` unless ``tp_model_init`` did; returns {id(replaced parameter): its slice}."""
+    if tensor_parallel_info(model) is not None:
+        return {}
     section = config.tensor_parallel
-    replaced = split_model(model, mpu, section.partition_config, section.preset_model)
-    return mpu, replaced
+    return split_model(model, mpu, section.partition_config, section.preset_model)
 
 
 def remap_parameters(optimizer, model_parameters, replaced: dict):
@@ -130,25 +140,18 @@ def _broadcast_whole_model(model: torch.nn.Module) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
-def _align_random_state(mpu: ModelParallelUnit) -> None:
-    if mpu.get_tensor_model_parallel_world_size() == 1:
+def _align_random_state(group) -> None:
+    if dist.get_world_size(group) == 1:
         return
+    source = dist.get_global_rank(group, 0)
     state = torch.get_rng_state()
     with named_collective("broadcast of the random state inside the TP group"):
-        dist.broadcast(
-            state,
-            src=mpu.get_tensor_model_parallel_src_rank(),
-            group=mpu.get_tensor_model_parallel_group(),
-        )
+        dist.broadcast(state, src=source, group=group)
     torch.set_rng_state(state)
     from ...accelerator import get_accelerator
 
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         device_state = accelerator.get_rng_state().to(accelerator.current_device_name())
-        dist.broadcast(
-            device_state,
-            src=mpu.get_tensor_model_parallel_src_rank(),
-            group=mpu.get_tensor_model_parallel_group(),
-        )
+        dist.broadcast(device_state, src=source, group=group)
         accelerator.set_rng_state(device_state.cpu())

@@ -48,7 +48,6 @@ from .shard_checkpoint_state import ShardCheckpointState
 from .shard_gather import backend_for, launch_all_gather
 from .stage import PartitionLayout
 from .stage_setup import init_stage_fields, optimizer_over_masters
-from .tensor_parallel_norm import sum_over_tensor_parallel
 
 
 @dataclass
@@ -84,7 +83,8 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         offload: OptimizerOffload | None = None,
         device_optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
         grad_divisor: int | None = None,
-        tensor_parallel_group: dist.ProcessGroup | None = None,
+        norm_group: dist.ProcessGroup | None = None,
+        counts_in_norm: Callable[[torch.nn.Parameter], bool] | None = None,
     ):
         """`optimizer` is either a torch optimizer over the model's parameters (the user's: its
         param groups are re-pointed at the master shards in place) or a factory that builds one
@@ -96,9 +96,10 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         stepped by ``device_optimizer`` (a factory like a config ``optimizer``).
         ``grad_divisor`` (default: the size of ``group``) is what the summed gradients are divided
         by: expert parameters are reduced over their expert-data-parallel group but averaged over
-        the whole data-parallel world (``moe_stage.py``). ``tensor_parallel_group``: the model
-        is split over it (AutoTP), ``group`` is then the data-parallel group; the gradient norm
-        and the overflow check take in the whole model (``tensor_parallel_norm.py``)."""
+        the whole data-parallel world (``moe_stage.py``). ``norm_group`` (model parallelism,
+        ``runtime/model_parallel.py``): the gradient norm's partial sums are summed over it too,
+        after ``group``, each rank adding the parameters for which ``counts_in_norm`` is true (all
+        when None), so that the norm and the skip decision are the whole model's."""
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} handles stages {self.STAGES}, got {stage}")
         param_groups = init_stage_fields(
@@ -111,7 +112,6 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             loss_scaler=loss_scaler,
         )
 
-        self.tensor_parallel_group = tensor_parallel_group
         owned_whole = stage == 0
         if offload is not None and owned_whole:
             raise ValueError(
@@ -120,6 +120,8 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             )
         self.params, self.plan = self._plan(param_groups, reduce_bucket_size, owned_whole)
         self.buckets = self._make_buckets(owned_whole)
+        self.norm_group = norm_group
+        self._norm_ranges = _counted_ranges(self.buckets, counts_in_norm)
         for bucket in self.buckets:
             self._view_params_in_flat(bucket)
         device = self.params[0].device
@@ -403,28 +405,32 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             self._shard_grads_zero_pending = False
 
     def _sum_over_shards(self, value: torch.Tensor, what: str) -> torch.Tensor:
+        """Sums ``value`` over the ranks holding other shards (stage 0 holds whole gradients)
+        and over the model-parallel ranks holding other parts of the model."""
         if self.stage != 0 and self.world_size > 1:
             with named_collective(what):
                 dist.all_reduce(value, group=self.group)
+        if self.norm_group is not None:
+            with named_collective(f"{what} over the model-parallel group"):
+                dist.all_reduce(value, group=self.norm_group)
         return value
 
     def _overflow_on_any_rank(self) -> bool:
         local = torch.zeros(1, dtype=torch.float32, device=self.shard_grads[0].device)
         for grad in self.shard_grads:
             local += (~torch.isfinite(grad)).any().float()
-        local = self._sum_over_shards(local, "all_reduce of the overflow flag")
-        if self.tensor_parallel_group is not None:
-            with named_collective("all_reduce of the overflow flag over the tensor-parallel group"):
-                dist.all_reduce(local, group=self.tensor_parallel_group)
-        return bool(local.item() > 0)
+        return bool(self._sum_over_shards(local, "all_reduce of the overflow flag").item() > 0)
 
     def _global_norm(self) -> float:
         # One fused read of the shards (float32 norms, as torch's clip_grad_norm_), then the
         # partial sums of squares in float64 across shards and ranks.
         norms = self._shard_grad_norms()
+        if self._norm_ranges is not None:  # parameters another model-parallel rank counts
+            norms = [
+                norm if ranges is None else _norm_of_ranges(grad, ranges)
+                for norm, grad, ranges in zip(norms, self.shard_grads, self._norm_ranges)
+            ]
         squares = torch.stack(norms).double().pow(2).sum().reshape(1)
-        if self.tensor_parallel_group is not None:
-            squares = sum_over_tensor_parallel(self, squares)
         total = self._sum_over_shards(squares, "all_reduce of the gradient norm")
         return math.sqrt(float(total.item()))
 
@@ -568,3 +574,33 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             if self._backward_steps is not None:
                 self._backward_steps.close()
             self.home.close()
+
+
+def _counted_ranges(
+    buckets: list[_Bucket], counts: Callable[[torch.nn.Parameter], bool] | None
+) -> list[list[tuple[int, int]] | None] | None:
+    """Per bucket, the ``(start, stop)`` ranges of this rank's owned slice whose parameters
+    count in the gradient norm (None: the whole slice); None when every parameter counts."""
+    if counts is None or all(counts(p) for bucket in buckets for p in bucket.params):
+        return None
+    result: list[list[tuple[int, int]] | None] = []
+    for bucket in buckets:
+        if all(counts(p) for p in bucket.params):
+            result.append(None)
+            continue
+        low, high = bucket.owned_start, bucket.owned_start + bucket.owned_size
+        ranges = []
+        for param, offset in zip(bucket.params, bucket.offsets):
+            start, stop = max(offset, low), min(offset + param.numel(), high)
+            if counts(param) and start < stop:
+                ranges.append((start - low, stop - low))
+        result.append(ranges)
+    return result
+
+
+def _norm_of_ranges(grad: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The float32 norm of ``grad`` over ``ranges`` (zero when there are none)."""
+    if not ranges:
+        return grad.new_zeros(())
+    parts = torch._foreach_norm([grad[start:stop] for start, stop in ranges])
+    return torch.stack(parts).double().pow(2).sum().sqrt().float()
