@@ -89,3 +89,31 @@ def test_config_keys():
     refused = {**base, "tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}}
     with pytest.raises(DeepSpeedConfigError, match="tensor_parallel.tp_overlap_comm"):
         DeepSpeedConfig.load(refused, world_size=2)
+
+
+def test_tp2_by_dp2_on_four_ranks(tmp_path):
+    from dist_pool import DistributedPool
+
+    seed = int(torch.randint(2**31, ()))
+    pool = DistributedPool(4)
+    try:
+        results = pool.run(jobs.tp2_dp2_trains_like_one_process, seed, str(tmp_path), timeout=600.0)
+    finally:
+        pool.close()
+    for rank, result in enumerate(results):
+        where = (rank, seed, result)
+        layout = result["layout"]
+        # DeepSpeed's layout: TP groups consecutive ranks, DP groups strided.
+        assert layout["tp_ranks"] == [rank // 2 * 2, rank // 2 * 2 + 1], where
+        assert layout["dp_ranks"] == [rank % 2, rank % 2 + 2], where
+        assert layout["dp_world"] == 2 and layout["train_batch_size"] == 2 * jobs.MICRO_BATCH
+        for ours, expected in result["norms"]:
+            assert abs(ours - expected) <= 1e-5 * expected and expected > 0.05, where
+        assert result["weight_diff"] <= 1e-5, where
+        assert result["saved_diff"] <= 1e-5, where
+        assert result["reload_equal"], where
+        assert result["resumed_diff"] <= 1e-5, where
+    # The two TP ranks of a DP rank saw the same loss; the two DP ranks different batches.
+    assert results[0]["losses"] == results[1]["losses"]
+    assert results[2]["losses"] == results[3]["losses"]
+    assert results[0]["losses"] != results[2]["losses"]

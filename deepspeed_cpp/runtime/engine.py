@@ -435,15 +435,24 @@ class DeepSpeedEngine(torch.nn.Module):
     def full_module_state_dict(self, *, rank0_only: bool = False) -> dict:
         """The module's state dict with every parameter whole (gathered under ZeRO-3) and
         every expert of every rank under its global name (``moe/expert_names.py``); collective.
-        With ``rank0_only`` the other ranks get ``{}``."""
-        if tensor_parallel_info(self.module) is not None:  # every TP rank gathers the slices
-            if self._zero_stage is not None:
-                self._zero_stage.apply_pending_update()
-            whole = gather_full_state_dict(self.module, self.module.state_dict())
-            return {} if rank0_only and self.global_rank != 0 else whole
+        With ``rank0_only`` the other ranks get ``{}``. A model split by AutoTP keeps this
+        rank's slices (its checkpoint part); ``whole_model_state_dict`` gathers them."""
         if self._zero_stage is None:
             return {} if rank0_only and self.dp_rank != 0 else self.module.state_dict()
         return self._zero_stage.full_state_dict(self.module, rank0_only=rank0_only)
+
+    def whole_model_state_dict(self, *, rank0_only: bool = False) -> dict:
+        """``full_module_state_dict`` with AutoTP's slices gathered over the TP group into the
+        unsplit tensors (what save_16bit_model and the HF save_model write); collective. With
+        ``rank0_only`` the ranks other than global rank 0 get ``{}``."""
+        if tensor_parallel_info(self.module) is None:
+            return self.full_module_state_dict(rank0_only=rank0_only)
+        whole = gather_full_state_dict(self.module, self.full_module_state_dict())
+        return {} if rank0_only and self.global_rank != 0 else whole
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """DeepSpeed's name for the whole model of an AutoTP engine (accelerate calls it)."""
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """Whether ZeRO-3 gathers whole weights when the model is saved
@@ -456,7 +465,7 @@ class DeepSpeedEngine(torch.nn.Module):
         ``get_state_dict`` and transformers' ``save_model`` call under ZeRO-3."""
         from .checkpoint.model_save import share_tied
 
-        state_dict = share_tied(self.module, self.full_module_state_dict(rank0_only=True))
+        state_dict = share_tied(self.module, self.whole_model_state_dict(rank0_only=True))
         if exclude_frozen_parameters:
             for name, param in self.module.named_parameters(remove_duplicate=False):
                 if not param.requires_grad:

@@ -254,7 +254,7 @@ class EngineAccelerator(Accelerator):
         engine = self._engine_of(model)
         if engine is None:
             return super().get_state_dict(model, unwrap)
-        return engine.full_module_state_dict(rank0_only=True)
+        return engine.whole_model_state_dict(rank0_only=True)
 
     def save_state(self, output_dir: str | None = None, **kwargs) -> str:
         """The engine's checkpoint (model, optimizer, schedule, loss scale) in ``output_dir``:
