@@ -257,6 +257,15 @@ def tp2_dp2_trains_like_one_process(seed: int, folder: str) -> dict:
     dist.barrier()
     saved = torch.load(os.path.join(folder, "model.bin"), weights_only=True)
     saved_diff = max(float((saved[k] - v).abs().max()) for k, v in expected.items())
+    # zero_to_fp32 merges the TP parts into the unsplit model, which loads without TP.
+    from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(os.path.join(folder, "checkpoint"))
+    unsplit = tiny_model("gpt2")
+    unsplit.load_state_dict(consolidated, strict=True)
+    consolidated_diff = max(
+        float((unsplit.state_dict()[k] - v).abs().max()) for k, v in whole.items()
+    )
     engine.destroy()
     again, *_ = deepspeed_cpp.initialize(model=fresh, config=config)
     again.load_checkpoint(os.path.join(folder, "checkpoint"), tag="t")
@@ -280,6 +289,7 @@ def tp2_dp2_trains_like_one_process(seed: int, folder: str) -> dict:
         "norms": norms,
         "weight_diff": weight_diff,
         "saved_diff": saved_diff,
+        "consolidated_diff": consolidated_diff,
         "reload_equal": reload_equal,
         "resumed_diff": resumed_diff,
     }

@@ -5,8 +5,10 @@
 from .auto_tp import (
     TensorParallelInfo,
     gather_full_state_dict,
+    merge_tensor_parallel_parts,
     shard_model,
     tensor_parallel_info,
+    tensor_parallel_slices,
 )
 from .layers import LinearAllreduce, LinearLayer, is_tensor_parallel_param
 from .tp_policies import TensorParallelPolicy, register_tp_policy
@@ -18,7 +20,9 @@ __all__ = [
     "TensorParallelPolicy",
     "gather_full_state_dict",
     "is_tensor_parallel_param",
+    "merge_tensor_parallel_parts",
     "register_tp_policy",
     "shard_model",
     "tensor_parallel_info",
+    "tensor_parallel_slices",
 ]

@@ -140,6 +140,26 @@ def _divide_head_attributes(model, policy, size: int) -> None:
         setattr(module, attribute, value // size)
 
 
+def tensor_parallel_slices(module: torch.nn.Module) -> dict[str, list[int]]:
+    """{parameter name: [partition_dim, partition_stride]} of every TP slice of ``module``
+    (plain data for checkpoint metadata: what merging the parts needs, see unshard_tensors)."""
+    return {
+        name: [int(param.partition_dim), int(param.partition_stride)]
+        for name, param in module.named_parameters(remove_duplicate=False)
+        if is_tensor_parallel_param(param)
+    }
+
+
+def merge_tensor_parallel_parts(parts: list[dict], slices: dict[str, list[int]]) -> dict:
+    """One unsplit state dict from the TP ranks' state dicts (in TP rank order): the names in
+    ``slices`` concatenated by ``unshard_tensors``, the others (replicated) taken from rank 0."""
+    merged = dict(parts[0])
+    for name, (dim, stride) in slices.items():
+        if name in merged:
+            merged[name] = unshard_tensors([part[name] for part in parts], dim, stride)
+    return merged
+
+
 def gather_full_state_dict(module: torch.nn.Module, state_dict: dict) -> dict:
     """``state_dict`` (of ``module``, split for TP) with every TP slice replaced by the whole
     tensor, gathered over the TP group (a collective: every TP rank must call it)."""
