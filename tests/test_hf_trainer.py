@@ -683,7 +683,7 @@ def test_hf_trainer_at_tp2_matches_transformers_one_process_trainer(pool2, tmp_p
         timeout=600.0,
     )
     theirs = run_trainer(dict(spec, output_dir=str(tmp_path / "theirs"), deepspeed=None))
-    assert ours[0]["train_batch_size"] == 4  # the batch-size rule over one DP rank
+    assert ours[0]["train_batch_size"] == 4  # each rank's batch: the same on both
     assert ours[1]["losses"] == ours[0]["losses"]
     assert ours[0]["losses"] == pytest.approx(theirs["losses"], rel=1e-6, abs=0)
     assert ours[0]["grad_norms"] == pytest.approx(theirs["grad_norms"], rel=1e-5, abs=0)

@@ -62,11 +62,11 @@ def initialize(
         if mpu is not None:
             check_mpu(mpu)
         read = DeepSpeedConfig.read(config=config, args=args)
-        # AutoTP (tensor_parallel.autotp_size, or a model split by tp_model_init): the TP x DP
-        # groups are this mpu (runtime/tensor_parallel).
-        mpu = mpu_for(model, int(read.tensor_parallel.autotp_size), mpu)
-        # The batch-size rule counts data-parallel replicas only.
+        # The batch-size rule counts the data-parallel replicas of a caller's mpu. AutoTP without
+        # one (tensor_parallel.autotp_size, or a model split by tp_model_init) counts every rank,
+        # as DeepSpeed 0.19.8 does (and transformers' "auto" fill: world x micro x accumulation).
         dp_world_size = mpu.get_data_parallel_world_size() if mpu is not None else None
+        mpu = mpu_for(model, int(read.tensor_parallel.autotp_size), mpu)  # the TP x DP groups
         ds_config = read.finalize(dp_world_size or dist.get_world_size())
     except Exception as error:
         report_setup_failure(error, args=args)

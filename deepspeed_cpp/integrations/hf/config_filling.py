@@ -102,14 +102,10 @@ def _same(config_value: Any, argument_value: Any) -> bool:
 
 def fill_from_arguments(config: dict, args: Any, world_size: int) -> dict:
     """A copy of ``config`` with the argument-only ``"auto"`` values filled from ``args`` (a
-    ``transformers.TrainingArguments``) for ``world_size`` ranks (data-parallel ones: divided
-    by ``tensor_parallel.autotp_size``, whose ranks share their batch). Raises
-    ConfigMismatchError naming every key set to a value that disagrees with its argument."""
+    ``transformers.TrainingArguments``) for ``world_size`` data-parallel ranks (every rank
+    under AutoTP, as DeepSpeed and transformers count them). Raises ConfigMismatchError naming
+    every key set to a value that disagrees with its argument."""
     filler = _Filler(copy.deepcopy(config))
-    tensor_parallel = config.get("tensor_parallel")
-    tp_size = tensor_parallel.get("autotp_size", 0) if isinstance(tensor_parallel, dict) else 0
-    if isinstance(tp_size, int) and tp_size > 1 and world_size % tp_size == 0:
-        world_size //= tp_size  # (a size that does not divide is refused by the config itself)
     micro = args.per_device_train_batch_size
     accumulation = args.gradient_accumulation_steps
     # DeepSpeed's identity: train_batch_size = micro batch x accumulation x data-parallel ranks.
@@ -120,7 +116,7 @@ def fill_from_arguments(config: dict, args: Any, world_size: int) -> dict:
     filler.fill_missing_too(
         "train_batch_size",
         world_size * micro * accumulation,
-        f"data-parallel world_size x per_device_train_batch_size x gradient_accumulation_steps "
+        f"world_size x per_device_train_batch_size x gradient_accumulation_steps "
         f"({world_size} x {micro} x {accumulation})",
     )
     filler.fill("gradient_clipping", args.max_grad_norm, "max_grad_norm")
