@@ -25,6 +25,7 @@ _LAZY = {
 }
 _LAZY_MODULES = (
     "accelerator",
+    "checkpointing",
     "comm",
     "moe",
     "module_inject",

@@ -37,6 +37,11 @@ from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.pipe import PipelineModule, LayerSpec, TiedLayerSpec
 from deepspeed.comm import destroy_process_group, all_reduce, broadcast, new_group
+import deepspeed.checkpointing
+from deepspeed.runtime.activation_checkpointing.checkpointing import (checkpoint, configure,
+    is_configured, reset, get_cuda_rng_tracker, model_parallel_cuda_manual_seed,
+    CudaRNGStatesTracker, non_reentrant_checkpoint)
+assert deepspeed.checkpointing.checkpoint is checkpoint
 assert deepspeed.OnDevice is OnDevice
 assert deepspeed.ops.__compatible_ops__["cpu_adam"] is True
 assert is_current_accelerator_supported()

@@ -8,6 +8,9 @@ import torch.distributed as dist
 
 from ..comm import init_distributed
 from ..comm.exit_grace import release_gil_at_exit
+from .activation_checkpointing.checkpointing import (
+    configure_from_config as configure_activation_checkpointing,
+)
 from .config import DeepSpeedConfig
 from .engine import DeepSpeedEngine
 from .model_parallel import check_mpu
@@ -82,6 +85,8 @@ def initialize(
     )
     if mpu is not None:
         register_mpu(mpu)  # deepspeed_cpp.utils.groups answers from it (as DeepSpeed's does)
+    if ds_config.activation_checkpointing is not None:
+        configure_activation_checkpointing(ds_config.activation_checkpointing, mpu)
     engine = DeepSpeedEngine(
         args=args,
         model=model,

@@ -48,7 +48,14 @@ from .optimizer import PARAMS_BY_TYPE as OPTIMIZER_PARAMS
 from .optimizer import OptimizerConfig, validate_optimizer_params
 from .scheduler import PARAMS_BY_TYPE as SCHEDULER_PARAMS
 from .scheduler import SchedulerConfig, validate_scheduler_params
-from .sections import AioConfig, BF16Config, FP16Config, TensorParallelConfig, ZeroConfig
+from .sections import (
+    ActivationCheckpointingConfig,
+    AioConfig,
+    BF16Config,
+    FP16Config,
+    TensorParallelConfig,
+    ZeroConfig,
+)
 from .source import choose_config, read_config
 from .values import ConfigSection, boolean, choice, integer, is_auto, number, print_interval
 
@@ -92,9 +99,11 @@ class DeepSpeedConfig(ConfigSection):
     dataloader_drop_last: boolean() = False
     """Drop the last incomplete batch of the engine's data loader."""
     aio: AioConfig = Field(default_factory=AioConfig)
+    """Asynchronous I/O of NVMe offload (the swap files' aio handles)."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """AutoTP training: ``autotp_size`` ranks split each model (deepspeed_cpp.module_inject)."""
-    """Asynchronous I/O of NVMe offload (the swap files' aio handles)."""
+    activation_checkpointing: ActivationCheckpointingConfig | None = None
+    """``deepspeed.checkpointing``'s settings; None when the config has no such section."""
     nonfinite_gradients: choice(("skip", "raise")) = "skip"
     """deepspeed_cpp extension: a step whose global gradient holds NaN or inf is skipped on
     every rank (parameters, optimizer state and LR schedule unchanged, counted in

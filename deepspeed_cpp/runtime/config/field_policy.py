@@ -172,6 +172,14 @@ FIELDS: dict[str, FieldUse] = {
     },
     "aio.thread_count": _judged("runtime/config/sections.py"),  # one setting with the above
     "aio.use_gds": _judged("runtime/config/sections.py"),  # refused when true
+    # Applied by initialize() to deepspeed.checkpointing (or read by its configure()).
+    **{
+        f"activation_checkpointing.{name}": _read(
+            "runtime/activation_checkpointing/checkpointing.py"
+        )
+        for name in "partition_activations contiguous_memory_optimization cpu_checkpointing "
+        "number_checkpoints synchronize_checkpoint_boundary profile".split()
+    },
     # optimizer.params.<name>: read by the optimizer factory, by name.
     **{
         f"optimizer.params.{name}": _read(_OPTIMIZER)

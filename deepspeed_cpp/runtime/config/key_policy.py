@@ -141,14 +141,6 @@ POLICIES: tuple[KeyPolicy, ...] = (
     _ignored("vocabulary_size", "DeepSpeed only uses it for a tensor-core alignment warning"),
     _ignored("log_level", "deepspeed_cpp's log level is set on the 'deepspeed_cpp' logger"),
     # --- configure APIs that a script calls itself; deepspeed_cpp does not provide them yet ---
-    _ignored(
-        "activation_checkpointing",
-        _NO_API + " (deepspeed.checkpointing); use torch.utils.checkpoint",
-        (
-            "partition_activations contiguous_memory_optimization cpu_checkpointing "
-            "number_checkpoints synchronize_checkpoint_boundary profile"
-        ).split(),
-    ),
     _ignored("sparse_attention", _NO_API + " (sparse attention modules)"),
     _ignored("pipeline", _NO_API + " (PipelineModule, pipeline parallelism)"),
     # --- gradient communication ---------------------------------------------------------------

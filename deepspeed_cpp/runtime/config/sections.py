@@ -1,4 +1,5 @@
-"""The typed sections of the config: fp16, bf16, zero_optimization (with its offload parts), aio.
+"""The typed sections of the config: fp16, bf16, zero_optimization (with its offload parts), aio,
+activation_checkpointing.
 
 Field names, defaults and meanings are DeepSpeed's. Keys of these sections that deepspeed_cpp
 does not model are in ``key_policy.py``. (No ``from __future__ import annotations`` here: the
@@ -214,6 +215,42 @@ class AioConfig(ConfigSection):
             self.intra_op_parallelism = old
         else:
             self.thread_count = new
+        return self
+
+
+class ActivationCheckpointingConfig(ConfigSection):
+    """``activation_checkpointing``: how ``deepspeed.checkpointing.checkpoint`` keeps the inputs
+    it saves for recomputation (DeepSpeed's keys; ``initialize`` configures the module with them
+    unless the script called ``deepspeed.checkpointing.configure`` itself)."""
+
+    partition_activations: boolean() = False
+    """Keep 1/N of each saved input on each of the N ranks of the model-parallel group and
+    all-gather it for the recomputation (no effect without a model-parallel group)."""
+    contiguous_memory_optimization: boolean() = False
+    """Copy the kept partitions into preallocated buffers of ``number_checkpoints`` slots
+    (less fragmentation); needs ``partition_activations`` and ``number_checkpoints``."""
+    cpu_checkpointing: boolean() = False
+    """Keep the saved inputs in host memory until the recomputation (a no-op on the CPU)."""
+    number_checkpoints: integer(1, optional=True) = None
+    """Checkpointed calls per forward: the slot count of the contiguous buffers."""
+    synchronize_checkpoint_boundary: boolean() = False
+    """Synchronize the device before and after each checkpointed forward and recomputation."""
+    profile: boolean() = False
+    """Log the time of each checkpointed forward and recomputation."""
+
+    @model_validator(mode="after")
+    def _contiguous_needs_partitions_and_count(self):
+        if self.contiguous_memory_optimization is True:
+            if self.partition_activations is not True:
+                raise ValueError(
+                    "contiguous_memory_optimization needs partition_activations: true (the "
+                    "buffers hold the partitions)"
+                )
+            if self.number_checkpoints is None:
+                raise ValueError(
+                    "contiguous_memory_optimization needs number_checkpoints (the number of "
+                    "layers checkpointed per forward, which sizes the buffers)"
+                )
         return self
 
 
