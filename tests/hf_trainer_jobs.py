@@ -256,7 +256,7 @@ def run_trainer(spec: dict) -> dict:
         result["last_lr"] = trainer.lr_scheduler.get_last_lr()
         result["step_was_skipped"] = trainer.accelerator.optimizer_step_was_skipped
         result["engine_micro_batch"] = engine.train_micro_batch_size_per_gpu()
-        state = engine.full_module_state_dict(rank0_only=True)
+        state = engine.whole_model_state_dict(rank0_only=True)  # AutoTP slices gathered
     else:
         state = trainer.model.state_dict()
     rank = int(os.environ.get("RANK", "0"))

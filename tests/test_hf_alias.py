@@ -302,7 +302,7 @@ def _unmodified_script(folder: Path) -> Path:
     return script
 
 
-def _config(folder: Path, stage: int, offload: bool) -> Path:
+def _config(folder: Path, stage: int, offload: bool, tp: int = 1) -> Path:
     """The example's ds_config ("auto" everywhere the guide allows) at ZeRO ``stage``; with
     ``offload`` the optimizer lives on the host, where accelerate swaps the Trainer's AdamW for
     ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (ours) on the same param groups."""
@@ -314,12 +314,16 @@ def _config(folder: Path, stage: int, offload: bool) -> Path:
             del zero[key]
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    path = folder / f"ds_config_zero{stage}{'_offload' if offload else ''}.json"
+    if tp > 1:  # transformers calls deepspeed.tp_model_init, accelerate shards data by TP mesh
+        config["tensor_parallel"] = {"autotp_size": tp}
+    path = folder / f"ds_config_zero{stage}{'_offload' if offload else ''}_tp{tp}.json"
     path.write_text(json.dumps(config))
     return path
 
 
-def _start_alias_run(script: Path, config: Path, output_dir: Path, world: int) -> subprocess.Popen:
+def _start_alias_run(
+    script: Path, config: Path, output_dir: Path, world: int, tp: int = 1
+) -> subprocess.Popen:
     """The script under our launcher with ``--alias-deepspeed`` (``world`` ranks), or with no
     launcher at all (``world`` 1: ``python -m deepspeed_cpp.compat``, which is
     ``deepspeed_cpp.compat.activate()`` before the script, as in a notebook)."""
@@ -334,7 +338,8 @@ def _start_alias_run(script: Path, config: Path, output_dir: Path, world: int) -
         *start, str(script),
         "--deepspeed", str(config),
         "--output_dir", str(output_dir),
-        "--per_device_train_batch_size", str(ALIAS_GLOBAL_BATCH // world),
+        # The ranks of a TP group read the same batch.
+        "--per_device_train_batch_size", str(ALIAS_GLOBAL_BATCH * tp // world),
         "--max_steps", str(ALIAS_STEPS),
         "--learning_rate", "1e-3",
         "--logging_steps", "1",
@@ -365,20 +370,22 @@ def _finish(run: subprocess.Popen) -> str:
 
 ALIAS_GLOBAL_BATCH = 8
 ALIAS_STEPS = 4
-# name: (ZeRO stage, optimizer offloaded, processes)
+# name: (ZeRO stage, optimizer offloaded, processes, tensor-parallel size)
 ALIAS_RUNS = {
-    "zero2_offload": (2, True, 2),
-    "zero3": (3, False, 2),
-    "zero2_one_process": (2, False, 1),
+    "zero2_offload": (2, True, 2, 1),
+    "zero3": (3, False, 2, 1),
+    "zero2_one_process": (2, False, 1, 1),
+    "zero1_tp2": (1, False, 2, 2),
 }
 
 
 def test_unmodified_hf_trainer_script_trains_on_our_engine(tmp_path):
     """transformers' own Trainer with ``--deepspeed`` under the alias: at ZeRO-2 (optimizer
-    offloaded) and ZeRO-3 on 2 CPU ranks under the launcher, and at ZeRO-2 in one process without
-    a launcher. accelerate's DeepSpeed mode drives deepspeed_cpp's engine (no DeepSpeed is
-    installed here, see the first test), and the losses and saved weights equal transformers'
-    Trainer in one process on the same global batch within 1e-5."""
+    offloaded), ZeRO-3 and AutoTP 2 (``deepspeed.tp_model_init``) on 2 CPU ranks under the
+    launcher, and at ZeRO-2 in one process without a launcher. accelerate's DeepSpeed mode
+    drives deepspeed_cpp's engine (no DeepSpeed is installed here, see the first test), and the
+    losses and saved weights equal transformers' Trainer in one process on the same global batch
+    within 1e-5."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from hf_trainer_jobs import run_trainer
@@ -390,8 +397,10 @@ def test_unmodified_hf_trainer_script_trains_on_our_engine(tmp_path):
     # Every run starts at once, and the reference trains in this process meanwhile: on 2 cores
     # most of each run is interpreters importing torch and transformers.
     runs = {
-        name: _start_alias_run(script, _config(tmp_path, stage, offload), outputs[name], world)
-        for name, (stage, offload, world) in ALIAS_RUNS.items()
+        name: _start_alias_run(
+            script, _config(tmp_path, stage, offload, tp), outputs[name], world, tp
+        )
+        for name, (stage, offload, world, tp) in ALIAS_RUNS.items()
     }
     try:
         reference = run_trainer(
@@ -410,7 +419,7 @@ def test_unmodified_hf_trainer_script_trains_on_our_engine(tmp_path):
                 run.terminate()
                 run.wait(timeout=60)
     assert len(reference["losses"]) == ALIAS_STEPS
-    for name, (_, _, world) in ALIAS_RUNS.items():
+    for name, (_, _, world, _) in ALIAS_RUNS.items():
         summary = json.loads((outputs[name] / "summary.json").read_text())
         # Under the launcher accelerate counted both ranks (without the alias's gloo backend it
         # would count one on each).
@@ -422,13 +431,15 @@ def test_unmodified_hf_trainer_script_trains_on_our_engine(tmp_path):
         assert "transformer.wte.weight" in saved
         for key, value in saved.items():
             torch.testing.assert_close(value, reference["weights"][key], atol=1e-5, rtol=0)
-    # At ZeRO-3 (stage3_gather_16bit_weights_on_model_save false) transformers saves the
-    # engine's checkpoint instead: ours, which zero_to_fp32 consolidates.
-    assert not (outputs["zero3"] / "model.safetensors").exists()
-    consolidated = get_fp32_state_dict_from_zero_checkpoint(outputs["zero3"])
-    assert set(consolidated) >= set(saved)
-    for key, value in consolidated.items():
-        torch.testing.assert_close(value, reference["weights"][key], atol=1e-5, rtol=0)
+    # At ZeRO-3 and under TP (stage3_gather_16bit_weights_on_model_save false) transformers
+    # saves the engine's checkpoint instead (under TP one mp_rank_XX part per TP rank): ours,
+    # which zero_to_fp32 consolidates (merging the TP slices).
+    for name in ("zero3", "zero1_tp2"):
+        assert not (outputs[name] / "model.safetensors").exists()
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(outputs[name])
+        assert set(consolidated) >= set(saved)
+        for key, value in consolidated.items():
+            torch.testing.assert_close(value, reference["weights"][key], atol=1e-5, rtol=0)
 
 
 def test_names_transformers_and_accelerate_read_from_deepspeed_modules():

@@ -1,6 +1,7 @@
 """deepspeed_cpp.hf.Trainer on 2 CPU ranks (gloo) against transformers' own Trainer in one
 process on the same data: ZeRO stages 0-3, optimizer/schedule origins, gradient accumulation,
-checkpoints and exact resume, and accelerate's world size on a machine without a GPU."""
+checkpoints and exact resume, accelerate's world size on a machine without a GPU, and tensor
+parallelism (``tensor_parallel.autotp_size``: TP ranks read the same batches)."""
 
 import json
 import math
@@ -661,3 +662,34 @@ def test_hyperparameter_search_builds_each_trials_engine_from_its_values(pool2, 
         assert mine["eval_loss"] == pytest.approx(reference["eval_loss"], abs=1e-5)
     assert ours[0]["best_objective"] == pytest.approx(theirs["best_objective"], abs=1e-5)
     assert ours[0]["best_params"] == theirs["best_params"]
+
+
+def test_hf_trainer_at_tp2_matches_transformers_one_process_trainer(pool2, tmp_path):
+    # DP is 1: both ranks read the same batches (accelerate's loaders sharded by the TP mesh),
+    # the one-process reference reads them too. Adam's eps keeps float32 rounding of near-zero
+    # gradients from deciding update signs.
+    spec = {"micro": 4, "max_steps": 4, "optim_args": {"adam_epsilon": 1e-4}}
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 1},
+        "tensor_parallel": {"autotp_size": 2},
+    }
+    ours = pool2.run(
+        run_trainer,
+        dict(spec, output_dir=str(tmp_path / "ours"), deepspeed=config, save_model=True),
+        timeout=600.0,
+    )
+    theirs = run_trainer(dict(spec, output_dir=str(tmp_path / "theirs"), deepspeed=None))
+    assert ours[0]["train_batch_size"] == 4  # each rank's batch: the same on both
+    assert ours[1]["losses"] == ours[0]["losses"]
+    assert ours[0]["losses"] == pytest.approx(theirs["losses"], rel=1e-6, abs=0)
+    assert ours[0]["grad_norms"] == pytest.approx(theirs["grad_norms"], rel=1e-5, abs=0)
+    for name, value in theirs["weights"].items():
+        torch.testing.assert_close(ours[0]["weights"][name], value, atol=1e-5, rtol=0)
+    saved = load_file(str(tmp_path / "ours" / "model.safetensors"))  # save_model: unsplit
+    for name, value in saved.items():
+        torch.testing.assert_close(value, ours[0]["weights"][name], atol=0, rtol=0)
+    assert saved["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ..accelerator import get_accelerator
 from ..comm.collective_errors import named_collective
 from ..comm.logging_api import configure as configure_comms_logger
+from ..module_inject import gather_full_state_dict, tensor_parallel_info
 from ..utils import groups as moe_groups
 from ..utils.logging import logger
 from .call_order import CallOrder, refuse_foreign_parameters
@@ -31,6 +32,7 @@ from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
 from .model_parallel import ModelParallelGroups
 from .nonfinite_gradients import raise_if_asked, report_skipped_step
+from .tensor_parallel.setup import remap_parameters as remap_for_tensor_parallel
 from .training_report import TrainingReport
 from .zero.moe_stage import (
     DENSE,
@@ -110,6 +112,9 @@ class DeepSpeedEngine(torch.nn.Module):
         refuse_zero3_with_model_parallelism(config, self.mp_world_size)
         self._is_boundary_override: bool | None = None
         self.module = model
+        # AutoTP: the model split over the mpu's tensor-parallel group (initialize() built it).
+        replaced = self._configure_tensor_parallel(model)
+        model_parameters = remap_for_tensor_parallel(optimizer, model_parameters, replaced)
         if self.zero_optimization_stage() < 3:
             refuse_partitioned_parameters(model, self.zero_optimization_stage())
             self.module.to(self.device)
@@ -138,7 +143,7 @@ class DeepSpeedEngine(torch.nn.Module):
             make_distributed_loader(
                 training_data,
                 batch_size=self.train_micro_batch_size_per_gpu(),
-                rank=self.dp_rank,
+                rank=self.dp_rank,  # the ranks of a TP group read the same samples
                 world_size=self.dp_world_size,
                 collate_fn=collate_fn,
                 drop_last=bool(config.dataloader_drop_last),
@@ -166,6 +171,17 @@ class DeepSpeedEngine(torch.nn.Module):
         give_back_free_heap()  # what set-up freed in glibc's heap, where the engine swaps
 
     # --- construction -------------------------------------------------------------------------
+    def _configure_tensor_parallel(self, model) -> dict:
+        """Splits the model over the mpu's TP group when the config asks for AutoTP; returns
+        {id(replaced parameter): its slice} (see tensor_parallel/setup.py)."""
+        from .tensor_parallel.setup import prepare_model
+
+        if int(self.config.tensor_parallel.autotp_size) <= 1 or self.mpu is None:
+            return {}
+        if tensor_parallel_info(model) is None:
+            model.to(self.device)  # the whole model is broadcast from rank 0, then split
+        return prepare_model(model, self.mpu, self.config)
+
     def _broadcast_module_from_rank0(self) -> None:
         """Every rank starts from its data-parallel group's first rank's weights and buffers, as
         data parallelism requires (model-parallel ranks hold other parts: not broadcast)."""
@@ -436,10 +452,24 @@ class DeepSpeedEngine(torch.nn.Module):
     def full_module_state_dict(self, *, rank0_only: bool = False) -> dict:
         """The module's state dict with every parameter whole (gathered under ZeRO-3) and
         every expert of every rank under its global name (``moe/expert_names.py``); collective.
-        With ``rank0_only`` the other ranks get ``{}``."""
+        With ``rank0_only`` the other ranks get ``{}``. A model split by AutoTP keeps this
+        rank's slices (its checkpoint part); ``whole_model_state_dict`` gathers them."""
         if self._zero_stage is None:
             return {} if rank0_only and self.dp_rank != 0 else self.module.state_dict()
         return self._zero_stage.full_state_dict(self.module, rank0_only=rank0_only)
+
+    def whole_model_state_dict(self, *, rank0_only: bool = False) -> dict:
+        """``full_module_state_dict`` with AutoTP's slices gathered over the TP group into the
+        unsplit tensors (what save_16bit_model and the HF save_model write); collective. With
+        ``rank0_only`` the ranks other than global rank 0 get ``{}``."""
+        if tensor_parallel_info(self.module) is None:
+            return self.full_module_state_dict(rank0_only=rank0_only)
+        whole = gather_full_state_dict(self.module, self.full_module_state_dict())
+        return {} if rank0_only and self.global_rank != 0 else whole
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """DeepSpeed's name for the whole model of an AutoTP engine (accelerate calls it)."""
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """Whether ZeRO-3 gathers whole weights when the model is saved
@@ -452,7 +482,7 @@ class DeepSpeedEngine(torch.nn.Module):
         ``get_state_dict`` and transformers' ``save_model`` call under ZeRO-3."""
         from .checkpoint.model_save import share_tied
 
-        state_dict = share_tied(self.module, self.full_module_state_dict(rank0_only=True))
+        state_dict = share_tied(self.module, self.whole_model_state_dict(rank0_only=True))
         if exclude_frozen_parameters:
             for name, param in self.module.named_parameters(remove_duplicate=False):
                 if not param.requires_grad:

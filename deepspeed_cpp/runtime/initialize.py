@@ -16,6 +16,7 @@ from .engine import DeepSpeedEngine
 from .model_parallel import check_mpu
 from .model_parallel import register as register_mpu
 from .rank_consistency import check_ranks_agree, report_setup_failure
+from .tensor_parallel.setup import mpu_for
 
 
 def initialize(
@@ -40,8 +41,9 @@ def initialize(
     ``args.deepspeed_config``. The process group is created if needed (torchrun's environment,
     or a world of one). ``mpu`` (DeepSpeed's model-parallel unit, ``get_{data,model}_parallel_
     {group,rank,world_size}()``) makes ZeRO 0-2 train over its data-parallel group with the
-    gradient norm taken over the whole model (``model_parallel.py``); ``mesh_param`` is not
-    supported yet.
+    gradient norm taken over the whole model (``model_parallel.py``); the config's
+    ``tensor_parallel.autotp_size`` builds such an mpu and splits the model over its
+    tensor-parallel groups (``tensor_parallel/setup.py``); ``mesh_param`` is not supported yet.
     """
     if mesh_param is not None:
         raise NotImplementedError(
@@ -69,11 +71,13 @@ def initialize(
     try:
         if mpu is not None:
             check_mpu(mpu)
-        # The batch-size rule counts data-parallel replicas only.
+        read = DeepSpeedConfig.read(config=config, args=args)
+        # The batch-size rule counts the data-parallel replicas of a caller's mpu. AutoTP without
+        # one (tensor_parallel.autotp_size, or a model split by tp_model_init) counts every rank,
+        # as DeepSpeed 0.19.8 does (and transformers' "auto" fill: world x micro x accumulation).
         dp_world_size = mpu.get_data_parallel_world_size() if mpu is not None else None
-        ds_config = DeepSpeedConfig.load(
-            config=config, args=args, world_size=dp_world_size or dist.get_world_size()
-        )
+        mpu = mpu_for(model, int(read.tensor_parallel.autotp_size), mpu)  # the TP x DP groups
+        ds_config = read.finalize(dp_world_size or dist.get_world_size())
     except Exception as error:
         report_setup_failure(error, args=args)
         raise

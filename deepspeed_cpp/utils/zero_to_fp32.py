@@ -21,6 +21,11 @@ directory itself. ``OUTPUT`` takes two forms, told apart by ``output_is_director
   ``.ckpt``, or an existing file; it holds the whole ``state_dict`` (torch, or safetensors with
   ``--safe_serialization``), as the guide's ``python zero_to_fp32.py . pytorch_model.bin`` asks.
 
+A checkpoint of a model split by AutoTP (``tensor_parallel.autotp_size``: one ``mp_rank_XX``
+folder per TP rank) is consolidated part by part and its slices concatenated into the unsplit
+parameters (the ``tensor_parallel_slices`` of the metadata), so that a model without tensor
+parallelism loads it.
+
 What it holds, in the order of the model's own ``state_dict`` (the experts of MoE layers last,
 every expert of every rank under its global name, see ``deepspeed_cpp.moe.expert_names``):
 every trainable parameter as its fp32 master value (not the fp16/bf16 copy the model trains
@@ -50,10 +55,13 @@ from pathlib import Path
 
 import torch
 
+from ..module_inject.auto_tp import merge_tensor_parallel_parts
 from ..runtime.checkpoint.digests import file_digests
 from ..runtime.checkpoint.errors import CheckpointMismatchError, IncompleteCheckpointError
 from ..runtime.checkpoint.expert_files import read_expert_states
 from ..runtime.checkpoint.layout import (
+    LATEST_FILE,
+    METADATA_FILE,
     MODULE_FILE,
     listed_file,
     read_metadata,
@@ -120,6 +128,9 @@ def get_fp32_state_dict_from_zero_checkpoint(
     ``latest`` file picks the checkpoint) or a tag directory. The tag must be one directory
     name in it; symbolic links are followed only with ``allow_symlinks`` (as when loading).
     """
+    parts = _model_parallel_parts(checkpoint_dir)
+    if parts:
+        return _merged_tensor_parallel_parts(parts, tag, exclude_frozen_parameters, allow_symlinks)
     directory = resolve_checkpoint_dir(checkpoint_dir, tag, allow_symlinks)
     metadata = read_metadata(directory, allow_symlinks)
     digests = file_digests(metadata)
@@ -144,6 +155,36 @@ def get_fp32_state_dict_from_zero_checkpoint(
     for name, owner in primary.items():  # parameters the optimizer trains outside the module
         state_dict.setdefault(name, trainable[owner])
     return state_dict
+
+
+def _model_parallel_parts(checkpoint_dir) -> list[Path]:
+    """The ``mp_rank_XX`` folders of a checkpoint saved with model parallelism (one per
+    model-parallel rank, ``runtime/checkpoint/layout.py``), in rank order; [] otherwise."""
+    base = Path(checkpoint_dir)
+    if (base / LATEST_FILE).exists() or (base / METADATA_FILE).exists():
+        return []
+    return sorted(p for p in base.glob("mp_rank_[0-9][0-9]") if p.is_dir())
+
+
+def _merged_tensor_parallel_parts(parts, tag, exclude_frozen_parameters, allow_symlinks) -> dict:
+    """The unsplit fp32 state dict of an AutoTP checkpoint: each TP rank's part consolidated,
+    then its slices concatenated as the metadata's ``tensor_parallel_slices`` say."""
+    states, slices = [], None
+    for part in parts:
+        states.append(
+            get_fp32_state_dict_from_zero_checkpoint(
+                part, tag, exclude_frozen_parameters, allow_symlinks
+            )
+        )
+        metadata = read_metadata(resolve_checkpoint_dir(part, tag, allow_symlinks), allow_symlinks)
+        if "tensor_parallel_slices" not in metadata:
+            raise CheckpointMismatchError(
+                f"{part}: a model-parallel part without tensor_parallel_slices in its metadata "
+                "(saved with a caller's own mpu, not AutoTP): its parts cannot be merged into "
+                "one model here; consolidate each mp_rank_XX folder on its own"
+            )
+        slices = metadata["tensor_parallel_slices"]
+    return merge_tensor_parallel_parts(states, slices)
 
 
 def load_state_dict_from_zero_checkpoint(

@@ -30,6 +30,13 @@ from .config_filling import unresolved_auto_keys
 from .process_state import ensure_cpu_process_state
 
 
+def tensor_parallel_size(config: dict) -> int:
+    """``tensor_parallel.autotp_size`` of a ds_config dict (1 when absent, 0 or not a number)."""
+    section = config.get("tensor_parallel")
+    size = section.get("autotp_size", 1) if isinstance(section, dict) else 1
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
+
+
 @dataclass
 class EnginePlan:
     """What ``prepare`` builds the engine from: the finished ds_config (no ``"auto"`` left) and,
@@ -121,6 +128,9 @@ class EngineAccelerator(Accelerator):
         kwargs["mixed_precision"] = "no"
         super().__init__(*args, **kwargs)
         self._plan = EnginePlan(engine_config) if engine_config is not None else None
+        # The config's tensor_parallel.autotp_size (the Trainer sets it before data loaders are
+        # prepared, which comes before the engine's plan).
+        self.tensor_parallel_size = tensor_parallel_size(engine_config or {})
         self.engine: DeepSpeedEngine | None = None
         self._last_step_skipped = False
         self.learning_rates_of_last_step: list[float] | None = None
@@ -244,7 +254,7 @@ class EngineAccelerator(Accelerator):
         engine = self._engine_of(model)
         if engine is None:
             return super().get_state_dict(model, unwrap)
-        return engine.full_module_state_dict(rank0_only=True)
+        return engine.whole_model_state_dict(rank0_only=True)
 
     def save_state(self, output_dir: str | None = None, **kwargs) -> str:
         """The engine's checkpoint (model, optimizer, schedule, loss scale) in ``output_dir``:
@@ -266,6 +276,23 @@ class EngineAccelerator(Accelerator):
                 f"load_state({input_dir!r}): no 'latest' file there: expected a folder written "
                 "by save_state or the Trainer's checkpoint-N"
             )
+
+    def _prepare_device_mesh(self):
+        """Under tensor parallelism the ranks of a TP group read the same batches: accelerate
+        shards data loaders by the (dp_replicate, tp) mesh it is given here, TP ranks
+        consecutive as the engine's groups (``runtime/tensor_parallel/groups.py``)."""
+        tp_size = self.tensor_parallel_size
+        if tp_size <= 1:
+            return super()._prepare_device_mesh()
+        if getattr(self, "_tensor_parallel_mesh", None) is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._tensor_parallel_mesh = init_device_mesh(
+                self.device.type,
+                (self.num_processes // tp_size, tp_size),
+                mesh_dim_names=("dp_replicate", "tp"),
+            )
+        return self._tensor_parallel_mesh
 
     def free_memory(self, *objects):
         if self.engine is not None:

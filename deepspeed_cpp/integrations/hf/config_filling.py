@@ -102,8 +102,9 @@ def _same(config_value: Any, argument_value: Any) -> bool:
 
 def fill_from_arguments(config: dict, args: Any, world_size: int) -> dict:
     """A copy of ``config`` with the argument-only ``"auto"`` values filled from ``args`` (a
-    ``transformers.TrainingArguments``) for ``world_size`` data-parallel ranks. Raises
-    ConfigMismatchError naming every key set to a value that disagrees with its argument."""
+    ``transformers.TrainingArguments``) for ``world_size`` data-parallel ranks (every rank
+    under AutoTP, as DeepSpeed and transformers count them). Raises ConfigMismatchError naming
+    every key set to a value that disagrees with its argument."""
     filler = _Filler(copy.deepcopy(config))
     micro = args.per_device_train_batch_size
     accumulation = args.gradient_accumulation_steps

@@ -37,7 +37,13 @@ import transformers
 
 from deepspeed_cpp import DeepSpeedEngine
 
-from .accelerator import EngineAccelerator, EngineOptimizer, EnginePlan, EngineScheduler
+from .accelerator import (
+    EngineAccelerator,
+    EngineOptimizer,
+    EnginePlan,
+    EngineScheduler,
+    tensor_parallel_size,
+)
 from .config_filling import fill_from_model_and_steps
 
 
@@ -77,6 +83,7 @@ class _EngineTrainerMixin:
         # transformers names accelerate's class directly; the state (process group, gradient
         # state) is shared between Accelerator objects, so ours simply replaces it.
         self.accelerator = EngineAccelerator(**self._accelerator_args)
+        self.accelerator.tensor_parallel_size = tensor_parallel_size(self.args.deepspeed_cpp_config)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
             self.gather_function = functools.partial(

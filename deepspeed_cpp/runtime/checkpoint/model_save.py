@@ -94,7 +94,9 @@ def save_16bit_model(
     """Writes the whole model's state dict to ``save_dir/save_filename`` from rank 0 (see the
     module docstring); collective. Returns True when saved, False (every rank) when ZeRO-3 is
     not configured to gather the weights."""
-    if getattr(engine, "mp_world_size", 1) > 1:
+    # A model split by AutoTP is gathered from its slices (engine.whole_model_state_dict).
+    split_by_autotp = getattr(engine.module, "ds_autotp_parsed", False)
+    if getattr(engine, "mp_world_size", 1) > 1 and not split_by_autotp:
         raise NotImplementedError(
             f"save_16bit_model: the model is split over {engine.mp_world_size} model-parallel "
             "ranks (initialize(mpu=...)) and gathering the whole model from its parts is not "
@@ -116,7 +118,7 @@ def save_16bit_model(
 
     def gather() -> None:
         # Collective under ZeRO-3; the other ranks get {} and keep nothing.
-        state.update(engine.full_module_state_dict(rank0_only=True))
+        state.update(engine.whole_model_state_dict(rank0_only=True))
 
     def write() -> int:
         if engine.global_rank != 0:

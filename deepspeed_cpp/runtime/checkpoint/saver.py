@@ -28,6 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
+from ...module_inject import tensor_parallel_info, tensor_parallel_slices
 from ...moe.expert_names import expert_layers, to_global
 from ...utils.logging import logger
 from .atomic_files import (
@@ -234,6 +235,12 @@ def _metadata(
         **(
             {"model_parallel": {"rank": engine.mp_rank, "world_size": engine.mp_world_size}}
             if engine.mp_world_size > 1
+            else {}
+        ),
+        # AutoTP: how each sliced parameter is split, for zero_to_fp32 to merge the parts.
+        **(
+            {"tensor_parallel_slices": tensor_parallel_slices(engine.module)}
+            if tensor_parallel_info(engine.module) is not None
             else {}
         ),
     }

@@ -53,6 +53,7 @@ from .sections import (
     AioConfig,
     BF16Config,
     FP16Config,
+    TensorParallelConfig,
     ZeroConfig,
 )
 from .source import choose_config, read_config
@@ -99,6 +100,8 @@ class DeepSpeedConfig(ConfigSection):
     """Drop the last incomplete batch of the engine's data loader."""
     aio: AioConfig = Field(default_factory=AioConfig)
     """Asynchronous I/O of NVMe offload (the swap files' aio handles)."""
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """AutoTP training: ``autotp_size`` ranks split each model (deepspeed_cpp.module_inject)."""
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     """``deepspeed.checkpointing``'s settings; None when the config has no such section."""
     nonfinite_gradients: choice(("skip", "raise")) = "skip"
@@ -121,6 +124,13 @@ class DeepSpeedConfig(ConfigSection):
         ranks. Giving both is an error; ``args.deepspeed_config`` may be None beside a dict."""
         chosen, warnings = choose_config(config, args)
         return cls._parse(chosen, warnings).finalize(world_size)
+
+    @classmethod
+    def read(cls, config: Any = None, args: Any = None) -> "DeepSpeedConfig":
+        """What ``load`` reads, validated but not finalised (``initialize()`` learns the
+        tensor-parallel size from it before it knows the data-parallel world size)."""
+        chosen, warnings = choose_config(config, args)
+        return cls._parse(chosen, warnings)
 
     @classmethod
     def parse(cls, config: Any) -> "DeepSpeedConfig":

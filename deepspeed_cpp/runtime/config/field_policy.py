@@ -96,6 +96,9 @@ FIELDS: dict[str, FieldUse] = {
         "detailed output_file".split()
     },
     "gradient_clipping": _read(_ENGINE),
+    "tensor_parallel.autotp_size": _read("runtime/initialize.py", _ENGINE),
+    "tensor_parallel.partition_config": _read("runtime/tensor_parallel/setup.py"),
+    "tensor_parallel.preset_model": _read("runtime/tensor_parallel/setup.py"),
     "dataloader_drop_last": _read(_ENGINE),
     "nonfinite_gradients": _read(_ENGINE),
     "zero_allow_untested_optimizer": FieldUse(

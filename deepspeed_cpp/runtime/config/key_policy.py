@@ -206,12 +206,30 @@ POLICIES: tuple[KeyPolicy, ...] = (
     _harmless_when(
         "compile", lambda c: not c.get("deepcompile"), '"deepcompile": false', "no DeepCompile"
     ),
-    _harmless_when(
-        "tensor_parallel",
-        lambda c: c.get("autotp_size", 0) in (0, 1),
-        '"autotp_size": 0 or 1',
-        "no tensor parallelism",
+    # tensor_parallel (TensorParallelConfig): autotp_size, partition_config, preset_model.
+    _ignored("tensor_parallel.dtype", "the model trains in the dtype of the fp16/bf16 sections"),
+    _harmless_at("tensor_parallel.tp_overlap_comm", (False,), "the all-reduces run in order"),
+    _harmless_at(
+        "tensor_parallel.vocab_parallel_lm_head", (None, False), "lm_head is kept replicated"
     ),
+    _ignored("tensor_parallel.vocab_parallel_ce_backend", "lm_head is kept replicated"),
+    _harmless_at("tensor_parallel.keep_module_on_host", (False,), "no checkpoint is loaded here"),
+    _harmless_at("tensor_parallel.replace_with_kernel_inject", (False,), "no inference kernels"),
+    _harmless_at("tensor_parallel.kernel_inject", (False,), "no inference kernels"),
+    _refused(
+        "tensor_parallel.injection_policy_tuple",
+        "give the layers with tensor_parallel.partition_config.layer_specs",
+    ),
+    _section("tensor_parallel.tp"),
+    _harmless_at("tensor_parallel.tp.tp_grain_size", (1,), "layers are split evenly"),
+    _ignored("tensor_parallel.tp.tp_size", "the TP size is tensor_parallel.autotp_size"),
+    _ignored("tensor_parallel.tp.mpu", "the groups are built from autotp_size"),
+    _ignored("tensor_parallel.tp.tp_group", "the groups are built from autotp_size"),
+    _section("tensor_parallel.tensor_parallel"),
+    _harmless_at("tensor_parallel.tensor_parallel.tp_grain_size", (1,), "layers split evenly"),
+    _ignored("tensor_parallel.tensor_parallel.tp_size", "the TP size is autotp_size"),
+    _ignored("tensor_parallel.tensor_parallel.mpu", "the groups are built from autotp_size"),
+    _ignored("tensor_parallel.tensor_parallel.tp_group", "the groups are built from autotp_size"),
     _refused("weight_quantization", "it quantizes weights for inference"),
     # --- mixed precision ----------------------------------------------------------------------
     _deprecated("bfloat16", "it is the old spelling of 'bf16'", move_to="bf16"),

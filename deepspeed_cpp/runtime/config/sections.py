@@ -252,3 +252,18 @@ class ActivationCheckpointingConfig(ConfigSection):
                     "layers checkpointed per forward, which sizes the buffers)"
                 )
         return self
+
+
+class TensorParallelConfig(ConfigSection):
+    """``tensor_parallel``: AutoTP training (DeepSpeed's keys). Models are split by the policy
+    of their architecture (``deepspeed_cpp/module_inject/tp_policies.py``)."""
+
+    autotp_size: integer(0) = 0
+    """Ranks a model's layers are split across; 0 or 1: no tensor parallelism. The
+    data-parallel size is then the world size divided by this."""
+    partition_config: dict | None = None
+    """User layer specs: ``{"use_default_specs": bool, "layer_specs": [{"patterns": [regular
+    expressions of parameter names], "partition_type": "column" | "row"}]}``."""
+    preset_model: text(optional=True) = None
+    """The policy of this architecture (a ``config.model_type`` such as "llama", "qwen2")
+    instead of the model's own."""
