@@ -127,6 +127,10 @@ class ParameterCoordinator:
             handle.remove()
         self._install_hooks()
 
+    def unit_of_param(self) -> dict[int, int]:
+        """``id(param)`` -> the first unit holding it (a tied parameter is in several)."""
+        return {key: units[0] for key, units in self._units_of_param.items()}
+
     # --- hooks ------------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
         self._hooks.append(self.module.register_forward_pre_hook(self._root_pre_forward))

@@ -19,11 +19,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
-from ...ops.zero import BucketPlan, plan_buckets
+from ...ops.zero import BucketPlan, make_gradient_reducer, plan_buckets
 from . import partition_parameters as pp
 from .coordinator import ParameterCoordinator
 from .estimators import (
@@ -52,9 +54,20 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
 
     STAGES = (3,)
 
-    def __init__(self, optimizer, param_groups, *, model_order: dict[int, int], **kwargs):
-        """``model_order``: ``id(param)`` -> its position in the model's registration order."""
+    def __init__(
+        self,
+        optimizer,
+        param_groups,
+        *,
+        model_order: dict[int, int],
+        unit_of_param: dict[int, int] | None = None,
+        **kwargs,
+    ):
+        """``model_order``: ``id(param)`` -> its position in the model's registration order;
+        ``unit_of_param``: ``id(param)`` -> the fetch unit whose gradients it is reduced with
+        (a parameter in none is reduced on its own)."""
         self.model_order = model_order
+        self.unit_of_param = unit_of_param or {}
         super().__init__(optimizer, param_groups, **kwargs)
 
     def _plan(self, param_groups, reduce_bucket_size, owned_whole):
@@ -83,7 +96,87 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
             if members
         ]
         params = [p for _, p in partitioned + persistent]
+        self._reduce_capacity = max(1, int(reduce_bucket_size))
         return params, _concatenate(plans)
+
+    # --- one reduction per unit -------------------------------------------------------------------
+    def _make_shard_grads(self, device) -> list[torch.Tensor]:
+        """Per bucket, a view into its reduction run's flat shard gradient (see
+        ``_reduction_runs``): one reduce-scatter fills a whole run."""
+        self._runs = self._reduction_runs()
+        self._run_grads: list[torch.Tensor] = []  # the reducer's destinations
+        grads: list[torch.Tensor] = []
+        for run in self._runs:
+            sizes = [self.buckets[b].owned_size for b in run]
+            flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+            self._run_grads.append(flat)
+            grads.extend(flat.split(sizes))
+        return grads
+
+    def _reduction_runs(self) -> list[list[int]]:
+        """The buckets in runs reduced by one collective each: consecutive partitioned
+        buckets (one parameter each) of the same fetch unit, up to ``reduce_bucket_size``
+        elements; every persistent bucket alone. Runs keep the buckets' order, so the masters,
+        optimizer state and checkpoint layout stay one per parameter, and a run's reduction
+        completes its buckets' gradients all at once."""
+        runs: list[list[int]] = []
+        previous, size = None, 0
+        for index, bucket in enumerate(self.buckets):
+            unit = (
+                self.unit_of_param.get(id(bucket.params[0]), ("alone", index))
+                if self._partitioned(bucket)
+                else ("persistent", index)
+            )
+            if runs and unit == previous and size + bucket.size <= self._reduce_capacity:
+                runs[-1].append(index)
+                size += bucket.size
+            else:
+                runs.append([index])
+                size = bucket.size
+            previous = unit
+        return runs
+
+    def _make_reducer(self, *, scatter: bool, scatter_method: str, device, scale: float):
+        """The reducer over the runs: a partitioned run laid out rank by rank (rank r's part is
+        its parameters' shards r back to back, the layout a unit's gather reads), so its one
+        reduce-scatter lands in the run's flat shard gradient."""
+        plan = self.plan
+        count = len(self.params)
+        param_bucket, param_offset, rank_major = [0] * count, list(plan.param_offset), [0] * count
+        members: list[list[int]] = [[] for _ in self.buckets]
+        for param, bucket in enumerate(plan.param_bucket):
+            members[bucket].append(param)
+        sizes, groups = [], []
+        for run_index, run in enumerate(self._runs):
+            offset = 0
+            partitioned = self._partitioned(self.buckets[run[0]])
+            for bucket in run:
+                for param in members[bucket]:
+                    param_bucket[param] = run_index
+                    if partitioned:
+                        param_offset[param] = offset
+                        rank_major[param] = self.buckets[bucket].owned_size
+                offset += self.buckets[bucket].owned_size
+            sizes.append(sum(plan.bucket_sizes[b] for b in run))
+            groups.append(plan.bucket_groups[run[0]])
+        reduction = BucketPlan(
+            param_bucket, param_offset, list(plan.param_numel), sizes, groups, plan.world_size
+        )
+        reducer = make_gradient_reducer(
+            self.group,
+            reduction,
+            scatter=scatter,
+            scatter_method=scatter_method,
+            device=device,
+            rank_major=rank_major,
+        )
+        reducer.accumulate_into(self._run_grads, scale)
+        self._buckets_through_run = list(itertools.accumulate(len(run) for run in self._runs))
+        return reducer
+
+    def buckets_reduced(self) -> int:
+        runs = self.reducer.harvested()
+        return self._buckets_through_run[runs - 1] if runs > 0 else 0
 
     @staticmethod
     def _partitioned(bucket: _Bucket) -> bool:
@@ -205,6 +298,7 @@ class ZeroStage3:
                 optimizer,
                 param_groups,
                 model_order={id(p): i for i, p in enumerate(module.parameters())},
+                unit_of_param=self.coordinator.unit_of_param(),
                 stage=3,
                 group=group,
                 reduce_bucket_size=int(zero.reduce_bucket_size),
