@@ -74,12 +74,11 @@ void ReducerBuffers::set_rank_major(const std::vector<int64_t>& param_shard_nume
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
     const bool rank_major = param_shard_numel[bucket.members.front()] > 0;
-    if (!rank_major) {
-      for (int64_t p : bucket.members)
-        TORCH_CHECK(param_shard_numel[p] == 0, "GradientReducer.lay_out_rank_major: bucket ", b,
-                    " mixes rank-major and contiguous params (param ", p, ")");
-      continue;
-    }
+    for (int64_t p : bucket.members)
+      TORCH_CHECK((param_shard_numel[p] > 0) == rank_major,
+                  "GradientReducer.lay_out_rank_major: bucket ", b,
+                  " mixes rank-major and contiguous params (param ", p, ")");
+    if (!rank_major) continue;
     TORCH_CHECK(bucket.size % world_size == 0, "GradientReducer.lay_out_rank_major: bucket ", b,
                 " has size ", bucket.size, ", not a multiple of the world size ", world_size);
     const int64_t shard = bucket.size / world_size;
@@ -91,7 +90,7 @@ void ReducerBuffers::set_rank_major(const std::vector<int64_t>& param_shard_nume
     int64_t covered = 0;
     for (int64_t p : members) {
       const int64_t piece = param_shard_numel[p];
-      TORCH_CHECK(piece > 0 && param_offset_[p] == covered && param_numel_[p] <= piece * world_size,
+      TORCH_CHECK(param_offset_[p] == covered && param_numel_[p] <= piece * world_size,
                   "GradientReducer.lay_out_rank_major: param ", p, " of bucket ", b, " (offset ",
                   param_offset_[p], ", ", param_numel_[p], " elements, ", piece,
                   " per rank) does not continue its bucket's shard at ", covered);

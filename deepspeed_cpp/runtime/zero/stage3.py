@@ -9,9 +9,11 @@
 - ``Stage3Optimizer`` is the stage-2 machinery over the shards: every partitioned parameter is a
   bucket of its own whose rank-r shard is the parameter's ``ds_tensor`` (fp32 parameters are
   their own master weights; fp16/bf16 ones get fp32 masters written back into ``ds_tensor`` after
-  each step), so gradients are reduce-scattered straight into the owner's shard by the C++
-  reducer, and the optimizer steps shards only; the persistent parameters share stage-2 buckets
-  (all after the partitioned ones, so they never hold back a partitioned bucket's reduction);
+  each step), and the optimizer steps shards only. Gradients are reduced one fetch unit at a
+  time: the unit's buckets form one reduction laid out rank by rank, whose one reduce-scatter
+  (C++ reducer) fills the unit's flat shard gradient, each bucket's shard gradient a view into it;
+  the persistent parameters share stage-2 buckets (all after the partitioned ones, so they never
+  hold back a partitioned bucket's reduction);
 - with ``offload_param``, a parameter home (``offload/param_homes.py``) keeps the shards on the
   host or NVMe between uses; with ``offload_optimizer``, the masters and optimizer state live in
   the optimizer's home (``offload/optimizer_homes.py``).
