@@ -225,9 +225,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
 
     def _make_shard_grads(self, device) -> list[torch.Tensor]:
         """One fp32 gradient per bucket: this rank's shard of it, where the reducer adds."""
-        return [
-            torch.zeros(b.owned_size, dtype=torch.float32, device=device) for b in self.buckets
-        ]
+        return [torch.zeros(b.owned_size, dtype=torch.float32, device=device) for b in self.buckets]
 
     def _make_reducer(self, *, scatter: bool, scatter_method: str, device, scale: float):
         """The C++ reducer over the bucket plan; each reduced bucket is averaged (``scale``)
