@@ -87,7 +87,7 @@ def collectives_so_far() -> int:
     return total
 
 
-def build(kind: str, model_name: str, persistence: int):
+def build(kind: str, model_name: str, persistence: int, unit_min_numel: int | None = None):
     """(step function, closer) of one implementation over a fresh model."""
     model = make_model(model_name)
     if kind == OURS3:
@@ -99,6 +99,8 @@ def build(kind: str, model_name: str, persistence: int):
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persistence},
             "steps_per_print": 10**9,
         }
+        if unit_min_numel is not None:
+            config["zero_optimization"]["stage3_unit_min_numel"] = unit_min_numel
         engine, *_ = deepspeed_cpp.initialize(model=model, config=config)
 
         def step(x):
@@ -125,9 +127,10 @@ def build(kind: str, model_name: str, persistence: int):
 def worker(rank: int, args) -> list:
     rows = []
     generator = torch.Generator().manual_seed(rank)
+    variants = [(OURS3, n) for n in args.unit_min_numel or [None]] + [(FSDP2, None)]
     for model_name in args.models:
-        for kind in (OURS3, FSDP2):
-            step, close, units = build(kind, model_name, args.persistence)
+        for kind, unit_min_numel in variants:
+            step, close, units = build(kind, model_name, args.persistence, unit_min_numel)
             counts, times = [], []
             for index in range(args.warmup + args.steps):
                 x = make_input(model_name, generator)
@@ -141,7 +144,8 @@ def worker(rank: int, args) -> list:
                     counts.append(after - before)
                     times.append(elapsed)
             close()
-            rows.append((model_name, kind, units, max(counts), statistics.median(times)))
+            label = kind if unit_min_numel is None else f"{kind}, min unit {unit_min_numel}"
+            rows.append((model_name, label, units, max(counts), statistics.median(times)))
     return rows
 
 
@@ -152,12 +156,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--persistence", type=int, default=0)
     parser.add_argument("--models", nargs="+", default=["encoder", "deep"])
+    parser.add_argument(
+        "--unit-min-numel",
+        type=int,
+        nargs="*",
+        help="ours once per value of stage3_unit_min_numel (unset: the default, not given)",
+    )
     args = parser.parse_args()
     rows = run_on_ranks(args.procs, worker, args)[0]
     print(f"{args.procs} gloo processes; step = forward + backward + optimizer step")
-    print(f"{'model':8} {'implementation':32} {'units':>5} {'collectives/step':>16} {'step ms':>8}")
+    print(f"{'model':8} {'implementation':48} {'units':>5} {'collectives/step':>16} {'step ms':>8}")
     for model_name, kind, units, count, seconds in rows:
-        print(f"{model_name:8} {kind:32} {units:5d} {count:16d} {seconds * 1e3:8.1f}")
+        print(f"{model_name:8} {kind:48} {units:5d} {count:16d} {seconds * 1e3:8.1f}")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
 
@@ -107,36 +105,43 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
         ``_reduction_runs``): one reduce-scatter fills a whole run."""
         self._runs = self._reduction_runs()
         self._run_grads: list[torch.Tensor] = []  # the reducer's destinations
-        grads: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = [None] * len(self.buckets)
         for run in self._runs:
             sizes = [self.buckets[b].owned_size for b in run]
             flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
             self._run_grads.append(flat)
-            grads.extend(flat.split(sizes))
+            for bucket, view in zip(run, flat.split(sizes)):
+                grads[bucket] = view
         return grads
 
     def _reduction_runs(self) -> list[list[int]]:
-        """The buckets in runs reduced by one collective each: consecutive partitioned
-        buckets (one parameter each) of the same fetch unit, up to ``reduce_bucket_size``
-        elements; every persistent bucket alone. Runs keep the buckets' order, so the masters,
-        optimizer state and checkpoint layout stay one per parameter, and a run's reduction
-        completes its buckets' gradients all at once."""
+        """The buckets in runs reduced by one collective each: the partitioned buckets (one
+        parameter each) of one fetch unit, in bucket order, up to ``reduce_bucket_size``
+        elements a run; every persistent bucket alone. The buckets themselves keep their order,
+        so masters, optimizer state and checkpoint layout stay one per parameter.
+
+        The reducer launches runs strictly in order, so they are ordered by their last bucket
+        (buckets follow the usual arrival of gradients): a unit whose members' gradients come
+        at different times (a root unit holding every block's norm) is reduced once its last
+        one arrives, without holding back the runs completed before it."""
         runs: list[list[int]] = []
-        previous, size = None, 0
+        open_run: dict[object, int] = {}  # unit -> index of its run still taking buckets
+        sizes: list[int] = []
         for index, bucket in enumerate(self.buckets):
-            unit = (
+            key = (
                 self.unit_of_param.get(id(bucket.params[0]), ("alone", index))
                 if self._partitioned(bucket)
                 else ("persistent", index)
             )
-            if runs and unit == previous and size + bucket.size <= self._reduce_capacity:
-                runs[-1].append(index)
-                size += bucket.size
+            run = open_run.get(key)
+            if run is not None and sizes[run] + bucket.size <= self._reduce_capacity:
+                runs[run].append(index)
+                sizes[run] += bucket.size
             else:
+                open_run[key] = len(runs)
                 runs.append([index])
-                size = bucket.size
-            previous = unit
-        return runs
+                sizes.append(bucket.size)
+        return sorted(runs, key=lambda run: run[-1])
 
     def _make_reducer(self, *, scatter: bool, scatter_method: str, device, scale: float):
         """The reducer over the runs: a partitioned run laid out rank by rank (rank r's part is
@@ -173,12 +178,17 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
             rank_major=rank_major,
         )
         reducer.accumulate_into(self._run_grads, scale)
-        self._buckets_through_run = list(itertools.accumulate(len(run) for run in self._runs))
+        # Once the first k runs are reduced, the buckets before the first bucket of any later
+        # run are final (a suffix minimum over the runs' first buckets).
+        self._final_after_runs = [len(self.buckets)] * (len(self._runs) + 1)
+        for index in reversed(range(len(self._runs))):
+            self._final_after_runs[index] = min(
+                self._final_after_runs[index + 1], self._runs[index][0]
+            )
         return reducer
 
     def buckets_reduced(self) -> int:
-        runs = self.reducer.harvested()
-        return self._buckets_through_run[runs - 1] if runs > 0 else 0
+        return self._final_after_runs[self.reducer.harvested()]
 
     @staticmethod
     def _partitioned(bucket: _Bucket) -> bool:
@@ -291,6 +301,7 @@ class ZeroStage3:
             prefetch_bucket_size=zero.prefetch_bucket_size,
             max_live_parameters=zero.max_live_parameters,
             max_reuse_distance=zero.max_reuse_distance,
+            unit_min_numel=zero.unit_min_numel,
         )
         self.partitioned = None
         if optimizer is None:
