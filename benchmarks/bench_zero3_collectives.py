@@ -28,7 +28,18 @@ round 1 / round 2; FSDP2's ranged 56-68 ms and 385-410 ms over the four launches
     deep     ours, units                        97               294  318 / 280
     deep     FSDP2                              49               146  385-410
 
-Of ours' 114 on the encoder, 74 are still the per-parameter gradient reductions (``unit.py``).
+Then one reduction per unit and small modules merged into their parent's unit
+(``stage3_unit_min_numel``, default 16384; ``--unit-min-numel 16384 0`` runs both), counted
+2026-11-27 with ~7 other jobs on the 2 cores (load average 20-28), so no step time of that run
+is worth quoting (the same run measured main's 114-collective encoder step at 5.3 s):
+
+    model    implementation                          units  collectives/step
+    encoder  ours, reduction per unit, unit per module  37                77
+    encoder  ours, reduction per unit, merged units     13                29
+    encoder  FSDP2                                       7                20
+    deep     ours, reduction per unit, unit per module  97               197
+    deep     ours, reduction per unit, merged units     49               101
+    deep     FSDP2                                      49               146
 """
 
 from __future__ import annotations
