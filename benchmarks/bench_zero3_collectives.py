@@ -28,7 +28,18 @@ round 1 / round 2; FSDP2's ranged 56-68 ms and 385-410 ms over the four launches
     deep     ours, units                        97               294  318 / 280
     deep     FSDP2                              49               146  385-410
 
-Of ours' 114 on the encoder, 74 are still the per-parameter gradient reductions (``unit.py``).
+Then one reduction per unit and small modules merged into their parent's unit
+(``stage3_unit_min_numel``, default 16384; ``--unit-min-numel 16384 0`` runs both), counted
+2026-11-27 with ~7 other jobs on the 2 cores (load average 20-28), so no step time of that run
+is worth quoting (the same run measured main's 114-collective encoder step at 5.3 s):
+
+    model    implementation                          units  collectives/step
+    encoder  ours, reduction per unit, unit per module  37                77
+    encoder  ours, reduction per unit, merged units     13                29
+    encoder  FSDP2                                       7                20
+    deep     ours, reduction per unit, unit per module  97               197
+    deep     ours, reduction per unit, merged units     49               101
+    deep     FSDP2                                      49               146
 """
 
 from __future__ import annotations
@@ -87,7 +98,7 @@ def collectives_so_far() -> int:
     return total
 
 
-def build(kind: str, model_name: str, persistence: int):
+def build(kind: str, model_name: str, persistence: int, unit_min_numel: int | None = None):
     """(step function, closer) of one implementation over a fresh model."""
     model = make_model(model_name)
     if kind == OURS3:
@@ -99,6 +110,8 @@ def build(kind: str, model_name: str, persistence: int):
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persistence},
             "steps_per_print": 10**9,
         }
+        if unit_min_numel is not None:
+            config["zero_optimization"]["stage3_unit_min_numel"] = unit_min_numel
         engine, *_ = deepspeed_cpp.initialize(model=model, config=config)
 
         def step(x):
@@ -125,9 +138,10 @@ def build(kind: str, model_name: str, persistence: int):
 def worker(rank: int, args) -> list:
     rows = []
     generator = torch.Generator().manual_seed(rank)
+    variants = [(OURS3, n) for n in args.unit_min_numel or [None]] + [(FSDP2, None)]
     for model_name in args.models:
-        for kind in (OURS3, FSDP2):
-            step, close, units = build(kind, model_name, args.persistence)
+        for kind, unit_min_numel in variants:
+            step, close, units = build(kind, model_name, args.persistence, unit_min_numel)
             counts, times = [], []
             for index in range(args.warmup + args.steps):
                 x = make_input(model_name, generator)
@@ -141,7 +155,8 @@ def worker(rank: int, args) -> list:
                     counts.append(after - before)
                     times.append(elapsed)
             close()
-            rows.append((model_name, kind, units, max(counts), statistics.median(times)))
+            label = kind if unit_min_numel is None else f"{kind}, min unit {unit_min_numel}"
+            rows.append((model_name, label, units, max(counts), statistics.median(times)))
     return rows
 
 
@@ -152,12 +167,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--persistence", type=int, default=0)
     parser.add_argument("--models", nargs="+", default=["encoder", "deep"])
+    parser.add_argument(
+        "--unit-min-numel",
+        type=int,
+        nargs="*",
+        help="ours once per value of stage3_unit_min_numel (unset: the default, not given)",
+    )
     args = parser.parse_args()
     rows = run_on_ranks(args.procs, worker, args)[0]
     print(f"{args.procs} gloo processes; step = forward + backward + optimizer step")
-    print(f"{'model':8} {'implementation':32} {'units':>5} {'collectives/step':>16} {'step ms':>8}")
+    print(f"{'model':8} {'implementation':48} {'units':>5} {'collectives/step':>16} {'step ms':>8}")
     for model_name, kind, units, count, seconds in rows:
-        print(f"{model_name:8} {kind:32} {units:5d} {count:16d} {seconds * 1e3:8.1f}")
+        print(f"{model_name:8} {kind:48} {units:5d} {count:16d} {seconds * 1e3:8.1f}")
 
 
 if __name__ == "__main__":

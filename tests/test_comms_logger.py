@@ -77,9 +77,11 @@ def test_zero2_step(pool2):
 
 
 def test_zero3_step(pool2):
-    # Every parameter partitioned (threshold 0), no prefetch: each Linear is one fetch unit.
+    # Every parameter partitioned (threshold 0), no prefetch, each Linear one fetch unit (not
+    # merged into the root's for being small).
     extra = {
         "stage3_param_persistence_threshold": 0,
+        "stage3_unit_min_numel": 0,
         "stage3_prefetch_bucket_size": 0,
         "reduce_bucket_size": 10**6,
     }
@@ -95,9 +97,9 @@ def test_zero3_step(pool2):
             # int64 (unit, uses, digest) per rank where a use launched gathers (the two units
             # in forward) and once at the end of the pass.
             "all_gather_into_tensor": {1248 * 4: 1, 640 * 4: 1, 3 * 8 * 2: 3},
-            # The C++ reducer: one bucket per partitioned parameter (fp32, whole, all-reduced),
-            # then the global gradient norm (one float64).
-            "all_reduce": {1216 * 4: 1, 608 * 4: 1, 32 * 4: 2, 8: 1},
+            # The C++ reducer: one bucket per fetch unit, the same elements as its gather (fp32,
+            # whole, all-reduced), then the global gradient norm (one float64).
+            "all_reduce": {1248 * 4: 1, 640 * 4: 1, 8: 1},
         }
         assert latencies_positive
         assert not wrapped

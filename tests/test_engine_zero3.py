@@ -110,6 +110,7 @@ def test_schedule_prefetches_and_records_again_when_the_order_changes(pool2):
     eps = 1e-4
     config = h.config("fp32", 1, 0.0, 0)
     config["optimizer"]["params"]["eps"] = eps
+    config["zero_optimization"]["stage3_unit_min_numel"] = 0  # a unit per module to prefetch
     results = pool2.run(schedule_job, config, seed, steps, rare_at)
     reference = h.reference(seed, steps, 1, 2, 0.0, rare_at=rare_at, eps=eps)
     after = results[0]["after"]

@@ -99,6 +99,7 @@ def memory_job(live: int, prefetch: int, reuse: int):
     from deepspeed_cpp.runtime.zero import partition_parameters as pp
 
     config = h.config(threshold=64, stage3_max_live_parameters=live)
+    config["zero_optimization"]["stage3_unit_min_numel"] = 0  # a unit per layer, as budgeted
     config["zero_optimization"]["stage3_prefetch_bucket_size"] = prefetch
     config["zero_optimization"]["stage3_max_reuse_distance"] = reuse
     model = Tower()

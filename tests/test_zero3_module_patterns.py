@@ -42,7 +42,12 @@ def train_job(stage: int, seed: int, steps: int, checkpointing: str = "none"):
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        # A unit per module (small ones would join their parent's: out_proj the attention's).
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            **({"stage3_unit_min_numel": 0} if stage == 3 else {}),
+        },
     }
     engine, *_ = deepspeed.initialize(model=model, config=config)
     generator = torch.Generator().manual_seed(seed + 1)

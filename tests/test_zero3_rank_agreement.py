@@ -38,7 +38,12 @@ def branch_job(mode: str, steps: int):
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        # A unit per module: merged into the root's unit, the branches would gather alike.
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_unit_min_numel": 0,
+        },
     }
     engine, *_ = deepspeed.initialize(model=BranchNet(mode), config=config)
     try:

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_cpp.ops.zero import (
+    BucketPlan,
     flatten_into,
     load_zero,
     make_gradient_reducer,
@@ -331,3 +332,59 @@ def test_reducer_errors(pool3):
         assert "the gradient of param 1 is on meta but the reducer's buffers are on cpu" in message
         assert "destination 0 is on meta but the reducer's buffers are on cpu" in message
         assert message.endswith("\ncpu")
+
+
+def rank_major_job(scatter_method: str, seed: int):
+    """ZeRO-3's layout: bucket 0 holds several parameters rank by rank (rank r's shard is every
+    member's piece r back to back), bucket 1 one parameter laid out contiguously."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(seed)
+    numels = [int(n) for n in torch.randint(1, 90, (5,), generator=generator)] + [37]
+    pieces = [-(-n // (world * 4)) * 4 for n in numels[:5]]  # per rank, aligned to 4
+    offsets = [sum(pieces[:i]) for i in range(5)] + [0]
+    plan = BucketPlan(
+        [0] * 5 + [1], offsets, numels, [world * sum(pieces), world * 16], [0, 0], world
+    )
+    reducer = make_gradient_reducer(
+        dist.group.WORLD,
+        plan,
+        scatter=True,
+        scatter_method=scatter_method,
+        rank_major=pieces + [0],
+    )
+    grads = [[torch.randn(n, generator=generator) for n in numels] for _ in range(world)]
+    missing = int(torch.randint(0, 5, (1,), generator=generator))  # unused on rank 1 only
+    for p in torch.randperm(6, generator=torch.Generator().manual_seed(seed + rank)).tolist():
+        if not (rank == 1 and p == missing):
+            reducer.add_grad(p, grads[rank][p].view(-1, 1) if p == 2 else grads[rank][p])
+    shards = reducer.finish()
+    errors = []
+    for bad in ([pieces[0] + 4] + pieces[1:] + [0], pieces[:4] + [0, 0], [1] * 5):
+        try:
+            make_gradient_reducer(dist.group.WORLD, plan, scatter=True, rank_major=bad)
+            errors.append("no error")
+        except RuntimeError as error:
+            errors.append(str(error))
+    return numels, pieces, grads, missing, shards, errors
+
+
+@pytest.mark.parametrize("scatter_method", ["reduce_scatter", "all_reduce"])
+def test_reducer_lays_a_unit_out_rank_by_rank(pool3, scatter_method):
+    seed = int(torch.randint(0, 2**30, (1,)))
+    world = 3
+    for rank, (numels, pieces, grads, missing, shards, errors) in enumerate(
+        pool3.run(rank_major_job, scatter_method, seed)
+    ):
+        expected = []
+        for p in range(5):
+            total = sum(grads[r][p] for r in range(world) if not (r == 1 and p == missing))
+            padded = torch.zeros(world * pieces[p])
+            padded[: numels[p]] = total
+            expected.append(padded.view(world, pieces[p])[rank])
+        torch.testing.assert_close(shards[0], torch.cat(expected), rtol=1e-6, atol=1e-5)
+        whole = torch.zeros(world * 16)
+        whole[:37] = sum(grads[r][5] for r in range(world))
+        torch.testing.assert_close(shards[1], whole.view(world, 16)[rank], rtol=1e-6, atol=1e-5)
+        assert "does not continue its bucket's shard at" in errors[0]
+        assert "bucket 0 mixes rank-major and contiguous params (param 4)" in errors[1]
+        assert "lay_out_rank_major: 5 shard sizes for 6 params" in errors[2]

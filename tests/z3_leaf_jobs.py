@@ -67,7 +67,12 @@ def leaf_block_trains(mark_by: str) -> dict:
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "steps_per_print": 1000,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        # A unit per module besides the leaf (small modules would join their parent's).
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_unit_min_numel": 0,
+        },
     }
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config

@@ -77,6 +77,12 @@ void GradientReducer::release(at::Tensor& tensor) {
   tensor = at::Tensor();
 }
 
+void GradientReducer::lay_out_rank_major(std::vector<int64_t> param_shard_numel) {
+  TORCH_CHECK(received_ == 0, "GradientReducer.lay_out_rank_major: called after ", received_,
+              " gradients were handed over in this step");
+  buffers_.set_rank_major(param_shard_numel, world_size_);
+}
+
 void GradientReducer::add_grad(int64_t param, const at::Tensor& grad) {
   if (buffers_.add_grad(param, grad)) hold(buffers_.buffer(buffers_.bucket_of(param)));
   ++received_;

@@ -34,6 +34,10 @@ class GradientReducer : public torch::CustomClassHolder {
                   std::vector<int64_t> bucket_sizes, bool scatter,
                   const std::string& scatter_method, const std::string& device);
 
+  // Lays buckets out rank by rank (see ReducerBuffers::set_rank_major): ZeRO-3 reduces one unit's
+  // gradients with one collective straight into the concatenation of its parameters' shards.
+  void lay_out_rank_major(std::vector<int64_t> param_shard_numel);
+
   // Hands over parameter `param`'s gradient for this step (copied, converted to fp32; the caller
   // may free it). It must be on the reducer's device.
   void add_grad(int64_t param, const at::Tensor& grad);

@@ -13,6 +13,7 @@ ReducerBuffers::ReducerBuffers(std::vector<int64_t> param_bucket, std::vector<in
       param_bucket_(std::move(param_bucket)),
       param_offset_(std::move(param_offset)),
       param_numel_(std::move(param_numel)),
+      param_shard_(param_bucket_.size(), 0),
       param_arrived_(param_bucket_.size(), 0),
       buckets_(bucket_sizes.size()) {
   const size_t num_params = param_bucket_.size();
@@ -60,6 +61,55 @@ c10::Device ReducerBuffers::parse_device(const std::string& device) {
   return parsed;
 }
 
+void ReducerBuffers::set_rank_major(const std::vector<int64_t>& param_shard_numel,
+                                    int64_t world_size) {
+  TORCH_CHECK(static_cast<int64_t>(param_shard_numel.size()) == num_params(),
+              "GradientReducer.lay_out_rank_major: ", param_shard_numel.size(), " shard sizes for ",
+              num_params(), " params");
+  TORCH_CHECK(world_size > 0, "GradientReducer.lay_out_rank_major: world size ", world_size);
+  for (const Bucket& bucket : buckets_) {
+    TORCH_CHECK(!bucket.buffer.defined(),
+                "GradientReducer.lay_out_rank_major: called after gradients were handed over");
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    const bool rank_major = param_shard_numel[bucket.members.front()] > 0;
+    for (int64_t p : bucket.members)
+      TORCH_CHECK((param_shard_numel[p] > 0) == rank_major,
+                  "GradientReducer.lay_out_rank_major: bucket ", b,
+                  " mixes rank-major and contiguous params (param ", p, ")");
+    if (!rank_major) continue;
+    TORCH_CHECK(bucket.size % world_size == 0, "GradientReducer.lay_out_rank_major: bucket ", b,
+                " has size ", bucket.size, ", not a multiple of the world size ", world_size);
+    const int64_t shard = bucket.size / world_size;
+    // Members sorted by offset must tile [0, shard) with no gap or overlap: then every element
+    // of the buffer is written by exactly one member and no padding is left to zero.
+    std::vector<int64_t> members = bucket.members;
+    std::sort(members.begin(), members.end(),
+              [this](int64_t a, int64_t c) { return param_offset_[a] < param_offset_[c]; });
+    int64_t covered = 0;
+    for (int64_t p : members) {
+      const int64_t piece = param_shard_numel[p];
+      TORCH_CHECK(param_offset_[p] == covered && param_numel_[p] <= piece * world_size,
+                  "GradientReducer.lay_out_rank_major: param ", p, " of bucket ", b, " (offset ",
+                  param_offset_[p], ", ", param_numel_[p], " elements, ", piece,
+                  " per rank) does not continue its bucket's shard at ", covered);
+      covered += piece;
+    }
+    TORCH_CHECK(covered == shard, "GradientReducer.lay_out_rank_major: the params of bucket ", b,
+                " cover ", covered, " of its shard's ", shard, " elements");
+    bucket.used = bucket.size;
+  }
+  param_shard_ = param_shard_numel;
+  world_size_ = world_size;
+}
+
+at::Tensor ReducerBuffers::slot(int64_t param, const at::Tensor& buffer) const {
+  const int64_t piece = param_shard_[param];
+  if (piece == 0) return buffer.narrow(0, param_offset_[param], param_numel_[param]);
+  return buffer.view({world_size_, -1}).narrow(1, param_offset_[param], piece);
+}
+
 bool ReducerBuffers::ensure_buffer(Bucket& bucket) {
   if (bucket.buffer.defined()) return false;
   // Parameters overwrite their own slices; only the padding needs zeros (the collective sums it
@@ -83,7 +133,25 @@ bool ReducerBuffers::add_grad(int64_t param, const at::Tensor& grad) {
               " (the device it was built for)");
   Bucket& bucket = buckets_[param_bucket_[param]];
   const bool allocated = ensure_buffer(bucket);
-  bucket.buffer.narrow(0, param_offset_[param], param_numel_[param]).copy_(grad.reshape({-1}));
+  at::Tensor destination = slot(param, bucket.buffer);
+  const at::Tensor flat = grad.reshape({-1});
+  if (param_shard_[param] == 0) {
+    destination.copy_(flat);
+  } else {
+    // Whole rows first, then the row the gradient ends in, then zeros for the padding.
+    const int64_t piece = param_shard_[param];
+    const int64_t rows = param_numel_[param] / piece;
+    const int64_t rest = param_numel_[param] - rows * piece;
+    if (rows > 0)
+      destination.narrow(0, 0, rows).copy_(flat.narrow(0, 0, rows * piece).view({rows, piece}));
+    if (rest > 0) {
+      at::Tensor row = destination.select(0, rows);
+      row.narrow(0, 0, rest).copy_(flat.narrow(0, rows * piece, rest));
+      row.narrow(0, rest, piece - rest).zero_();
+    }
+    const int64_t filled = rows + (rest > 0 ? 1 : 0);
+    if (filled < world_size_) destination.narrow(0, filled, world_size_ - filled).zero_();
+  }
   param_arrived_[param] = 1;
   ++bucket.arrived;
   return allocated;
@@ -101,7 +169,11 @@ bool ReducerBuffers::fill_missing(int64_t bucket_index) {
   const bool allocated = ensure_buffer(bucket);
   for (int64_t p : bucket.members) {
     if (param_arrived_[p]) continue;
-    bucket.buffer.narrow(0, param_offset_[p], param_numel_[p]).zero_();
+    if (param_shard_[p] == 0) {
+      bucket.buffer.narrow(0, param_offset_[p], param_numel_[p]).zero_();
+    } else {
+      slot(p, bucket.buffer).zero_();
+    }
     param_arrived_[p] = 1;
     ++bucket.arrived;
   }

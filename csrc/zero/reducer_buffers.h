@@ -36,6 +36,14 @@ class ReducerBuffers {
   // Returns whether a buffer was allocated, for the caller's memory accounting.
   bool add_grad(int64_t param, const at::Tensor& grad);
 
+  // Lays some buckets out rank by rank, as ZeRO-3 keeps a unit's parameters: a parameter `p` with
+  // `param_shard_numel[p]` > 0 is split into `world_size` pieces of that many elements (its last
+  // ones zero-padded), and piece r goes to element `param_offset[p]` of the bucket's shard r. A
+  // bucket's members must be all rank-major or all not, and a rank-major bucket's members must
+  // tile its shard exactly; then one reduce-scatter hands rank r every member's piece r, back to
+  // back. Called before any gradient is handed over.
+  void set_rank_major(const std::vector<int64_t>& param_shard_numel, int64_t world_size);
+
   // Whether every member of `bucket` has been handed over (or zero-filled) in this step.
   bool complete(int64_t bucket) const {
     return buckets_[bucket].arrived == static_cast<int64_t>(buckets_[bucket].members.size());
@@ -65,11 +73,16 @@ class ReducerBuffers {
   };
 
   bool ensure_buffer(Bucket& bucket);
+  // Where `param`'s gradient goes in its bucket's buffer: a contiguous slice, or for a rank-major
+  // parameter a [world_size, shard] view, one row per rank.
+  at::Tensor slot(int64_t param, const at::Tensor& buffer) const;
 
   c10::Device device_;
   std::vector<int64_t> param_bucket_;
   std::vector<int64_t> param_offset_;
   std::vector<int64_t> param_numel_;
+  std::vector<int64_t> param_shard_;  // 0: contiguous; else rank-major, this many per rank
+  int64_t world_size_ = 1;            // of the rank-major layout
   std::vector<char> param_arrived_;
   std::vector<Bucket> buckets_;
 };

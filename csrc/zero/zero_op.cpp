@@ -114,6 +114,7 @@ TORCH_LIBRARY_FRAGMENT(deepspeed_cpp, m) {
       .def(
           torch::init<std::string, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
                       std::vector<int64_t>, bool, std::string, std::string>())
+      .def("lay_out_rank_major", &deepspeed_cpp::GradientReducer::lay_out_rank_major)
       .def("add_grad", &deepspeed_cpp::GradientReducer::add_grad)
       .def("finish", &deepspeed_cpp::GradientReducer::finish)
       .def("accumulate_into", &deepspeed_cpp::GradientReducer::accumulate_into)

@@ -109,12 +109,16 @@ def make_gradient_reducer(
     scatter: bool,
     scatter_method: str = "auto",
     device: torch.device | str = "cpu",
+    rank_major: Sequence[int] | None = None,
 ):
     """A ``torch.classes.deepspeed_cpp.GradientReducer`` over ``group`` following ``plan``.
 
     ``scatter_method`` ("auto", "reduce_scatter" or "all_reduce") says how scattered buckets are
-    reduced (see csrc/zero/grad_reducer.h); ``device`` is where the gradients live. Built
-    collectively: every rank of ``group`` must call this at the same point.
+    reduced (see csrc/zero/grad_reducer.h); ``device`` is where the gradients live.
+    ``rank_major[p]`` > 0 lays parameter ``p`` out rank by rank, that many elements per rank at
+    ``plan.param_offset[p]`` of its bucket's shard (ZeRO-3's one reduction per unit; see
+    ``lay_out_rank_major`` in grad_reducer.h). Built collectively: every rank of ``group`` must
+    call this at the same point.
     """
     if not _op.ready:
         load_zero()
@@ -130,6 +134,8 @@ def make_gradient_reducer(
         scatter_method,
         str(device),
     )
+    if rank_major is not None:
+        reducer.lay_out_rank_major([int(n) for n in rank_major])
     return logged_if_enabled(reducer, plan, group)  # counted only with comms_logger on
 
 

@@ -13,13 +13,13 @@ import torch.distributed as dist
 from ..accelerator import get_accelerator
 from ..comm.collective_errors import named_collective
 from ..comm.logging_api import configure as configure_comms_logger
-from ..module_inject import gather_full_state_dict, tensor_parallel_info
+from ..module_inject import tensor_parallel_info
 from ..utils import groups as moe_groups
 from ..utils.logging import logger
-from .call_order import CallOrder, refuse_foreign_parameters
+from .call_order import CallOrder
 from .config import DeepSpeedConfig
-from .config_optimizer import client_optimizer_wins, config_optimizer_factory
 from .dataloader import make_distributed_loader
+from .engine_checkpoints import EngineCheckpoints
 from .engine_refusals import (
     refuse_expert_parallel_with,
     refuse_partitioned_parameters,
@@ -34,15 +34,9 @@ from .model_parallel import ModelParallelGroups
 from .nonfinite_gradients import raise_if_asked, report_skipped_step
 from .tensor_parallel.setup import remap_parameters as remap_for_tensor_parallel
 from .training_report import TrainingReport
-from .zero.moe_stage import (
-    DENSE,
-    ExpertParallelZeroStage,
-    expert_set_of,
-    needs_expert_sets,
-)
+from .zero.build import build_stage
+from .zero.moe_stage import DENSE, expert_set_of, needs_expert_sets
 from .zero.offload.host_heap import give_back_free_heap
-from .zero.offload.optimizer_offload import OptimizerOffload, ParamOffload
-from .zero.partitioned_optimizer import ZeroPartitionedOptimizer
 
 
 def _initial_broadcast_label(
@@ -56,7 +50,7 @@ def _initial_broadcast_label(
     )
 
 
-class DeepSpeedEngine(torch.nn.Module):
+class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
     """Wraps the user's module; ``backward`` and ``step`` run ZeRO stage 0, 1, 2 or 3.
 
     ``step()`` is called after every micro-batch, as with DeepSpeed: it steps the optimizer only
@@ -133,7 +127,17 @@ class DeepSpeedEngine(torch.nn.Module):
         self._last_log = (time.perf_counter(), 0)
 
         self.loss_scaler = make_loss_scaler(config.fp16) if self.fp16_enabled() else None
-        stage = self._configure_zero_optimizer(optimizer, model_parameters)
+        stage = build_stage(
+            config,
+            self.module,
+            optimizer,
+            self.group,
+            self.device,
+            model_parameters=model_parameters,
+            loss_scaler=self.loss_scaler,
+            expert_parallel=self._expert_parallel,
+            parallel=self.parallel,
+        )
         self._zero_stage = stage  # at ZeRO-3 also without an optimizer: it gathers parameters
         if self._report.wall_clock_breakdown and hasattr(stage, "set_timers"):
             stage.set_timers(self.timers)  # ZeRO-3's gathers, reduce-scatters and step
@@ -205,123 +209,6 @@ class DeepSpeedEngine(torch.nn.Module):
                             src=moe_groups._get_expert_broadcast_src_rank(key),
                             group=moe_groups._get_expert_data_parallel_group(key),
                         )
-
-    def _configure_zero_optimizer(self, client_optimizer, model_parameters):
-        config_optimizer = self.config.optimizer
-        if client_optimizer is not None:
-            config_optimizer = client_optimizer_wins(config_optimizer, self.global_rank)
-        self._config_optimizer = config_optimizer  # the section in use (None: the client's)
-        zero = self.config.zero_optimization
-        offload = OptimizerOffload.from_config(
-            zero, self.config.aio, self.config.step_during_backward_setting()
-        )
-        # Offloaded master shards are stepped on the host: the config optimizer is a CPU one.
-        optimizer_device = self.device if offload is None else torch.device("cpu")
-        if zero.stage == 3:
-            return self._configure_stage3(
-                client_optimizer, model_parameters, offload, optimizer_device
-            )
-        common = dict(
-            stage=zero.stage,
-            group=self.group,
-            reduce_bucket_size=int(zero.reduce_bucket_size),
-            reduce_scatter=zero.reduce_scatter,
-            gradient_clipping=self.config.gradient_clipping,
-            loss_scaler=self.loss_scaler,
-            offload=offload,
-            device_optimizer=self._device_part_optimizer(offload),
-        )
-        if self.mp_world_size > 1:  # the norm over the whole model (model_parallel.py)
-            common.update(
-                norm_group=self.parallel.mp_group, counts_in_norm=self.parallel.counts_in_norm
-            )
-        stage_class = ZeroPartitionedOptimizer
-        if self._expert_parallel:
-            # Expert parameters of ep_size > 1 get sets of their own, each reduced and sharded
-            # over its expert-data-parallel group, offloaded to a home of its own (a partial
-            # offload, which needs a device optimizer, is refused there).
-            stage_class = ExpertParallelZeroStage
-            del common["device_optimizer"]
-        if client_optimizer is not None:
-            if not isinstance(client_optimizer, torch.optim.Optimizer) and callable(
-                client_optimizer
-            ):
-                client_optimizer = client_optimizer(self._param_groups(model_parameters))
-            self._check_optimizer_covers_module(client_optimizer)
-            return stage_class(client_optimizer, **common)
-        if config_optimizer is None:
-            return None  # inference or evaluation only; step() will say so
-        factory = config_optimizer_factory(
-            config_optimizer.type, config_optimizer.params, optimizer_device
-        )
-        return stage_class(factory, self._param_groups(model_parameters), **common)
-
-    def _configure_stage3(self, client_optimizer, model_parameters, offload, optimizer_device):
-        from .zero.stage3 import ZeroStage3
-
-        optimizer = client_optimizer
-        if isinstance(optimizer, torch.optim.Optimizer):
-            self._check_optimizer_covers_module(optimizer)
-        config_optimizer = self._config_optimizer
-        if optimizer is None and config_optimizer is not None:
-            optimizer = config_optimizer_factory(
-                config_optimizer.type, config_optimizer.params, optimizer_device
-            )
-        dtype = (
-            torch.float16
-            if self.fp16_enabled()
-            else torch.bfloat16
-            if self.bfloat16_enabled()
-            else None
-        )
-        return ZeroStage3(
-            self.module,
-            optimizer,
-            self._param_groups(model_parameters) if optimizer is not None else None,
-            zero=self.config.zero_optimization,
-            group=self.group,
-            device=self.device,
-            dtype=dtype,
-            gradient_clipping=self.config.gradient_clipping,
-            loss_scaler=self.loss_scaler,
-            offload=offload,
-            device_optimizer=self._device_part_optimizer(offload),
-            param_offload=ParamOffload.from_config(self.config.zero_optimization, self.config.aio),
-        )
-
-    def _device_part_optimizer(self, offload):
-        """With a partial offload (``ratio`` < 1), the config optimizer for the device's part."""
-        config_optimizer = self._config_optimizer
-        if offload is None or offload.ratio >= 1.0 or config_optimizer is None:
-            return None
-        return config_optimizer_factory(config_optimizer.type, config_optimizer.params, self.device)
-
-    def _param_groups(self, model_parameters) -> list[dict]:
-        if model_parameters is None:
-            model_parameters = self.module.parameters()
-        items = list(model_parameters)
-        if items and isinstance(items[0], dict):
-            groups = [dict(group, params=list(group["params"])) for group in items]
-            for index, group in enumerate(groups):
-                where = f"model_parameters[{index}]['params']"
-                refuse_foreign_parameters(self.module, group["params"], where)
-            return groups
-        if items and isinstance(items[0], tuple):  # named_parameters()
-            items = [param for _, param in items]
-        refuse_foreign_parameters(self.module, items, "model_parameters")
-        return [{"params": items}]
-
-    def _check_optimizer_covers_module(self, optimizer: torch.optim.Optimizer) -> None:
-        for index, group in enumerate(optimizer.param_groups):
-            where = f"the optimizer's param_groups[{index}]['params']"
-            refuse_foreign_parameters(self.module, group["params"], where)
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for name, param in self.module.named_parameters():
-            if param.requires_grad and id(param) not in in_optimizer:
-                raise ValueError(
-                    f"parameter '{name}' (shape {tuple(param.shape)}) requires grad but is not in "
-                    f"the optimizer passed to initialize(); add it or set requires_grad=False"
-                )
 
     def _configure_lr_scheduler(self, client_scheduler):
         if client_scheduler is not None:
@@ -449,53 +336,6 @@ class DeepSpeedEngine(torch.nn.Module):
         if engine_ref is not None and engine_ref() is self:
             del self.module._deepspeed_cpp_engine
 
-    def full_module_state_dict(self, *, rank0_only: bool = False) -> dict:
-        """The module's state dict with every parameter whole (gathered under ZeRO-3) and
-        every expert of every rank under its global name (``moe/expert_names.py``); collective.
-        With ``rank0_only`` the other ranks get ``{}``. A model split by AutoTP keeps this
-        rank's slices (its checkpoint part); ``whole_model_state_dict`` gathers them."""
-        if self._zero_stage is None:
-            return {} if rank0_only and self.dp_rank != 0 else self.module.state_dict()
-        return self._zero_stage.full_state_dict(self.module, rank0_only=rank0_only)
-
-    def whole_model_state_dict(self, *, rank0_only: bool = False) -> dict:
-        """``full_module_state_dict`` with AutoTP's slices gathered over the TP group into the
-        unsplit tensors (what save_16bit_model and the HF save_model write); collective. With
-        ``rank0_only`` the ranks other than global rank 0 get ``{}``."""
-        if tensor_parallel_info(self.module) is None:
-            return self.full_module_state_dict(rank0_only=rank0_only)
-        whole = gather_full_state_dict(self.module, self.full_module_state_dict())
-        return {} if rank0_only and self.global_rank != 0 else whole
-
-    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
-        """DeepSpeed's name for the whole model of an AutoTP engine (accelerate calls it)."""
-        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """Whether ZeRO-3 gathers whole weights when the model is saved
-        (``stage3_gather_16bit_weights_on_model_save``); accelerate asks before it does."""
-        return bool(self.config.zero_optimization.gather_16bit_weights_on_model_save)
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
-        """The whole model's state dict in its training dtype on rank 0 (``{}`` elsewhere), tied
-        names sharing one tensor; collective. DeepSpeed's name, which accelerate's
-        ``get_state_dict`` and transformers' ``save_model`` call under ZeRO-3."""
-        from .checkpoint.model_save import share_tied
-
-        state_dict = share_tied(self.module, self.whole_model_state_dict(rank0_only=True))
-        if exclude_frozen_parameters:
-            for name, param in self.module.named_parameters(remove_duplicate=False):
-                if not param.requires_grad:
-                    state_dict.pop(name, None)
-        return state_dict
-
-    def load_full_module_state(self, state_dict: dict) -> None:
-        """Loads a full (consolidated) module state dict, partitioning it under ZeRO-3."""
-        if self._zero_stage is None:
-            self.module.load_state_dict(state_dict, strict=False)
-        else:
-            self._zero_stage.load_module_state(self.module, state_dict)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:
             self.optimizer.zero_grad()
@@ -519,94 +359,6 @@ class DeepSpeedEngine(torch.nn.Module):
             scale,
             samples_per_second,
         )
-
-    # --- checkpoints (deepspeed_cpp.runtime.checkpoint) ---------------------------------------
-    def save_checkpoint(
-        self,
-        save_dir,
-        tag=None,
-        client_state: dict | None = None,
-        save_latest: bool = True,
-        exclude_frozen_parameters: bool = False,
-        allow_pickle: bool = False,
-    ) -> bool:
-        """Saves the training state to ``save_dir/<tag>`` (default tag ``global_step<N>``) and,
-        with ``save_latest``, points ``save_dir/latest`` at it. Every rank must call it.
-
-        ``client_state`` (a dict of tensors and plain data; other objects only with
-        ``allow_pickle=True``, and then loading needs it too) is stored as is and returned by
-        ``load_checkpoint``. Files are
-        published atomically: a crash mid-save leaves ``latest`` at the previous checkpoint.
-        Gradients of an unfinished accumulation are not saved: save after ``step()`` at a
-        boundary.
-        """
-        from .checkpoint import save_checkpoint
-
-        self._failed_step.check("engine.save_checkpoint")
-        return save_checkpoint(
-            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, allow_pickle
-        )
-
-    def save_16bit_model(
-        self, save_dir, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters=False
-    ) -> bool:
-        """Writes the whole model's ``state_dict`` (its own dtype) to ``save_dir/save_filename``
-        from rank 0, atomically; safetensors when the name ends in ``.safetensors``. Under ZeRO-3
-        only with ``stage3_gather_16bit_weights_on_model_save`` (parameters gathered one at a
-        time to rank 0); without it nothing is saved and False is returned, as in DeepSpeed.
-        Every rank must call it."""
-        from .checkpoint.model_save import save_16bit_model
-
-        self._failed_step.check("engine.save_16bit_model")
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
-
-    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
-        """DeepSpeed's older name for ``save_16bit_model``."""
-        return self.save_16bit_model(save_dir, save_filename)
-
-    def load_checkpoint(
-        self,
-        load_dir,
-        tag=None,
-        load_module_strict: bool = True,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-        custom_load_fn=None,
-        allow_pickle: bool = False,
-        allow_symlinks: bool = False,
-    ):
-        """Restores the state saved under ``load_dir/<tag>`` (``tag`` None: ``latest``'s).
-
-        Returns ``(path, client_state)``, or ``(None, None)`` when no tag is given and there is
-        no ``latest`` file. The checkpoint may come from another world size or ZeRO stage
-        (0-3): it is resharded. Every rank must call it. ``allow_pickle=True`` is required
-        for (and only used by) checkpoints saved with ``save_checkpoint(..., allow_pickle=True)``:
-        it unpickles their client state in full, which can run code. ``tag`` (and the tag in
-        ``latest``) must be one directory name inside ``load_dir``; symbolic links there (the
-        tag folder, ``latest``, a file of the checkpoint) are followed only with
-        ``allow_symlinks=True``.
-        """
-        if custom_load_fn is not None:
-            raise NotImplementedError(
-                "load_checkpoint(custom_load_fn=...) is not supported by deepspeed_cpp"
-            )
-        from .checkpoint import load_checkpoint
-
-        loaded = load_checkpoint(
-            self,
-            load_dir,
-            tag,
-            load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
-            allow_pickle=allow_pickle,
-            allow_symlinks=allow_symlinks,
-        )
-        if loaded[0] is not None and load_optimizer_states and not load_module_only:
-            self._failed_step.clear()  # every part a failed step could have touched is replaced
-        return loaded
 
     # --- what scripts ask the engine ----------------------------------------------------------
     def train(self, mode: bool = True):

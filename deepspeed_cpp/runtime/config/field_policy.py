@@ -160,7 +160,7 @@ FIELDS: dict[str, FieldUse] = {
     **{
         f"zero_optimization.{name}": _read(_STAGE3)
         for name in "prefetch_bucket_size param_persistence_threshold "
-        "model_persistence_threshold max_live_parameters max_reuse_distance".split()
+        "model_persistence_threshold max_live_parameters max_reuse_distance unit_min_numel".split()
     },
     "zero_optimization.gather_16bit_weights_on_model_save": _read(
         "runtime/checkpoint/model_save.py"

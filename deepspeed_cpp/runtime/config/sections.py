@@ -137,6 +137,11 @@ class ZeroConfig(ConfigSection):
     )
     max_live_parameters: integer(0) = Field(1_000_000_000, alias="stage3_max_live_parameters")
     max_reuse_distance: integer(0) = Field(1_000_000_000, alias="stage3_max_reuse_distance")
+    unit_min_numel: integer(0) = Field(16_384, alias="stage3_unit_min_numel")
+    """A deepspeed_cpp extension: a module whose partitioned parameters (with its small
+    children's) number fewer elements joins its parent's fetch unit, gathered and reduced with
+    it (norms, bias-only modules: a collective that small costs its launch, not its bytes);
+    0 gives every module with parameters a unit of its own, as DeepSpeed does."""
     gather_16bit_weights_on_model_save: boolean() = Field(
         False, alias="stage3_gather_16bit_weights_on_model_save"
     )

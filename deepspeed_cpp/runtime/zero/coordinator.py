@@ -2,8 +2,11 @@
 prefetch what comes next, as the C++ fetch schedule (csrc/zero/fetch_schedule) decides.
 
 Fetch units: every module with partitioned parameters of its own (or registered with
-``register_external_parameter``) is one unit; a parameter shared by two modules (tied weights)
-belongs to both, and is held whole while either holds it. A module marked as a leaf
+``register_external_parameter``) is one unit, except small ones (norms, bias-only modules: fewer
+than ``stage3_unit_min_numel`` elements), whose parameters join their parent's unit: gathered
+and reduced with it, because below ~64 KiB a collective costs its launch latency, not its bytes,
+on every backend; a parameter shared by two modules (tied weights) belongs to both, and is held
+whole while either holds it. A module marked as a leaf
 (``deepspeed_cpp.utils.set_z3_leaf_modules``, read at construction) is one unit with its whole
 subtree: its descendants get no unit and no hooks, so a Mixture-of-Experts block whose experts
 run in a data-dependent order (or not at all) is gathered whole, the same way on every rank.
@@ -76,7 +79,10 @@ class ParameterCoordinator:
         prefetch_bucket_size: int,
         max_live_parameters: int,
         max_reuse_distance: int,
+        unit_min_numel: int = 0,
     ):
+        """``unit_min_numel``: modules with fewer partitioned elements join their parent's unit
+        (``_units_from_module_tree``)."""
         self.module = module
         self.world_size = dist.get_world_size(group)
         # Gathers and use checks get groups of their own (see the module docstring).
@@ -90,28 +96,14 @@ class ParameterCoordinator:
         self.unit_names: list[str] = []
         # Modules inside a leaf's subtree (z3_leaf_module): no unit, no hooks of their own.
         self._inside_leaf: set[int] = set()
-        for name, submodule in module.named_modules():
-            if id(submodule) in self._inside_leaf:
-                continue
-            leaf = z3_leaf_module(submodule)
-            members = list(submodule.modules()) if leaf else [submodule]
+        units = _units_from_module_tree(module, self._inside_leaf, int(unit_min_numel))
+        for name, submodule, params, leaf in units:
+            self.unit_of_module[id(submodule)] = len(self.units)
+            self.units.append(ZeroUnit(params, name or "<root>"))
+            self.unit_names.append(name or "<root>")
             if leaf:
-                self._inside_leaf.update(id(m) for m in members[1:])
-            params = {}
-            for member in members:
-                for param in member.parameters(recurse=False):
-                    if pp.is_partitioned(param):
-                        params[id(param)] = param
-                for param in member.__dict__.get("_ds_external_params", {}).values():
-                    if pp.is_partitioned(param):
-                        params[id(param)] = param
-            if params:
-                self.unit_of_module[id(submodule)] = len(self.units)
-                self.units.append(ZeroUnit(list(params.values()), name or "<root>"))
-                self.unit_names.append(name or "<root>")
-                if leaf:
-                    for param in params.values():
-                        setattr(param, LEAF_PARAMETER_ATTRIBUTE, submodule)
+                for param in params:
+                    setattr(param, LEAF_PARAMETER_ATTRIBUTE, submodule)
         self.schedule = make_fetch_schedule(
             [unit.padded_numel(self.world_size) for unit in self.units],
             prefetch_bucket_size=int(prefetch_bucket_size),
@@ -138,6 +130,10 @@ class ParameterCoordinator:
         for handle in module.__dict__.pop("_ds_destroyed_guards", ()):
             handle.remove()
         self._install_hooks()
+
+    def unit_of_param(self) -> dict[int, int]:
+        """``id(param)`` -> the first unit holding it (a tied parameter is in several)."""
+        return {key: units[0] for key, units in self._units_of_param.items()}
 
     # --- hooks ------------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -347,11 +343,12 @@ class ParameterCoordinator:
             if getattr(self, name) is not None:
                 dist.destroy_process_group(getattr(self, name))
                 setattr(self, name, None)
-        for submodule in self.module.modules():
-            unit = self.unit_of_module.get(id(submodule))
-            if unit is not None:
-                name = self.unit_names[unit]
-                self._hooks.append(submodule.register_forward_pre_hook(_destroyed_guard(name)))
+        for name, submodule in self.module.named_modules():
+            # Every module owning partitioned parameters names itself (not the unit it was
+            # gathered with: a small module's is its parent's).
+            if any(pp.is_partitioned(p) for p in submodule.parameters(recurse=False)):
+                guard = _destroyed_guard(name or "<root>")
+                self._hooks.append(submodule.register_forward_pre_hook(guard))
         # Kept on the model so that the next engine's coordinator removes them.
         self.module.__dict__["_ds_destroyed_guards"] = list(self._hooks)
 
@@ -359,6 +356,75 @@ class ParameterCoordinator:
 def _in_backward() -> bool:
     """Whether autograd's backward is running this thread's code (a hook of it)."""
     return torch._C._current_graph_task_id() != -1
+
+
+# Containers whose forward never runs (their children are called by the module above them): their
+# own parameters join the module above, whose hooks do run; their small children stay units.
+_NO_FORWARD = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList)
+
+# A module takes in small children only up to this many times ``stage3_unit_min_numel`` elements:
+# a Sequential of a thousand small layers must not become one unit held whole for the whole pass.
+_MERGED_PER_MIN_NUMEL = 4
+
+
+def _units_from_module_tree(module: torch.nn.Module, inside_leaf: set[int], min_numel: int):
+    """The fetch units of ``module``'s tree, in pre-order: (name, module, parameters, is_leaf).
+
+    Bottom-up, each module collects its own partitioned parameters (and the external ones
+    registered on it) plus those of its children too small to be units (fewer than
+    ``min_numel`` elements: ``stage3_unit_min_numel``), up to ``_MERGED_PER_MIN_NUMEL`` times
+    ``min_numel`` in all. A module whose collection is large enough is a unit, and so are the
+    root, every leaf module (``set_z3_leaf_modules``: its whole subtree, never merged upward) and
+    a small module that found no room above it. ``inside_leaf`` receives the ids of the modules
+    inside leaves (no unit, no hooks)."""
+    order: list[tuple[str, torch.nn.Module, bool]] = []
+    parent: dict[int, torch.nn.Module] = {}
+    for name, submodule in module.named_modules():
+        if id(submodule) in inside_leaf:
+            continue
+        leaf = z3_leaf_module(submodule)
+        if leaf:
+            inside_leaf.update(id(m) for m in list(submodule.modules())[1:])
+        order.append((name, submodule, leaf))
+        for child in submodule.children():
+            parent.setdefault(id(child), submodule)
+    collected: dict[int, dict[int, torch.nn.Parameter]] = {}
+    numel: dict[int, int] = {}
+    cap = _MERGED_PER_MIN_NUMEL * min_numel
+    units: dict[int, bool] = {}  # id(module) -> whether it is a leaf
+    for _name, submodule, leaf in reversed(order):
+        params = collected.setdefault(id(submodule), {})
+        for member in submodule.modules() if leaf else [submodule]:
+            for param in member.parameters(recurse=False):
+                if pp.is_partitioned(param):
+                    params.setdefault(id(param), param)
+            for param in member.__dict__.get("_ds_external_params", {}).values():
+                if pp.is_partitioned(param):
+                    params.setdefault(id(param), param)
+        if not params:
+            continue
+        size = sum(p.ds_numel for p in params.values())
+        above = parent.get(id(submodule))
+        if above is not None and not leaf and isinstance(submodule, _NO_FORWARD):
+            merge = True
+        else:
+            merge = (
+                above is not None
+                and not leaf
+                and size < min_numel
+                and not isinstance(above, _NO_FORWARD)
+                and numel.get(id(above), 0) + size <= cap
+            )
+        if not merge:
+            units[id(submodule)] = leaf
+            continue
+        merged = collected.setdefault(id(above), {})
+        for key, param in params.items():
+            merged.setdefault(key, param)
+        numel[id(above)] = numel.get(id(above), 0) + size
+    for name, submodule, leaf in order:
+        if id(submodule) in units:
+            yield name, submodule, list(collected[id(submodule)].values()), leaf
 
 
 def _destroyed_guard(name: str):

@@ -29,6 +29,10 @@ import torch.distributed as dist
 from ...comm.collective_errors import named_collective
 from ...comm.entry_agreement import agree_on_entries
 from .construction_heap import note_freed
+from .external_parameters import (  # noqa: F401  (DeepSpeed's module path for them)
+    register_external_parameter,
+    unregister_external_parameter,
+)
 from .shard_gather import backend_for, launch_all_gather
 
 # DeepSpeed's module-level names that transformers reads (and swaps) here while it builds a model
@@ -303,21 +307,6 @@ def gather_all(params) -> None:
         launch_gather(param)
     for param in params:
         wait_gather(param)
-
-
-def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
-    """Declares that ``module``'s forward uses ``parameter`` although another module owns it, so
-    that ZeRO-3 gathers it for ``module`` too. Call it before ``deepspeed_cpp.initialize``."""
-    if not isinstance(parameter, torch.nn.Parameter):
-        raise TypeError(
-            f"register_external_parameter expects a torch.nn.Parameter, got {type(parameter)}"
-        )
-    external = module.__dict__.setdefault("_ds_external_params", {})
-    external[id(parameter)] = parameter
-
-
-def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
-    module.__dict__.get("_ds_external_params", {}).pop(id(parameter), None)
 
 
 class GatheredParameters:

@@ -145,16 +145,12 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         self._backward_steps = self._make_backward_steps(offload)
         self.home.attach(self.masters, self.optimizer)
 
-        self.reducer = make_gradient_reducer(
-            group,
-            self.plan,
+        self.reducer = self._make_reducer(
             scatter=not owned_whole,
             scatter_method="auto" if reduce_scatter else "all_reduce",
             device=device,
+            scale=1.0 / (grad_divisor or self.world_size),
         )
-        # Each reduced bucket is averaged straight into this rank's shard gradient as soon as
-        # its collective completes, during backward.
-        self.reducer.accumulate_into(self.shard_grads, 1.0 / (grad_divisor or self.world_size))
         self._gather_by_broadcast = backend_for(group, device) == "gloo"
         # Shard gradients are zeroed lazily: the first reduction after zero_grad() writes them
         # instead of adding to zeros (a full pass over every shard saved per step).
@@ -225,17 +221,37 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
 
     def _make_masters(self, device) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
         masters, grads = [], []
+        shard_grads = self._make_shard_grads(device)
         for bucket in self.buckets:
             values = self.home.make_master(len(masters), self._master_slice(bucket))
             master = torch.nn.Parameter(values, requires_grad=True)
             # The reducer writes shard gradients on the device; offloaded masters get theirs
             # copied to the host for each step.
-            grad = torch.zeros(bucket.owned_size, dtype=torch.float32, device=device)
+            grad = shard_grads[len(masters)]
             if not self.home.offloaded(len(masters)):
                 master.grad = grad
             masters.append(master)
             grads.append(grad)
         return masters, grads
+
+    def _make_shard_grads(self, device) -> list[torch.Tensor]:
+        """One fp32 gradient per bucket: this rank's shard of it, where the reducer adds."""
+        return [torch.zeros(b.owned_size, dtype=torch.float32, device=device) for b in self.buckets]
+
+    def _make_reducer(self, *, scatter: bool, scatter_method: str, device, scale: float):
+        """The C++ reducer over the bucket plan; each reduced bucket is averaged (``scale``)
+        straight into this rank's shard gradient as soon as its collective completes, during
+        backward."""
+        reducer = make_gradient_reducer(
+            self.group, self.plan, scatter=scatter, scatter_method=scatter_method, device=device
+        )
+        reducer.accumulate_into(self.shard_grads, scale)
+        return reducer
+
+    def buckets_reduced(self) -> int:
+        """How many leading buckets have their shard gradient reduced in this backward (final
+        at an accumulation boundary)."""
+        return self.reducer.harvested()
 
     def _master_slice(self, bucket: _Bucket) -> torch.Tensor:
         if bucket.flat is not None and bucket.flat.dtype == torch.float32:

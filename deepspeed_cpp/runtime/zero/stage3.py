@@ -9,9 +9,11 @@
 - ``Stage3Optimizer`` is the stage-2 machinery over the shards: every partitioned parameter is a
   bucket of its own whose rank-r shard is the parameter's ``ds_tensor`` (fp32 parameters are
   their own master weights; fp16/bf16 ones get fp32 masters written back into ``ds_tensor`` after
-  each step), so gradients are reduce-scattered straight into the owner's shard by the C++
-  reducer, and the optimizer steps shards only; the persistent parameters share stage-2 buckets
-  (all after the partitioned ones, so they never hold back a partitioned bucket's reduction);
+  each step), and the optimizer steps shards only. Gradients are reduced one fetch unit at a
+  time: the unit's buckets form one reduction laid out rank by rank, whose one reduce-scatter
+  (C++ reducer) fills the unit's flat shard gradient, each bucket's shard gradient a view into it;
+  the persistent parameters share stage-2 buckets (all after the partitioned ones, so they never
+  hold back a partitioned bucket's reduction);
 - with ``offload_param``, a parameter home (``offload/param_homes.py``) keeps the shards on the
   host or NVMe between uses; with ``offload_optimizer``, the masters and optimizer state live in
   the optimizer's home (``offload/optimizer_homes.py``).
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
-from ...ops.zero import BucketPlan, plan_buckets
+from ...ops.zero import BucketPlan, make_gradient_reducer, plan_buckets
 from ...utils.timer import OPTIMIZER_STEP_TIMER, timed
 from . import partition_parameters as pp
 from .coordinator import ParameterCoordinator
@@ -53,9 +55,20 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
 
     STAGES = (3,)
 
-    def __init__(self, optimizer, param_groups, *, model_order: dict[int, int], **kwargs):
-        """``model_order``: ``id(param)`` -> its position in the model's registration order."""
+    def __init__(
+        self,
+        optimizer,
+        param_groups,
+        *,
+        model_order: dict[int, int],
+        unit_of_param: dict[int, int] | None = None,
+        **kwargs,
+    ):
+        """``model_order``: ``id(param)`` -> its position in the model's registration order;
+        ``unit_of_param``: ``id(param)`` -> the fetch unit whose gradients it is reduced with
+        (a parameter in none is reduced on its own)."""
         self.model_order = model_order
+        self.unit_of_param = unit_of_param or {}
         super().__init__(optimizer, param_groups, **kwargs)
 
     def _plan(self, param_groups, reduce_bucket_size, owned_whole):
@@ -84,7 +97,99 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
             if members
         ]
         params = [p for _, p in partitioned + persistent]
+        self._reduce_capacity = max(1, int(reduce_bucket_size))
         return params, _concatenate(plans)
+
+    # --- one reduction per unit -------------------------------------------------------------------
+    def _make_shard_grads(self, device) -> list[torch.Tensor]:
+        """Per bucket, a view into its reduction run's flat shard gradient (see
+        ``_reduction_runs``): one reduce-scatter fills a whole run."""
+        self._runs = self._reduction_runs()
+        self._run_grads: list[torch.Tensor] = []  # the reducer's destinations
+        grads: list[torch.Tensor | None] = [None] * len(self.buckets)
+        for run in self._runs:
+            sizes = [self.buckets[b].owned_size for b in run]
+            flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+            self._run_grads.append(flat)
+            for bucket, view in zip(run, flat.split(sizes)):
+                grads[bucket] = view
+        return grads
+
+    def _reduction_runs(self) -> list[list[int]]:
+        """The buckets in runs reduced by one collective each: the partitioned buckets (one
+        parameter each) of one fetch unit, in bucket order, up to ``reduce_bucket_size``
+        elements a run; every persistent bucket alone. The buckets themselves keep their order,
+        so masters, optimizer state and checkpoint layout stay one per parameter.
+
+        The reducer launches runs strictly in order, so they are ordered by their last bucket
+        (buckets follow the usual arrival of gradients): a unit whose members' gradients come
+        at different times (a root unit holding every block's norm) is reduced once its last
+        one arrives, without holding back the runs completed before it."""
+        runs: list[list[int]] = []
+        open_run: dict[object, int] = {}  # unit -> index of its run still taking buckets
+        sizes: list[int] = []
+        for index, bucket in enumerate(self.buckets):
+            key = (
+                self.unit_of_param.get(id(bucket.params[0]), ("alone", index))
+                if self._partitioned(bucket)
+                else ("persistent", index)
+            )
+            run = open_run.get(key)
+            if run is not None and sizes[run] + bucket.size <= self._reduce_capacity:
+                runs[run].append(index)
+                sizes[run] += bucket.size
+            else:
+                open_run[key] = len(runs)
+                runs.append([index])
+                sizes.append(bucket.size)
+        return sorted(runs, key=lambda run: run[-1])
+
+    def _make_reducer(self, *, scatter: bool, scatter_method: str, device, scale: float):
+        """The reducer over the runs: a partitioned run laid out rank by rank (rank r's part is
+        its parameters' shards r back to back, the layout a unit's gather reads), so its one
+        reduce-scatter lands in the run's flat shard gradient."""
+        plan = self.plan
+        count = len(self.params)
+        param_bucket, param_offset, rank_major = [0] * count, list(plan.param_offset), [0] * count
+        members: list[list[int]] = [[] for _ in self.buckets]
+        for param, bucket in enumerate(plan.param_bucket):
+            members[bucket].append(param)
+        sizes, groups = [], []
+        for run_index, run in enumerate(self._runs):
+            offset = 0
+            partitioned = self._partitioned(self.buckets[run[0]])
+            for bucket in run:
+                for param in members[bucket]:
+                    param_bucket[param] = run_index
+                    if partitioned:
+                        param_offset[param] = offset
+                        rank_major[param] = self.buckets[bucket].owned_size
+                offset += self.buckets[bucket].owned_size
+            sizes.append(sum(plan.bucket_sizes[b] for b in run))
+            groups.append(plan.bucket_groups[run[0]])
+        reduction = BucketPlan(
+            param_bucket, param_offset, list(plan.param_numel), sizes, groups, plan.world_size
+        )
+        reducer = make_gradient_reducer(
+            self.group,
+            reduction,
+            scatter=scatter,
+            scatter_method=scatter_method,
+            device=device,
+            rank_major=rank_major,
+        )
+        reducer.accumulate_into(self._run_grads, scale)
+        # Once the first k runs are reduced, the buckets before the first bucket of any later
+        # run are final (a suffix minimum over the runs' first buckets).
+        self._final_after_runs = [len(self.buckets)] * (len(self._runs) + 1)
+        for index in reversed(range(len(self._runs))):
+            self._final_after_runs[index] = min(
+                self._final_after_runs[index + 1], self._runs[index][0]
+            )
+        return reducer
+
+    def buckets_reduced(self) -> int:
+        return self._final_after_runs[self.reducer.harvested()]
 
     @staticmethod
     def _partitioned(bucket: _Bucket) -> bool:
@@ -197,6 +302,7 @@ class ZeroStage3:
             prefetch_bucket_size=zero.prefetch_bucket_size,
             max_live_parameters=zero.max_live_parameters,
             max_reuse_distance=zero.max_reuse_distance,
+            unit_min_numel=zero.unit_min_numel,
         )
         self.partitioned = None
         if optimizer is None:
@@ -206,6 +312,7 @@ class ZeroStage3:
                 optimizer,
                 param_groups,
                 model_order={id(p): i for i, p in enumerate(module.parameters())},
+                unit_of_param=self.coordinator.unit_of_param(),
                 stage=3,
                 group=group,
                 reduce_bucket_size=int(zero.reduce_bucket_size),

@@ -17,10 +17,10 @@ A parameter that is already whole or in flight (tied to another unit, held by
 parameters at the same point of a pass (the coordinator agrees on the uses first), so every rank
 gathers the same set in the same order.
 
-Not yet per unit: gradients. ``Stage3Optimizer`` still reduces each partitioned parameter's
-gradient with a collective of its own (a bucket per parameter, whose rank-r slice is the
-parameter's shard); one reduce-scatter per unit needs the reducer to lay a unit's gradients out
-rank by rank (the layout ``unshard`` gathers), with the masters kept per parameter.
+Gradients are reduced per unit too: ``Stage3Optimizer`` hands the C++ reducer a unit's
+parameters as one bucket laid out rank by rank (the layout ``unshard`` gathers), so one
+reduce-scatter leaves this rank's piece of every parameter in the unit's flat shard gradient,
+while masters and optimizer state stay per parameter.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class OffloadedStepping:
         """During a boundary backward: hands every sub-group whose buckets are all reduced to
         the worker that steps them (``backward_steps.py``)."""
         early = self._backward_steps
-        for group in early.ready(self.reducer.harvested()):
+        for group in early.ready(self.buckets_reduced()):
             members = self.home.sub_groups[group]
             # The step reuses the shard gradients' storage for the updated parameters (see
             # _staging_target): their norms for engine.step() are taken first, here, on the

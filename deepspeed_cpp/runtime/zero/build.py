@@ -1,0 +1,154 @@
+"""``build_stage``: the ZeRO stage of a config, over a module, with the optimizer a user passed
+to ``initialize`` (or the config's), in one place, so the engine holds no stage construction.
+
+Stages 0-2 are a ``ZeroPartitionedOptimizer`` (an ``ExpertParallelZeroStage`` where MoE experts
+need sets of their own), stage 3 a ``ZeroStage3``; every one gets the same settings from the
+config (bucket size, clipping, loss scaler, offload). ``None``: no optimizer anywhere, so nothing
+to train (inference or evaluation; a stage-3 model is still partitioned and gathered).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..call_order import refuse_foreign_parameters
+from ..config_optimizer import client_optimizer_wins, config_optimizer_factory
+from .moe_stage import ExpertParallelZeroStage
+from .offload.optimizer_offload import OptimizerOffload, ParamOffload
+from .partitioned_optimizer import ZeroPartitionedOptimizer
+
+
+def build_stage(
+    config,
+    module: torch.nn.Module,
+    optimizer,
+    group,
+    device: torch.device,
+    *,
+    model_parameters=None,
+    loss_scaler=None,
+    expert_parallel: bool = False,
+    parallel=None,
+):
+    """The ``ZeroStage`` for ``config.zero_optimization.stage`` over ``module`` on ``group``.
+
+    ``optimizer``: what the user passed to ``initialize`` (a torch optimizer over the module's
+    parameters, a callable building one from param groups, or None for the config's);
+    ``model_parameters``: ``initialize``'s (parameters, named parameters or param-group dicts;
+    None: the module's). An optimizer passed to ``initialize`` wins over the config's section,
+    as in DeepSpeed. ``parallel`` (``runtime/model_parallel.py``'s ``ModelParallelGroups``):
+    with model parallelism, stages 0-2 take the gradient norm over the whole model."""
+    config_optimizer = config.optimizer
+    if optimizer is not None:
+        config_optimizer = client_optimizer_wins(config_optimizer, dist.get_rank())
+    zero = config.zero_optimization
+    offload = OptimizerOffload.from_config(zero, config.aio, config.step_during_backward_setting())
+    # Offloaded master shards are stepped on the host: the config optimizer is a CPU one.
+    optimizer_device = device if offload is None else torch.device("cpu")
+    common = dict(
+        group=group,
+        gradient_clipping=config.gradient_clipping,
+        loss_scaler=loss_scaler,
+        offload=offload,
+        device_optimizer=_device_part_optimizer(config_optimizer, offload, device),
+    )
+    if zero.stage == 3:
+        return _build_stage3(
+            config,
+            config_optimizer,
+            module,
+            optimizer,
+            device,
+            optimizer_device,
+            model_parameters,
+            common,
+        )
+    common.update(
+        stage=zero.stage,
+        reduce_bucket_size=int(zero.reduce_bucket_size),
+        reduce_scatter=zero.reduce_scatter,
+    )
+    if parallel is not None and parallel.mp_world_size > 1:
+        common.update(norm_group=parallel.mp_group, counts_in_norm=parallel.counts_in_norm)
+    stage_class = ZeroPartitionedOptimizer
+    if expert_parallel:
+        # Expert parameters of ep_size > 1 get sets of their own, each reduced and sharded over
+        # its expert-data-parallel group, offloaded to a home of its own (a partial offload,
+        # which needs a device optimizer, is refused there).
+        stage_class = ExpertParallelZeroStage
+        del common["device_optimizer"]
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+            optimizer = optimizer(param_groups_of(module, model_parameters))
+        check_optimizer_covers_module(module, optimizer)
+        return stage_class(optimizer, **common)
+    if config_optimizer is None:
+        return None  # inference or evaluation only; step() will say so
+    factory = config_optimizer_factory(
+        config_optimizer.type, config_optimizer.params, optimizer_device
+    )
+    return stage_class(factory, param_groups_of(module, model_parameters), **common)
+
+
+def _build_stage3(
+    config, config_optimizer, module, optimizer, device, optimizer_device, model_parameters, common
+):
+    from .stage3 import ZeroStage3
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        check_optimizer_covers_module(module, optimizer)
+    if optimizer is None and config_optimizer is not None:
+        optimizer = config_optimizer_factory(
+            config_optimizer.type, config_optimizer.params, optimizer_device
+        )
+    dtype = (
+        torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
+    )
+    return ZeroStage3(
+        module,
+        optimizer,
+        param_groups_of(module, model_parameters) if optimizer is not None else None,
+        zero=config.zero_optimization,
+        device=device,
+        dtype=dtype,
+        param_offload=ParamOffload.from_config(config.zero_optimization, config.aio),
+        **common,
+    )
+
+
+def _device_part_optimizer(config_optimizer, offload, device):
+    """With a partial offload (``ratio`` < 1), the config optimizer for the device's part."""
+    if offload is None or offload.ratio >= 1.0 or config_optimizer is None:
+        return None
+    return config_optimizer_factory(config_optimizer.type, config_optimizer.params, device)
+
+
+def param_groups_of(module: torch.nn.Module, model_parameters) -> list[dict]:
+    """``initialize``'s ``model_parameters`` as param-group dicts (None: the module's)."""
+    if model_parameters is None:
+        model_parameters = module.parameters()
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        groups = [dict(group, params=list(group["params"])) for group in items]
+        for index, group in enumerate(groups):
+            where = f"model_parameters[{index}]['params']"
+            refuse_foreign_parameters(module, group["params"], where)
+        return groups
+    if items and isinstance(items[0], tuple):  # named_parameters()
+        items = [param for _, param in items]
+    refuse_foreign_parameters(module, items, "model_parameters")
+    return [{"params": items}]
+
+
+def check_optimizer_covers_module(module: torch.nn.Module, optimizer) -> None:
+    for index, group in enumerate(optimizer.param_groups):
+        where = f"the optimizer's param_groups[{index}]['params']"
+        refuse_foreign_parameters(module, group["params"], where)
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for name, param in module.named_parameters():
+        if param.requires_grad and id(param) not in in_optimizer:
+            raise ValueError(
+                f"parameter '{name}' (shape {tuple(param.shape)}) requires grad but is not in "
+                f"the optimizer passed to initialize(); add it or set requires_grad=False"
+            )
