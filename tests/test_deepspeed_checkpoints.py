@@ -201,3 +201,98 @@ def test_admitted_classes_are_the_documented_ones():
 
     for name in restricted_load.ADMITTED:
         assert name in restricted_load.__doc__
+
+
+# ---- converted once (python -m deepspeed_cpp.checkpoint.convert) -----------------------------
+
+
+def direct_and_converted_job(original: str, converted: str, stage: int, dtype: str):
+    """Two engines from the same other weights: one loads the DeepSpeed folder, one the
+    converted folder; both train STEPS_AFTER steps. Returns what must be bitwise equal."""
+    import deepspeed_cpp as deepspeed
+
+    runs = []
+    for directory in (original, converted):
+        model = make_model(OTHER_SEED)
+        config = our_config(dist.get_world_size(), stage, dtype)
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+        _path, client_state = engine.load_checkpoint(directory)
+        loaded = {n: t.detach().clone() for n, t in engine.full_module_state_dict().items()}
+        losses, lrs = train(engine, STEPS_BEFORE, STEPS_AFTER)
+        after = {n: t.detach().clone() for n, t in engine.full_module_state_dict().items()}
+        runs.append((client_state, engine.global_steps, loaded, losses, lrs, after))
+    (cs_a, steps_a, loaded_a, losses_a, lrs_a, after_a), second = runs[0], runs[1]
+    cs_b, steps_b, loaded_b, losses_b, lrs_b, after_b = second
+    same = lambda x, y: x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)  # noqa: E731
+    return {
+        "client_state": cs_a == cs_b == CLIENT_STATE,
+        "steps": steps_a == steps_b == STEPS_BEFORE + STEPS_AFTER,
+        "loaded": same(loaded_a, loaded_b),
+        "losses": losses_a == losses_b,
+        "lrs": lrs_a == lrs_b,
+        "after": same(after_a, after_b),
+    }
+
+
+# (fixture, our stage): each DeepSpeed layout once, loaded at another stage where it can be.
+CONVERT_CASES = [("zero1_bf16", 1), ("zero2", 3), ("zero3", 2)]
+
+
+@pytest.mark.parametrize("name, stage", CONVERT_CASES)
+def test_converted_checkpoint_resumes_bitwise_as_the_deepspeed_folder(pools, tmp_path, name, stage):
+    from deepspeed_cpp.checkpoint.convert import main
+
+    destination = tmp_path / "converted"
+    assert main([str(FIXTURES / name), str(destination)]) == 0
+    tag = expected(name)["tag"]
+    assert (destination / "latest").read_text() == tag
+    assert (destination / tag / "checkpoint_meta.json").is_file()  # our layout, read by ours
+    assert not any(p.name.startswith("bf16_") for p in (destination / tag).iterdir())
+    result = pools(2).run(
+        direct_and_converted_job, str(FIXTURES / name), str(destination), stage,
+        expected(name)["dtype"],
+    )  # fmt: skip
+    for rank_result in result:
+        assert all(rank_result.values()), rank_result
+
+
+def test_converted_checkpoint_consolidates_like_the_deepspeed_one(tmp_path):
+    """zero_to_fp32 reads the converted folder: the fp32 weights are DeepSpeed's masters."""
+    from deepspeed_cpp.checkpoint.convert import convert_deepspeed_checkpoint
+    from deepspeed_cpp.runtime.checkpoint.deepspeed_format import read_deepspeed_checkpoint
+    from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    convert_deepspeed_checkpoint(FIXTURES / "zero3", tmp_path / "out")
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "out")
+    saved = read_deepspeed_checkpoint(FIXTURES / "zero3" / "global_step2", False, True)
+    assert consolidated.keys() == saved.module_state.keys()
+    for name, value in saved.module_state.items():
+        assert torch.equal(consolidated[name], value.float()), name
+
+
+def test_convert_refuses_bad_input_by_name(tmp_path, capsys):
+    from deepspeed_cpp.checkpoint.convert import main
+
+    not_deepspeed = tmp_path / "empty"
+    not_deepspeed.mkdir()
+    assert main([str(not_deepspeed), str(tmp_path / "a")]) == 2
+    assert f"{not_deepspeed} is not a DeepSpeed checkpoint" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing"), str(tmp_path / "a")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    assert main([str(FIXTURES / "zero2"), str(taken)]) == 2
+    assert f"destination {taken} exists and is not empty" in capsys.readouterr().err
+    assert sorted(p.name for p in taken.iterdir()) == ["keep.txt"]
+    assert main([str(FIXTURES / "zero2"), str(tmp_path / "b"), "--tag", "global_step9"]) == 2
+    assert "global_step9 is not a DeepSpeed checkpoint: it does not exist" in (
+        capsys.readouterr().err
+    )
+    # Our own layout is not DeepSpeed's: converting a converted folder is refused by name.
+    assert main([str(FIXTURES / "zero2"), str(tmp_path / "c")]) == 0
+    assert main([str(tmp_path / "c"), str(tmp_path / "d")]) == 2
+    assert "already a deepspeed_cpp checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "d").exists()

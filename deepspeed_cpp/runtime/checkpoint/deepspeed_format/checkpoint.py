@@ -9,7 +9,7 @@ module state are the fp32 masters (ZeRO 3 saves empty tensors for them; bf16 sav
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +43,8 @@ class DeepSpeedCheckpoint:
     payload: dict  # counters, scheduler, scaler, param groups (loader's module-payload keys)
     client_state: dict
     params: list[ParamState]  # empty when the checkpoint has no optimizer states
+    # What DeepSpeed recorded about the run: ds_config, ds_version, frozen_param_shapes.
+    info: dict = field(default_factory=dict)
 
     def layout(self) -> ZeroLayout:
         return layout_of(self.params, self.stage, self.world_size)
@@ -122,4 +124,7 @@ def read_deepspeed_checkpoint(directory: Path, allow_symlinks: bool, with_optimi
     }
     client_state = {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}
     module_state = _module_state(model["module"], params, files.model)
-    return DeepSpeedCheckpoint(directory, world, stage, module_state, payload, client_state, params)
+    info = {key: model.get(key) for key in ("ds_config", "ds_version", "frozen_param_shapes")}
+    return DeepSpeedCheckpoint(
+        directory, world, stage, module_state, payload, client_state, params, info
+    )
