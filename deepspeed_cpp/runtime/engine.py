@@ -17,6 +17,8 @@ from ..utils import groups as moe_groups
 from ..utils.logging import logger
 from .call_order import CallOrder, refuse_foreign_parameters
 from .config import DeepSpeedConfig
+from .config.deepspeed_config import offload_param_needs_offload_optimizer
+from .config.errors import DeepSpeedConfigError
 from .config_optimizer import config_optimizer_factory
 from .dataloader import make_distributed_loader
 from .engine_refusals import (
@@ -250,6 +252,12 @@ class DeepSpeedEngine(torch.nn.Module):
             optimizer = config_optimizer_factory(
                 self.config.optimizer.type, self.config.optimizer.params, optimizer_device
             )
+        param_offload = ParamOffload.from_config(self.config.zero_optimization, self.config.aio)
+        if optimizer is not None and param_offload is not None and offload is None:
+            # A client optimizer: the config alone could not tell (config/deepspeed_config.py).
+            raise DeepSpeedConfigError(
+                [offload_param_needs_offload_optimizer(param_offload.device)], "initialize()"
+            )
         dtype = (
             torch.float16
             if self.fp16_enabled()
@@ -269,7 +277,7 @@ class DeepSpeedEngine(torch.nn.Module):
             loss_scaler=self.loss_scaler,
             offload=offload,
             device_optimizer=self._device_part_optimizer(offload),
-            param_offload=ParamOffload.from_config(self.config.zero_optimization, self.config.aio),
+            param_offload=param_offload,
         )
 
     def _device_part_optimizer(self, offload):
