@@ -17,12 +17,11 @@ from ..utils import groups as moe_groups
 from ..utils.logging import logger
 from .call_order import CallOrder, refuse_foreign_parameters
 from .config import DeepSpeedConfig
-from .config.deepspeed_config import offload_param_needs_offload_optimizer
-from .config.errors import DeepSpeedConfigError
 from .config_optimizer import config_optimizer_factory
 from .dataloader import make_distributed_loader
 from .engine_refusals import (
     refuse_expert_parallel_with,
+    refuse_param_offload_alone,
     refuse_partitioned_parameters,
     refuse_zero3_with_model_parallelism,
     release_previous_engine,
@@ -253,11 +252,7 @@ class DeepSpeedEngine(torch.nn.Module):
                 self.config.optimizer.type, self.config.optimizer.params, optimizer_device
             )
         param_offload = ParamOffload.from_config(self.config.zero_optimization, self.config.aio)
-        if optimizer is not None and param_offload is not None and offload is None:
-            # A client optimizer: the config alone could not tell (config/deepspeed_config.py).
-            raise DeepSpeedConfigError(
-                [offload_param_needs_offload_optimizer(param_offload.device)], "initialize()"
-            )
+        refuse_param_offload_alone(optimizer, param_offload, offload)
         dtype = (
             torch.float16
             if self.fp16_enabled()

@@ -7,6 +7,8 @@ import torch
 
 from ..utils.logging import logger
 from .config import DeepSpeedConfig
+from .config.deepspeed_config import offload_param_needs_offload_optimizer
+from .config.errors import DeepSpeedConfigError
 
 
 def release_previous_engine(model: torch.nn.Module) -> None:
@@ -16,6 +18,16 @@ def release_previous_engine(model: torch.nn.Module) -> None:
     if previous is not None:
         logger.info("deepspeed_cpp: the model had an engine; destroying its hooks first")
         previous.destroy()
+
+
+def refuse_param_offload_alone(optimizer, param_offload, optimizer_offload) -> None:
+    """ZeRO-3 ``offload_param`` steps its fp32 masters on the host, so with an optimizer it needs
+    ``offload_optimizer`` too. The config refuses that when it names an optimizer; a client
+    optimizer given to initialize() is only known here. Without one (ZeRO Inference) it is
+    fine."""
+    if optimizer is not None and param_offload is not None and optimizer_offload is None:
+        message = offload_param_needs_offload_optimizer(param_offload.device)
+        raise DeepSpeedConfigError([message], "initialize()")
 
 
 def refuse_expert_parallel_with(config: DeepSpeedConfig, mp_world_size: int) -> None:
