@@ -1008,11 +1008,16 @@ def test_offload_optimizer_tuning_keys_without_effect_warn_once_each(ds_log):
 
 def test_offload_param_needs_offload_optimizer_and_max_in_cpu_warns(ds_log):
     param = {"device": "nvme", "nvme_path": "/nvme", "max_in_cpu": 10}
-    message = _error(_with_batch(zero_optimization={"stage": 3, "offload_param": param}))
+    adam = {"type": "AdamW", "params": {"lr": 1e-3}}
+    message = _error(
+        _with_batch(zero_optimization={"stage": 3, "offload_param": param}, optimizer=adam)
+    )
     assert (
         'zero_optimization.offload_param.device = "nvme" needs offload_optimizer.device "cpu" '
-        'or "nvme" too' in message
+        'or "nvme" too in deepspeed_cpp when there is an optimizer' in message
     )
+    # Without an optimizer (ZeRO Inference, the guide's t0.py) nothing is stepped: accepted.
+    DeepSpeedConfig.load(_with_batch(zero_optimization={"stage": 3, "offload_param": param}))
     zero = {"stage": 3, "offload_param": param, "offload_optimizer": {"device": "cpu"}}
     DeepSpeedConfig.load(_with_batch(zero_optimization=zero))
     said = [

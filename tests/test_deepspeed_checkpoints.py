@@ -1,7 +1,8 @@
 """Checkpoints written by real DeepSpeed (0.19.8, committed fixtures) load into deepspeed_cpp.
 
 Each fixture (``fixtures/deepspeed_checkpoints/<name>``, written by ``make_fixtures.py``: 2 ranks,
-2 AdamW steps, ZeRO 1/2/3 in fp32 and ZeRO 1 in bf16) is loaded by ``engine.load_checkpoint``
+2 AdamW steps, ZeRO 1/2/3 in fp32, ZeRO 1 in bf16, ZeRO 2 in fp16 with its dynamic loss scaler,
+ZeRO 3 with a frozen parameter) is loaded by ``engine.load_checkpoint``
 into deepspeed_cpp engines of several stages and world sizes, built from other initial weights;
 2 more steps must give the losses, learning rates and weights of DeepSpeed's own resume
 (``expected.json``). A DeepSpeed-named file that names any other class is refused unread.
@@ -36,6 +37,8 @@ FP32_TOLERANCE = 1e-6
 # largest element (measured: 3.4e-3 at ZeRO 1). Two steps allowed; the losses (measured: equal
 # bitwise) are held to the same bound.
 BF16_TOLERANCE = 2**-7
+# fp16: the weights compared are fp16 (2**-11 relative steps), the losses fp32 sums of them.
+TOLERANCES = {"fp32": FP32_TOLERANCE, "bf16": BF16_TOLERANCE, "fp16": 2**-10}
 
 
 @pytest.fixture(scope="module")
@@ -62,16 +65,22 @@ def our_config(world: int, stage: int, dtype: str) -> dict:
     return config
 
 
-def resume_job(directory: str, stage: int, dtype: str):
+def build_ours(stage: int, dtype: str, frozen: bool):
     import deepspeed_cpp as deepspeed
 
-    world = dist.get_world_size()
-    model = make_model(OTHER_SEED)  # other initial weights: the load must win
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=our_config(world, stage, dtype)
-    )
+    model = make_model(OTHER_SEED, frozen)  # other initial weights: the load must win
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    config = our_config(dist.get_world_size(), stage, dtype)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+    return engine
+
+
+def resume_job(directory: str, stage: int, dtype: str):
+    engine = build_ours(stage, dtype, directory.endswith("_frozen"))
     path, client_state = engine.load_checkpoint(directory)
-    loaded = {"path": path, "client_state": client_state, "global_steps": engine.global_steps}
+    scaler = engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None
+    loaded = {"path": path, "client_state": client_state, "global_steps": engine.global_steps,
+              "loss_scaler": scaler}  # fmt: skip
     losses, lrs = train(engine, STEPS_BEFORE, STEPS_AFTER)
     weights = {n: t.detach().float().flatten() for n, t in engine.full_module_state_dict().items()}
     return loaded, losses, lrs, engine.global_steps, weights
@@ -98,20 +107,38 @@ CASES = [
     ("zero3", 2, 2),
     ("zero2", 2, 1),  # another world size
     ("zero3", 1, 1),
+    ("zero2_fp16", 2, 2),
+    ("zero2_fp16", 3, 2),
+    ("zero3_frozen", 3, 2),
+    ("zero3_frozen", 1, 1),
 ]
+
+
+def _saved_scaler(name: str):
+    """The loss scaler DeepSpeed saved (read here by the restricted unpickler), or None."""
+    from deepspeed_cpp.runtime.checkpoint.deepspeed_format import load_deepspeed_file
+
+    if expected(name)["dtype"] != "fp16":
+        return None
+    path = FIXTURES / name / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    return load_deepspeed_file(path)["optimizer_state_dict"]["loss_scaler"].__dict__
 
 
 @pytest.mark.parametrize("name, stage, world", CASES)
 def test_deepspeed_checkpoint_resumes_as_deepspeed_does(pools, name, stage, world):
     want = expected(name)
     dtype = want["dtype"]
-    tolerance = BF16_TOLERANCE if dtype == "bf16" else FP32_TOLERANCE
+    tolerance = TOLERANCES[dtype]
     results = pools(world).run(resume_job, str(FIXTURES / name), stage, dtype)
+    scaler = _saved_scaler(name)
     want_losses = _losses_per_step(want["losses_after_resume"], world)
     for rank, (loaded, losses, lrs, global_steps, _weights) in enumerate(results):
         assert loaded["path"] == str(FIXTURES / name / want["tag"])
         assert loaded["client_state"] == CLIENT_STATE
         assert loaded["global_steps"] == STEPS_BEFORE
+        if scaler is not None:  # DeepSpeed's dynamic scaler state, carried over
+            for key, value in loaded["loss_scaler"].items():
+                assert value == scaler[key], (key, value, scaler[key])
         assert lrs == pytest.approx(want["lrs_after_resume"], rel=1e-12)
         assert global_steps == want["global_steps_after_resume"]
         assert losses == pytest.approx(want_losses[rank], rel=tolerance, abs=tolerance), rank
@@ -201,3 +228,114 @@ def test_admitted_classes_are_the_documented_ones():
 
     for name in restricted_load.ADMITTED:
         assert name in restricted_load.__doc__
+
+
+# ---- converted once (python -m deepspeed_cpp.checkpoint.convert) -----------------------------
+
+
+def direct_and_converted_job(original: str, converted: str, stage: int, dtype: str):
+    """Two engines from the same other weights: one loads the DeepSpeed folder, one the
+    converted folder; both train STEPS_AFTER steps. Returns what must be bitwise equal."""
+
+    runs = []
+    for directory in (original, converted):
+        engine = build_ours(stage, dtype, original.endswith("_frozen"))
+        _path, client_state = engine.load_checkpoint(directory)
+        loaded = {n: t.detach().clone() for n, t in engine.full_module_state_dict().items()}
+        losses, lrs = train(engine, STEPS_BEFORE, STEPS_AFTER)
+        after = {n: t.detach().clone() for n, t in engine.full_module_state_dict().items()}
+        runs.append((client_state, engine.global_steps, loaded, losses, lrs, after))
+    (cs_a, steps_a, loaded_a, losses_a, lrs_a, after_a), second = runs[0], runs[1]
+    cs_b, steps_b, loaded_b, losses_b, lrs_b, after_b = second
+    same = lambda x, y: x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)  # noqa: E731
+    return {
+        "client_state": cs_a == cs_b == CLIENT_STATE,
+        "steps": steps_a == steps_b == STEPS_BEFORE + STEPS_AFTER,
+        "loaded": same(loaded_a, loaded_b),
+        "losses": losses_a == losses_b,
+        "lrs": lrs_a == lrs_b,
+        "after": same(after_a, after_b),
+    }
+
+
+# (fixture, our stage): each DeepSpeed layout once, loaded at another stage where it can be.
+CONVERT_CASES = [("zero1_bf16", 1), ("zero2", 3), ("zero3", 2), ("zero2_fp16", 2),
+                 ("zero3_frozen", 3)]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, stage", CONVERT_CASES)
+def test_converted_checkpoint_resumes_bitwise_as_the_deepspeed_folder(pools, tmp_path, name, stage):
+    from deepspeed_cpp.checkpoint.convert import main
+
+    destination = tmp_path / "converted"
+    assert main([str(FIXTURES / name), str(destination)]) == 0
+    tag = expected(name)["tag"]
+    assert (destination / "latest").read_text() == tag
+    assert (destination / tag / "checkpoint_meta.json").is_file()  # our layout, read by ours
+    assert not any(p.name.startswith("bf16_") for p in (destination / tag).iterdir())
+    result = pools(2).run(
+        direct_and_converted_job, str(FIXTURES / name), str(destination), stage,
+        expected(name)["dtype"],
+    )  # fmt: skip
+    for rank_result in result:
+        assert all(rank_result.values()), rank_result
+
+
+def test_converted_checkpoint_consolidates_like_the_deepspeed_one(tmp_path):
+    """zero_to_fp32 reads the converted folder: the fp32 weights are DeepSpeed's masters."""
+    from deepspeed_cpp.checkpoint.convert import convert_deepspeed_checkpoint
+    from deepspeed_cpp.runtime.checkpoint.deepspeed_format import read_deepspeed_checkpoint
+    from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    convert_deepspeed_checkpoint(FIXTURES / "zero3", tmp_path / "out")
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "out")
+    saved = read_deepspeed_checkpoint(FIXTURES / "zero3" / "global_step2", False, True)
+    assert consolidated.keys() == saved.module_state.keys()
+    for name, value in saved.module_state.items():
+        assert torch.equal(consolidated[name], value.float()), name
+
+
+def test_convert_refuses_bad_input_by_name(tmp_path, capsys):
+    from deepspeed_cpp.checkpoint.convert import main
+
+    not_deepspeed = tmp_path / "empty"
+    not_deepspeed.mkdir()
+    assert main([str(not_deepspeed), str(tmp_path / "a")]) == 2
+    assert f"{not_deepspeed} is not a DeepSpeed checkpoint" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing"), str(tmp_path / "a")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    assert main([str(FIXTURES / "zero2"), str(taken)]) == 2
+    assert f"destination {taken} exists and is not empty" in capsys.readouterr().err
+    assert sorted(p.name for p in taken.iterdir()) == ["keep.txt"]
+    assert main([str(FIXTURES / "zero2"), str(tmp_path / "b"), "--tag", "global_step9"]) == 2
+    assert "global_step9 is not a DeepSpeed checkpoint: it does not exist" in (
+        capsys.readouterr().err
+    )
+    # Our own layout is not DeepSpeed's: converting a converted folder is refused by name.
+    assert main([str(FIXTURES / "zero2"), str(tmp_path / "c")]) == 0
+    assert main([str(tmp_path / "c"), str(tmp_path / "d")]) == 2
+    assert "already a deepspeed_cpp checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, what",
+    [
+        ("mp_rank_01_model_states.pt", "model \\(tensor or pipeline\\) parallel ranks"),
+        ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "model \\(tensor or pipeline\\) parallel"),
+        ("layer_0_expert_1_mp_rank_00_model_states.pt", "MoE experts"),
+        ("expert_0_mp_rank_00_model_states.pt", "MoE experts"),  # DeepSpeed's older name
+    ],
+)
+def test_model_parallel_and_expert_files_are_refused_by_name(tmp_path, extra, what):
+    from deepspeed_cpp.runtime.checkpoint.deepspeed_format import read_deepspeed_checkpoint
+    from deepspeed_cpp.runtime.checkpoint.errors import CheckpointMismatchError
+
+    copy = tmp_path / "zero2"
+    shutil.copytree(FIXTURES / "zero2", copy)
+    shutil.copy(copy / "global_step2" / "mp_rank_00_model_states.pt", copy / "global_step2" / extra)
+    with pytest.raises(CheckpointMismatchError, match=f"with {what}.*{extra}"):
+        read_deepspeed_checkpoint(copy / "global_step2", False, True)

@@ -172,3 +172,33 @@ def test_run_clm_shaped_trainer_script_at_zero3_matches_one_process(
     assert summary["partitioned_at_construction"], output[-4000:]
     assert len(summary["losses"]) == STEPS
     assert summary["losses"] == pytest.approx(one_process_reference, abs=1e-5, rel=0)
+
+
+def test_half_precision_construction_is_partitioned_and_equals_the_cast(saved_gpt2, tmp_path):
+    """bf16 and fp16 stage-3 configs, ``from_pretrained(..., dtype=)`` and ``from_config``: every
+    parameter partitioned at construction, its shard in that dtype, and gathered equal to the
+    saved fp32 weights cast to it (what transformers gives without ZeRO) bit for bit."""
+    from safetensors.torch import load_file
+
+    reports = tmp_path / "reports"
+    output = _launch(
+        TESTS / "hf_zero3_half_job.py", [], str(REPO_ROOT), tmp_path,
+        MODEL_DIR=str(saved_gpt2), REPORT_DIR=str(reports),
+    )  # fmt: skip
+    assert "[ERROR]" not in output, output[-8000:]
+    ranks = [json.loads((reports / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    expected = {name for name in load_file(str(saved_gpt2 / "model.safetensors"))}
+    expected.discard("lm_head.weight")  # tied to the input embedding
+    for report in ranks:
+        assert report["deepspeed_module"] == "deepspeed_cpp"
+        for key, dtype in (("bf16", "torch.bfloat16"), ("fp16", "torch.float16")):
+            pretrained = report[key]["from_pretrained"]
+            assert set(pretrained) == expected
+            for name, entry in pretrained.items():
+                assert entry == {"partitioned": True, "shard_dtype": dtype, "equals_cast": True}, (
+                    key, name, entry,
+                )  # fmt: skip
+            for name, entry in report[key]["from_config"].items():
+                assert entry["partitioned"] and entry["dtype"] == dtype, (key, name, entry)
+    for key in ("bf16", "fp16"):
+        assert ranks[0][key]["from_config"] == ranks[1][key]["from_config"], key

@@ -11,7 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_offload_optimizer import SEED, _config, _run_steps
-from zero3_helpers import assert_same_shard_states, full_params, global_batches, make_model
+from zero3_helpers import (
+    MICRO_BATCH,
+    assert_same_shard_states,
+    full_params,
+    global_batches,
+    make_model,
+)
 
 
 def _folder(parent) -> str:
@@ -307,3 +313,43 @@ def test_a_swap_write_past_the_file_size_limit_is_named_and_nothing_is_lost(pool
         for name, value in saved_params.items():
             assert torch.equal(params[name], value), name
         assert_same_shard_states(states, saved_states)
+
+
+def _inference_offload_param_job():
+    import deepspeed_cpp
+    from deepspeed_cpp.runtime.config.errors import DeepSpeedConfigError
+
+    zero = {"stage": 3, "offload_param": {"device": "cpu"},
+            "stage3_param_persistence_threshold": 0}  # fmt: skip
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "zero_optimization": zero}
+    reference = make_model(SEED)
+    tokens = global_batches(SEED, 1, 1, dist.get_world_size())[0][0][0]
+    with torch.no_grad():
+        expected = reference(tokens)
+    # ZeRO Inference (the guide's t0.py): offload_param without an optimizer to step.
+    engine, *_ = deepspeed_cpp.initialize(model=make_model(SEED), config=config)
+    engine.module.eval()
+    with torch.no_grad():
+        got = engine(tokens)
+    partitioned = all(p.numel() == 0 for p in engine.module.parameters())
+    engine.destroy()
+    # A client optimizer with offload_param alone is refused by name, as a config one is.
+    model = make_model(SEED)
+    try:
+        deepspeed_cpp.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config
+        )
+    except DeepSpeedConfigError as error:
+        refused = str(error)
+    else:
+        refused = None
+    return torch.equal(got, expected), (got - expected).abs().max().item(), partitioned, refused
+
+
+def test_offload_param_without_an_optimizer_runs_inference(pool2):
+    for same, gap, partitioned, refused in pool2.run(_inference_offload_param_job):
+        assert same, gap
+        assert partitioned
+        assert refused is not None and 'offload_param.device = "cpu" needs offload_optimizer' in (
+            refused
+        )

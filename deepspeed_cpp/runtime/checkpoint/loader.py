@@ -22,6 +22,7 @@ from ...moe.expert_names import expert_layers, local_name, to_local
 from ...utils.logging import logger
 from .client_state import NEEDS_PICKLE_KEY, load_client_state
 from .deepspeed_format import is_deepspeed_checkpoint, read_deepspeed_checkpoint
+from .deepspeed_format.convert import CONVERTED_FROM_KEY
 from .digests import file_digests
 from .errors import (
     CheckpointMismatchError,
@@ -112,8 +113,31 @@ def check_layouts_match(saved: ZeroLayout, current: ZeroLayout, held_elsewhere=N
             )
 
 
+_ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
+
+
+def _check_deepspeed_optimizer(state_keys, group_count: int, zero) -> None:
+    """For optimizer state DeepSpeed saved (read directly or converted): DeepSpeed's optimizer
+    class is not ours, so what is checked is that the state holds what this engine's optimizer
+    keeps, and the param groups' count."""
+    ours = type(zero.optimizer).__name__
+    if "adam" in ours.lower() and not _ADAM_STATE <= set(state_keys):
+        raise CheckpointMismatchError(
+            f"the DeepSpeed checkpoint's optimizer state has {sorted(state_keys)}, this "
+            f"engine's {ours} needs {sorted(_ADAM_STATE)}; pass load_optimizer_states=False"
+        )
+    if group_count != len(zero.param_groups):
+        raise CheckpointMismatchError(
+            f"the DeepSpeed checkpoint's optimizer has {group_count} param groups, this "
+            f"engine's has {len(zero.param_groups)}"
+        )
+
+
 def _check_optimizer_matches(metadata: dict, zero) -> None:
     saved = metadata.get("optimizer")
+    if saved is not None and metadata.get(CONVERTED_FROM_KEY):
+        _check_deepspeed_optimizer(saved["state_kinds"], len(saved["param_groups"]), zero)
+        return
     if saved is None:
         raise CheckpointMismatchError(
             "the checkpoint has no optimizer state (it was saved by an engine without an "
@@ -226,9 +250,6 @@ def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None
     )
 
 
-_ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
-
-
 def _read_deepspeed(engine, directory: Path, options: dict, plan: _Plan) -> None:
     """``_read_and_check`` for a checkpoint DeepSpeed wrote (``deepspeed_format/``): its
     parameters are rebuilt whole, then cut for this engine like a resharded checkpoint."""
@@ -256,17 +277,7 @@ def _read_deepspeed(engine, directory: Path, options: dict, plan: _Plan) -> None
     kinds = {}
     if options["optimizer_states"]:
         state = saved.params[0].state
-        ours = type(zero.optimizer).__name__
-        if "adam" in ours.lower() and not _ADAM_STATE <= state.keys():
-            raise CheckpointMismatchError(
-                f"the DeepSpeed checkpoint's optimizer state has {sorted(state)}, this engine's "
-                f"{ours} needs {sorted(_ADAM_STATE)}; pass load_optimizer_states=False"
-            )
-        if len(saved.payload["param_groups"]) != len(zero.param_groups):
-            raise CheckpointMismatchError(
-                f"the DeepSpeed checkpoint's optimizer has {len(saved.payload['param_groups'])} "
-                f"param groups, this engine's has {len(zero.param_groups)}"
-            )
+        _check_deepspeed_optimizer(state.keys(), len(saved.payload["param_groups"]), zero)
         kinds = {key: classify_state(value, saved.params[0].master) for key, value in state.items()}
     plan.reader = saved.reader()
     plan.masters, plan.states = Resharder(plan.reader, current, kinds).slices_for(

@@ -212,13 +212,10 @@ class DeepSpeedConfig(ConfigSection):
         offload_optimizer = zero.offload_optimizer
         optimizer_offloaded = offload_optimizer is not None and offload_optimizer.device != "none"
         if offload_param is not None and offload_param.device != "none" and zero.stage == 3:
-            if not optimizer_offloaded:
-                problems.append(
-                    f'zero_optimization.offload_param.device = "{offload_param.device}" needs '
-                    f'offload_optimizer.device "cpu" or "nvme" too in deepspeed_cpp (the fp32 '
-                    f"masters of offloaded parameters are stepped on the host); add "
-                    f"offload_optimizer"
-                )
+            # Without an optimizer (ZeRO Inference, the guide's t0.py) nothing is stepped; a
+            # client optimizer given to initialize() is checked by the engine (same message).
+            if not optimizer_offloaded and self.optimizer is not None:
+                problems.append(offload_param_needs_offload_optimizer(offload_param.device))
             if offload_param.max_in_cpu != 1_000_000_000:
                 warnings.append(
                     f"zero_optimization.offload_param.max_in_cpu = {offload_param.max_in_cpu} "
@@ -353,6 +350,16 @@ _WARNED_KEYS: set[str] = set()
 is finalised again) is told about each key once."""
 _QUOTED_KEY = re.compile(r"^'([A-Za-z0-9_.]+)'")
 _DOTTED_KEY = re.compile(r"^([a-z0-9_]+(?:\.[a-z0-9_]+)+)\b")
+
+
+def offload_param_needs_offload_optimizer(device: str) -> str:
+    """Why ``offload_param`` alone is refused when there is an optimizer to step."""
+    return (
+        f'zero_optimization.offload_param.device = "{device}" needs offload_optimizer.device '
+        f'"cpu" or "nvme" too in deepspeed_cpp when there is an optimizer (the fp32 masters of '
+        f"offloaded parameters are stepped on the host); add offload_optimizer, or leave the "
+        f"optimizer out for inference"
+    )
 
 
 def _warning_key(message: str) -> str:

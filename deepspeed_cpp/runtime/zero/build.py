@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ..call_order import refuse_foreign_parameters
+from ..config.deepspeed_config import offload_param_needs_offload_optimizer
+from ..config.errors import DeepSpeedConfigError
 from ..config_optimizer import client_optimizer_wins, config_optimizer_factory
 from .moe_stage import ExpertParallelZeroStage
 from .offload.optimizer_offload import OptimizerOffload, ParamOffload
@@ -102,6 +104,8 @@ def _build_stage3(
         optimizer = config_optimizer_factory(
             config_optimizer.type, config_optimizer.params, optimizer_device
         )
+    param_offload = ParamOffload.from_config(config.zero_optimization, config.aio)
+    refuse_param_offload_alone(optimizer, param_offload, common["offload"])
     dtype = (
         torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
     )
@@ -112,7 +116,7 @@ def _build_stage3(
         zero=config.zero_optimization,
         device=device,
         dtype=dtype,
-        param_offload=ParamOffload.from_config(config.zero_optimization, config.aio),
+        param_offload=param_offload,
         **common,
     )
 
@@ -152,3 +156,13 @@ def check_optimizer_covers_module(module: torch.nn.Module, optimizer) -> None:
                 f"parameter '{name}' (shape {tuple(param.shape)}) requires grad but is not in "
                 f"the optimizer passed to initialize(); add it or set requires_grad=False"
             )
+
+
+def refuse_param_offload_alone(optimizer, param_offload, optimizer_offload) -> None:
+    """ZeRO-3 ``offload_param`` steps its fp32 masters on the host, so with an optimizer it needs
+    ``offload_optimizer`` too. The config refuses that when it names an optimizer; a client
+    optimizer given to initialize() is only known here. Without one (ZeRO Inference) it is
+    fine."""
+    if optimizer is not None and param_offload is not None and optimizer_offload is None:
+        message = offload_param_needs_offload_optimizer(param_offload.device)
+        raise DeepSpeedConfigError([message], "initialize()")

@@ -4,19 +4,22 @@ The model-states file gives the module's buffers (and frozen parameters), the co
 scheduler's state and the client state (DeepSpeed stores the ``client_state`` dict's keys beside
 its own; every key that is not DeepSpeed's is returned); the optimizer-states files give the
 fp32 masters and Adam state (``flat_partitions.py``). The trainable parameters' values in the
-module state are the fp32 masters (ZeRO 3 saves empty tensors for them; bf16 saves rounded ones).
+module state are the fp32 masters (ZeRO 3 saves empty tensors for them; bf16 saves rounded ones);
+at ZeRO 3 a frozen parameter is saved empty too, each rank's model-states file holding its
+partition of it (``frozen_param_fragments``), which are concatenated in rank order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointMismatchError, IncompleteCheckpointError
 from ..metadata import ZeroLayout
-from .files import find_files
+from .files import find_files, zero3_model_file
 from .flat_partitions import ParamState, reassemble
 from .reassembled_reader import ReassembledReader, layout_of
 from .restricted_load import LossScalerRecord, load_deepspeed_file
@@ -43,6 +46,8 @@ class DeepSpeedCheckpoint:
     payload: dict  # counters, scheduler, scaler, param groups (loader's module-payload keys)
     client_state: dict
     params: list[ParamState]  # empty when the checkpoint has no optimizer states
+    # What DeepSpeed recorded about the run: ds_config, ds_version, frozen_param_shapes.
+    info: dict = field(default_factory=dict)
 
     def layout(self) -> ZeroLayout:
         return layout_of(self.params, self.stage, self.world_size)
@@ -71,17 +76,59 @@ def _param_groups(optim: dict | None) -> list[dict]:
     return groups
 
 
-def _module_state(saved: dict, params: list[ParamState], path: Path) -> dict:
-    state = dict(saved)
+def _frozen_fragments(directory: Path, world: int, allow_symlinks: bool) -> dict[str, list]:
+    """ZeRO 3: each rank's model-states file holds its partition of every frozen parameter
+    (``frozen_param_fragments``, in rank order); name -> the ranks' pieces."""
+    pieces: dict[str, list] = {}
+    for rank in range(world):
+        path = directory / zero3_model_file(rank)
+        if not path.is_file():
+            raise IncompleteCheckpointError(
+                f"DeepSpeed checkpoint {directory} is incomplete: {path.name} is missing (its "
+                f"model states say {world} data-parallel ranks saved it; at ZeRO 3 each holds "
+                "its part of the frozen parameters)"
+            )
+        fragments = load_deepspeed_file(path, allow_symlinks).get("frozen_param_fragments") or {}
+        for name, piece in fragments.items():
+            pieces.setdefault(name, []).append(piece.flatten())
+    return pieces
+
+
+def _module_state(saved: dict, params: list[ParamState], path: Path, world: int, symlinks):
+    state = dict(saved["module"])
     for param in params:
         state[param.name] = param.master.view(param.shape)
-    for name, value in state.items():
-        if torch.is_tensor(value) and value.numel() == 0 and name in saved:
-            if name not in {p.name for p in params}:
-                raise CheckpointMismatchError(
-                    f"{path}: '{name}' is saved empty (a ZeRO 3 frozen parameter, kept in "
-                    "'frozen_param_fragments'); deepspeed_cpp does not read those yet"
-                )
+    trainable = {p.name for p in params}
+    empty = [
+        name
+        for name, value in state.items()
+        if torch.is_tensor(value) and value.numel() == 0 and name not in trainable
+    ]
+    shapes = saved.get("frozen_param_shapes") or {}
+    fragments = _frozen_fragments(path.parent, world, symlinks) if empty and shapes else {}
+    for name in empty:
+        if name not in shapes:
+            raise CheckpointMismatchError(
+                f"{path}: '{name}' is saved empty and is neither a trainable parameter in the "
+                "optimizer-states files nor a frozen one ('frozen_param_shapes')"
+            )
+        shape = tuple(shapes[name])
+        numel = math.prod(shape)
+        if numel == 0:
+            continue  # a parameter of no elements: empty is its value
+        if name not in fragments or len(fragments[name]) != world:
+            raise CheckpointMismatchError(
+                f"{path}: '{name}' is saved empty (a ZeRO 3 frozen parameter) and the model-"
+                f"states files of the {world} ranks do not all hold its part "
+                "('frozen_param_fragments')"
+            )
+        whole = torch.cat(fragments[name])
+        if whole.numel() < numel:
+            raise IncompleteCheckpointError(
+                f"{path}: frozen parameter '{name}' of shape {list(shape)} needs {numel} "
+                f"elements, the ranks' parts hold {whole.numel()}"
+            )
+        state[name] = whole[:numel].view(shape).clone()
     return state
 
 
@@ -102,6 +149,8 @@ def read_deepspeed_checkpoint(directory: Path, allow_symlinks: bool, with_optimi
             "deepspeed_cpp reads data-parallel checkpoints only"
         )
     files = find_files(directory, world)
+    # ZeRO 3 keeps the trainable values only in the optimizer-states files: read them anyway.
+    with_optimizer = with_optimizer or files.model.name == zero3_model_file(0)
     optims = [load_deepspeed_file(p, allow_symlinks) for p in files.optim] if with_optimizer else []
     params = reassemble(model, optims, list(files.optim), files.bf16) if optims else []
     if optims:
@@ -121,5 +170,8 @@ def read_deepspeed_checkpoint(directory: Path, allow_symlinks: bool, with_optimi
         "param_groups": _param_groups(optims[0] if optims else None),
     }
     client_state = {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}
-    module_state = _module_state(model["module"], params, files.model)
-    return DeepSpeedCheckpoint(directory, world, stage, module_state, payload, client_state, params)
+    module_state = _module_state(model, params, files.model, world, allow_symlinks)
+    info = {key: model.get(key) for key in ("ds_config", "ds_version", "frozen_param_shapes")}
+    return DeepSpeedCheckpoint(
+        directory, world, stage, module_state, payload, client_state, params, info
+    )

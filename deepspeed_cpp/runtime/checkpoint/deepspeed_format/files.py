@@ -55,10 +55,14 @@ def find_files(directory: Path, world_size: int) -> DeepSpeedFiles:
     model = directory / MODULE_FILE
     if not model.is_file():
         model = directory / zero3_model_file(0)
-    if any(directory.glob("*mp_rank_01_*")) or any(directory.glob("layer_*")):
+    model_parallel = sorted(p.name for p in directory.glob("*mp_rank_0[1-9]_*"))
+    experts = sorted(p.name for p in directory.glob("*expert_*_mp_rank_*"))
+    if model_parallel or experts:
+        found = (model_parallel or experts)[0]
+        what = "model (tensor or pipeline) parallel ranks" if model_parallel else "MoE experts"
         raise CheckpointMismatchError(
-            f"{directory} is a DeepSpeed checkpoint with model (tensor or pipeline) parallel "
-            "ranks or MoE experts; deepspeed_cpp reads data-parallel ZeRO checkpoints only"
+            f"{directory} is a DeepSpeed checkpoint with {what} ({found}); deepspeed_cpp reads "
+            "DeepSpeed's data-parallel ZeRO checkpoints only (mp_rank_00, no expert files)"
         )
     bf16 = (directory / optim_file(0, bf16=True)).is_file()
     if not bf16 and not (directory / optim_file(0, bf16=False)).is_file():
