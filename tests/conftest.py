@@ -27,23 +27,37 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-# One pool of real gloo worker processes per test module and world size (tests/dist_pool.py).
-@pytest.fixture(scope="module")
+# One pool of real gloo worker processes per world size for the whole session (tests/dist_pool.py):
+# started once, shared by every module. Function-scoped, so a pool torn down by a hung job in one
+# test is replaced for the next.
+@pytest.fixture
 def pool2():
-    from dist_pool import DistributedPool
+    from dist_pool import shared_pool
 
-    pool = DistributedPool(2)
-    yield pool
-    pool.close()
+    return shared_pool(2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pool3():
-    from dist_pool import DistributedPool
+    from dist_pool import shared_pool
 
-    pool = DistributedPool(3)
-    yield pool
-    pool.close()
+    return shared_pool(3)
+
+
+@pytest.fixture
+def pools():
+    """pools(world_size): the session's pool of that many ranks."""
+    from dist_pool import shared_pool
+
+    return shared_pool
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_shared_pools():
+    yield
+    from dist_pool import close_shared_pools
+
+    close_shared_pools()
 
 
 def copy_tracked_tree(destination: Path) -> Path:

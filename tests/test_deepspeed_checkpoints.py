@@ -26,7 +26,6 @@ from deepspeed_fixture_model import (
     make_model,
     train,
 )
-from test_checkpoint import start_pool
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed_checkpoints"
 # fp32: the same arithmetic as DeepSpeed's up to the order of a few sums.
@@ -36,20 +35,6 @@ FP32_TOLERANCE = 1e-6
 # largest element (measured: 3.4e-3 at ZeRO 1). Two steps allowed; the losses (measured: equal
 # bitwise) are held to the same bound.
 BF16_TOLERANCE = 2**-7
-
-
-@pytest.fixture(scope="module")
-def pools():
-    started = {}
-
-    def get(world_size: int):
-        if world_size not in started:
-            started[world_size] = start_pool(world_size)
-        return started[world_size]
-
-    yield get
-    for pool in started.values():
-        pool.close()
 
 
 def expected(name: str) -> dict:
