@@ -28,28 +28,27 @@ def pytest_runtest_makereport(item, call):
 
 
 # One pool of real gloo worker processes per world size for the whole session (tests/dist_pool.py):
-# started once, shared by every module. Function-scoped, so a pool torn down by a hung job in one
-# test is replaced for the next.
-@pytest.fixture
+# started once, shared by every module; a pool torn down by a hung job is replaced at the next run.
+@pytest.fixture(scope="session")
 def pool2():
-    from dist_pool import shared_pool
+    from dist_pool import SessionPool
 
-    return shared_pool(2)
+    return SessionPool(2)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def pool3():
-    from dist_pool import shared_pool
+    from dist_pool import SessionPool
 
-    return shared_pool(3)
+    return SessionPool(3)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def pools():
     """pools(world_size): the session's pool of that many ranks."""
-    from dist_pool import shared_pool
+    from dist_pool import SessionPool
 
-    return shared_pool
+    return SessionPool
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -131,6 +131,17 @@ def shared_pool(world_size: int) -> DistributedPool:
     return pool
 
 
+class SessionPool:
+    """The session's pool of `world_size` ranks as a fixture value: every run() goes to the live
+    pool (a replacement after a hung job included), so module-scoped fixtures may hold one."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def run(self, function, *args, timeout: float = 300.0) -> list:
+        return shared_pool(self.world_size).run(function, *args, timeout=timeout)
+
+
 @atexit.register
 def close_shared_pools() -> None:
     for pool in _SHARED.values():
