@@ -27,23 +27,36 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-# One pool of real gloo worker processes per test module and world size (tests/dist_pool.py).
-@pytest.fixture(scope="module")
+# One pool of real gloo worker processes per world size for the whole session (tests/dist_pool.py):
+# started once, shared by every module; a pool torn down by a hung job is replaced at the next run.
+@pytest.fixture(scope="session")
 def pool2():
-    from dist_pool import DistributedPool
+    from dist_pool import SessionPool
 
-    pool = DistributedPool(2)
-    yield pool
-    pool.close()
+    return SessionPool(2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pool3():
-    from dist_pool import DistributedPool
+    from dist_pool import SessionPool
 
-    pool = DistributedPool(3)
-    yield pool
-    pool.close()
+    return SessionPool(3)
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """pools(world_size): the session's pool of that many ranks."""
+    from dist_pool import SessionPool
+
+    return SessionPool
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_shared_pools():
+    yield
+    from dist_pool import close_shared_pools
+
+    close_shared_pools()
 
 
 def copy_tracked_tree(destination: Path) -> Path:

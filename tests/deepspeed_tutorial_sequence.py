@@ -20,7 +20,8 @@ Our own script (not a copy): it touches the same API in the same order as
   ``engine.fp16_enabled()``, ``engine(inputs)``, ``engine.backward(loss)``, ``engine.step()``,
   ``engine.eval()`` and evaluation through ``engine(images)`` in the model's dtype.
 
-Run by tests/test_cifar10_example.py through the launcher; writes ``--out/rank<N>.json``.
+Run by tests/test_cifar10_example.py through the launcher (one case) and in the session's pool of
+2 gloo workers (the others, ``run_in_pool``); writes ``--out/rank<N>.json``.
 """
 
 import argparse
@@ -46,7 +47,7 @@ sys.path.insert(
 from cifar10_data import generated_cifar10  # noqa: E402 - found through the path above
 
 
-def add_argument():
+def add_argument(argv=None):
     parser = argparse.ArgumentParser(description="CIFAR (DeepSpeedExamples' API sequence)")
     parser.add_argument("-e", "--epochs", default=1, type=int)
     parser.add_argument("--local_rank", type=int, default=-1)
@@ -65,7 +66,7 @@ def add_argument():
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--out", required=True)
     parser = deepspeed.add_config_arguments(parser)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def get_ds_config(args):
@@ -227,6 +228,16 @@ def main(args):
     }
     with open(os.path.join(args.out, f"rank{result['rank']}.json"), "w") as handle:
         json.dump(result, handle)
+
+
+def run_in_pool(argv: list[str]) -> None:
+    """The script's run inside a worker of tests/dist_pool.py, whose process group stands in for
+    the launcher's (init_distributed() finds it initialised, as under the launcher). The expert
+    groups another job may have cached in this process are forgotten first."""
+    from deepspeed_cpp.utils import groups
+
+    groups._reset_for_tests()
+    main(add_argument(argv))
 
 
 if __name__ == "__main__":

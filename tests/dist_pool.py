@@ -4,10 +4,17 @@ Starting processes and a process group costs seconds; tests send jobs (an import
 its arguments) to the same workers instead. Every rank runs the job; results come back per rank.
 A job that raises on any rank raises here with that rank's traceback; a job that hangs (a
 collective mismatch) fails after `timeout` seconds and the pool is torn down.
+
+`shared_pool(world_size)` hands out one pool per world size for the whole test session (started
+once, ~5 s of process start and torch import per pool on 2 cores, not once per module); a pool
+torn down by a hung job is replaced by a fresh one at the next request. Jobs therefore must leave
+no state behind that changes another module's results (a process group of their own, a global
+setting) without undoing it.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import traceback
@@ -41,6 +48,7 @@ class DistributedPool:
     def __init__(self, world_size: int):
         context = mp.get_context("spawn")
         self.world_size = world_size
+        self._closed = False
         self._jobs = [context.Queue() for _ in range(world_size)]
         self._results = context.Queue()
         # The rendezvous store lives here, on a port the kernel picked and that stays bound: no
@@ -77,7 +85,12 @@ class DistributedPool:
             raise RuntimeError(f"{function.__name__} failed:\n" + "\n".join(failures))
         return [outcomes[r][1] for r in range(self.world_size)]
 
+    @property
+    def alive(self) -> bool:
+        return not self._closed and all(process.is_alive() for process in self._processes)
+
     def close(self, force: bool = False) -> None:
+        self._closed = True
         for jobs, process in zip(self._jobs, self._processes):
             if process.is_alive() and not force:
                 jobs.put(None)
@@ -85,3 +98,52 @@ class DistributedPool:
             process.join(timeout=0 if force else 30)
             if process.is_alive():
                 process.kill()
+
+
+def _ready() -> int:
+    return dist.get_rank()
+
+
+def start_pool(world_size: int, attempts: int = 3) -> DistributedPool:
+    """A pool whose process group is up (every rank answered a first job); a start that hangs is
+    torn down and tried again."""
+    for attempt in range(attempts):
+        pool = DistributedPool(world_size)
+        try:
+            pool.run(_ready, timeout=120.0)
+            return pool
+        except TimeoutError:  # the pool is closed by run()
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+_SHARED: dict[int, DistributedPool] = {}
+
+
+def shared_pool(world_size: int) -> DistributedPool:
+    """The session's pool of `world_size` ranks, started on first use or after a hung job."""
+    pool = _SHARED.get(world_size)
+    if pool is None or not pool.alive:
+        if pool is not None:
+            pool.close(force=True)
+        pool = _SHARED[world_size] = start_pool(world_size)
+    return pool
+
+
+class SessionPool:
+    """The session's pool of `world_size` ranks as a fixture value: every run() goes to the live
+    pool (a replacement after a hung job included), so module-scoped fixtures may hold one."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def run(self, function, *args, timeout: float = 300.0) -> list:
+        return shared_pool(self.world_size).run(function, *args, timeout=timeout)
+
+
+@atexit.register
+def close_shared_pools() -> None:
+    for pool in _SHARED.values():
+        pool.close()
+    _SHARED.clear()

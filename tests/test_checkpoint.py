@@ -21,45 +21,12 @@ import numpy
 import pytest
 import torch
 import torch.distributed as dist
-from dist_pool import DistributedPool
 
 IN, HIDDEN, OUT = 7, 19, 3
 GLOBAL_BATCH = 12
 LR, MIN_LR, WARMUP, WEIGHT_DECAY, BETAS, EPS, CLIP = 2e-2, 2e-3, 4, 0.05, (0.9, 0.99), 1e-8, 0.5
 # (world size -> gradient accumulation steps): every world trains on GLOBAL_BATCH samples a step.
 GAS = {1: 3, 2: 2, 3: 1}
-
-
-def _ready() -> int:
-    return dist.get_rank()
-
-
-def start_pool(world_size: int, attempts: int = 3) -> DistributedPool:
-    """A pool whose process group is up. Its port is picked free and then bound by the
-    workers, so another test run on the machine can take it in between; then start again."""
-    for attempt in range(attempts):
-        pool = DistributedPool(world_size)
-        try:
-            pool.run(_ready, timeout=120.0)
-            return pool
-        except TimeoutError:  # the pool is closed by run()
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
-@pytest.fixture(scope="module")
-def pools():
-    started: dict[int, DistributedPool] = {}
-
-    def get(world_size: int) -> DistributedPool:
-        if world_size not in started:
-            started[world_size] = start_pool(world_size)
-        return started[world_size]
-
-    yield get
-    for pool in started.values():
-        pool.close()
 
 
 class Net(torch.nn.Module):

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import build_engine, global_batches, params_of, start_pool, train
+from dist_pool import shared_pool, start_pool
+from test_checkpoint import build_engine, global_batches, params_of, train
 
 
 @pytest.fixture(scope="module")
 def two_worlds():
-    first, second = start_pool(1), start_pool(1)
-    yield first, second
-    first.close()
+    # The session's one-rank pool and a second, independent world of its own.
+    second = start_pool(1)
+    yield shared_pool(1), second
     second.close()
 
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import REPO_ROOT
-from test_checkpoint import build_engine, global_batches, params_of, start_pool, train
+from dist_pool import shared_pool
+from test_checkpoint import build_engine, global_batches, params_of, train
 
 from deepspeed_cpp.runtime.checkpoint import IncompleteCheckpointError, UnsafeCheckpointError
 from deepspeed_cpp.runtime.checkpoint.digests import seal_metadata
@@ -31,11 +32,9 @@ MODULE = "mp_rank_00_model_states.pt"
 SHARD1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pool():
-    started = start_pool(2)
-    yield started
-    started.close()
+    return shared_pool(2)
 
 
 def _outcome(call):

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_checkpoint import build_engine, global_batches, params_of, start_pool, train
+from dist_pool import shared_pool
+from test_checkpoint import build_engine, global_batches, params_of, train
 
 from deepspeed_cpp.runtime.checkpoint import IncompleteCheckpointError
 from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, main
@@ -29,11 +30,9 @@ FILES = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pool():
-    started = start_pool(2)
-    yield started
-    started.close()
+    return shared_pool(2)
 
 
 def save_job(directory: str, seed: int):

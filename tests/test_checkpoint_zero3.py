@@ -27,26 +27,11 @@ from test_checkpoint import (
     max_relative_difference,
     param_groups,
     reference,
-    start_pool,
     train,
 )
 
 PERSIST = 19  # biases (<= 19 elements) stay whole; weights (>= 57) are partitioned
 PARTITIONED = ("embed.weight", "mid.weight", "frozen.weight", "head.weight", "head2.weight")
-
-
-@pytest.fixture(scope="module")
-def pools():
-    started = {}
-
-    def get(world_size: int):
-        if world_size not in started:
-            started[world_size] = start_pool(world_size)
-        return started[world_size]
-
-    yield get
-    for pool in started.values():
-        pool.close()
 
 
 def build(seed: int, world: int, stage: int, dtype: str = "fp32", gather_on_save=None):

@@ -253,6 +253,7 @@ SEQUENCE = REPO_ROOT / "tests" / "deepspeed_tutorial_sequence.py"
 RUN_DS_MOE = ["--moe", "--ep-world-size", "2", "--num-experts", "2", "--moe-param-group"]
 
 
+# Every stage in fp32 and bf16, with and without DeepSpeed's MoE parameter groups.
 @pytest.mark.parametrize(
     "stage, dtype, extra",
     [
@@ -272,11 +273,18 @@ RUN_DS_MOE = ["--moe", "--ep-world-size", "2", "--num-experts", "2", "--moe-para
         (2, "bf16", [*RUN_DS_MOE, "--top-k", "2"]),
     ],
 )
-def test_deepspeed_examples_api_sequence(tmp_path, stage, dtype, extra):
-    run = launch(
-        SEQUENCE, ["--stage", str(stage), "--dtype", dtype, "--out", str(tmp_path), *extra]
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+def test_deepspeed_examples_api_sequence(pool2, tmp_path, stage, dtype, extra):
+    argv = ["--stage", str(stage), "--dtype", dtype, "--out", str(tmp_path), *extra]
+    if (stage, dtype, extra) == (0, "fp32", []):
+        # Once as the user runs it: its own processes, started by our launcher.
+        run = launch(SEQUENCE, argv)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    else:
+        # The other cases in the session's two gloo workers: the same script, without three
+        # new Python processes (launcher and ranks, each importing torch) per case.
+        from deepspeed_tutorial_sequence import run_in_pool
+
+        pool2.run(run_in_pool, argv)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for result in results:
         assert result["micro_batch"] == 8  # train_batch_size 16 over 2 ranks

@@ -7,19 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_checkpoint import start_pool
 
 from deepspeed_cpp.comm import collective_tap, comms_logger, configure
 from deepspeed_cpp.comm.comms_logger import CommsLogger, bandwidths, convert_size
 
 MICRO = 4
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = start_pool(2)
-    yield pool
-    pool.close()
 
 
 def _one_step(stage: int, extra: dict):

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 from conftest import REPO_ROOT
-from test_checkpoint import start_pool
+from dist_pool import shared_pool
 
 from deepspeed_cpp.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed_cpp.runtime.config.deepspeed_config import forget_warnings
@@ -166,11 +166,8 @@ def auto_cast_job(auto_cast: bool):
 
 
 def test_fp16_auto_cast_casts_floating_inputs_only():
-    pool = start_pool(1)
-    try:
-        (cast,) = pool.run(auto_cast_job, True)
-        (plain,) = pool.run(auto_cast_job, False)
-    finally:
-        pool.close()
+    pool = shared_pool(1)
+    (cast,) = pool.run(auto_cast_job, True)
+    (plain,) = pool.run(auto_cast_job, False)
     assert cast == (torch.float16, True, True, [(torch.float16, torch.int64, torch.float16)])
     assert plain[0] == "error"  # fp32 input into the fp16 module, as in DeepSpeed without it

@@ -27,7 +27,6 @@ from deepspeed_fixture_model import (
     make_model,
     train,
 )
-from test_checkpoint import start_pool
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed_checkpoints"
 # fp32: the same arithmetic as DeepSpeed's up to the order of a few sums.
@@ -39,20 +38,6 @@ FP32_TOLERANCE = 1e-6
 BF16_TOLERANCE = 2**-7
 # fp16: the weights compared are fp16 (2**-11 relative steps), the losses fp32 sums of them.
 TOLERANCES = {"fp32": FP32_TOLERANCE, "bf16": BF16_TOLERANCE, "fp16": 2**-10}
-
-
-@pytest.fixture(scope="module")
-def pools():
-    started = {}
-
-    def get(world_size: int):
-        if world_size not in started:
-            started[world_size] = start_pool(world_size)
-        return started[world_size]
-
-    yield get
-    for pool in started.values():
-        pool.close()
 
 
 def expected(name: str) -> dict:

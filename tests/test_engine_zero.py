@@ -213,7 +213,19 @@ def _max_relative_difference(ours: dict, reference: dict) -> float:
     return difference / max(r.float().abs().max().item() for r in reference.values())
 
 
-CASES = list(itertools.product([0, 1, 2], ["fp32", "bf16"], [1, 3], [0.0, 0.5]))
+# stage x dtype x gradient accumulation x clipping, pruned from the full grid (24 runs) to 10:
+# every stage x dtype with accumulation and clipping both on (the path with the most moving
+# parts), and four more so that every pair of values of any two of the four factors runs at
+# least once (stage 0/1/2 each with and without accumulation and clipping, fp32 and bf16 each
+# with both, accumulation with and without clipping). [2-fp32-1-0.5] is also
+# test_stable_abi_wheel's smoke case under another torch.
+CASES = [
+    *itertools.product([0, 1, 2], ["fp32", "bf16"], [3], [0.5]),
+    (2, "fp32", 1, 0.5),
+    (1, "bf16", 1, 0.0),
+    (0, "bf16", 1, 0.0),
+    (2, "fp32", 3, 0.0),
+]
 
 
 @pytest.mark.parametrize("stage, dtype, gas, clip", CASES)

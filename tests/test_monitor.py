@@ -14,19 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_checkpoint import start_pool
 
 from deepspeed_cpp.monitor import MissingMonitorPackageError, MonitorMaster
 from deepspeed_cpp.runtime.config import DeepSpeedConfig
 
 STEPS, GAS, MICRO = 4, 2, 3
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = start_pool(2)
-    yield pool
-    pool.close()
 
 
 def _train_with_monitors(root: str, stage: int, fp16: bool, monitors: dict | None = None):

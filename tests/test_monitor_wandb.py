@@ -7,16 +7,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_checkpoint import start_pool
 from test_monitor import GAS, STEPS, _assert_points, _train_with_monitors
 from wandb_run_file import history, run_record, wait_until_finished
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = start_pool(2)
-    yield pool
-    pool.close()
 
 
 def _train_offline(root: str):

@@ -76,9 +76,14 @@ def _train_job(parent, stage, dtype, device, steps=STEPS, ratio=1.0):
     return results, extra
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("device", ["cpu", "nvme"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# stage x device x dtype pruned from 12 runs to 6: every stage on both devices, each stage and
+# each device with both dtypes (test_partial_offload_... and test_step_during_backward_... run
+# further combinations).
+@pytest.mark.parametrize(
+    "stage, device, dtype",
+    [(1, "cpu", "fp32"), (1, "nvme", "bf16"), (2, "cpu", "bf16"), (2, "nvme", "fp32"),
+     (3, "cpu", "fp32"), (3, "nvme", "bf16")],
+)  # fmt: skip
 def test_offload_is_bitwise_the_same_stage_in_memory(pool2, tmp_path, stage, device, dtype):
     for (in_memory, offloaded), extra in pool2.run(_train_job, tmp_path, stage, dtype, device):
         assert extra["kind"] == device

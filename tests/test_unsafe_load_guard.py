@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO_ROOT
-from test_checkpoint import build_engine, global_batches, start_pool, train
+from dist_pool import shared_pool
+from test_checkpoint import build_engine, global_batches, train
 
 SCANNED = ["deepspeed_cpp", "examples", "benchmarks"]
 # (file, function): the only places that may unpickle in full, each behind an explicit opt-in.
@@ -130,11 +131,9 @@ def test_client_state_check_names_the_first_object_weights_only_refuses():
 # ---- the opt-in on a real engine ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pool():
-    started = start_pool(1)
-    yield started
-    started.close()
+    return shared_pool(1)
 
 
 def pickle_job(directory: str, seed: int):

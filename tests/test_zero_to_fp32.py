@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import REPO_ROOT
-from test_checkpoint import HIDDEN, build_engine, global_batches, make_model, start_pool, train
+from test_checkpoint import HIDDEN, build_engine, global_batches, make_model, train
 
 from deepspeed_cpp.runtime.checkpoint import CheckpointMismatchError, CheckpointNotFoundError
 from deepspeed_cpp.utils.zero_to_fp32 import (
@@ -20,13 +20,6 @@ from deepspeed_cpp.utils.zero_to_fp32 import (
 )
 
 PYTHON = sys.executable
-
-
-@pytest.fixture(scope="module")
-def pool3():
-    pool = start_pool(3)
-    yield pool
-    pool.close()
 
 
 def save_job(directory: str, stage: int, dtype: str, seed: int):

@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import REPO_ROOT
+from dist_pool import shared_pool
 from launch_helpers import launch_env
-from test_checkpoint import build_engine, global_batches, start_pool, train
+from test_checkpoint import build_engine, global_batches, train
 
 from deepspeed_cpp.runtime.checkpoint.layout import METADATA_FILE
 from deepspeed_cpp.runtime.checkpoint.recovery_script import SCRIPT, write_recovery_script
@@ -39,11 +40,7 @@ def save_job(directory: str, seed: int):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     folder = tmp_path_factory.mktemp("run") / "checkpoint-2"
-    pool = start_pool(2)
-    try:
-        state = pool.run(save_job, str(folder), int(torch.randint(0, 2**30, (1,))))[0]
-    finally:
-        pool.close()
+    state = shared_pool(2).run(save_job, str(folder), int(torch.randint(0, 2**30, (1,))))[0]
     return folder, state
 
 
