@@ -44,6 +44,13 @@ def pool3():
 
 
 @pytest.fixture(scope="session")
+def pool4():
+    from dist_pool import SessionPool
+
+    return SessionPool(4)
+
+
+@pytest.fixture(scope="session")
 def pools():
     """pools(world_size): the session's pool of that many ranks."""
     from dist_pool import SessionPool

@@ -11,15 +11,6 @@ import pytest
 SEED = 20261127
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    from dist_pool import DistributedPool
-
-    pool = DistributedPool(4)
-    yield pool
-    pool.close()
-
-
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_two_by_two_trains_like_the_whole_model_in_one_process(pool4, stage):
     results = pool4.run(jobs.train_matches_reference, stage, 2, SEED + stage, timeout=300.0)

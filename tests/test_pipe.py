@@ -117,15 +117,6 @@ def test_activation_checkpointing_with_dropout_is_bitwise_the_same(pool2):
         assert result["losses"][0] == result["losses"][1]
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    from dist_pool import DistributedPool
-
-    pool = DistributedPool(4)
-    yield pool
-    pool.close()
-
-
 def test_two_stages_two_replicas_zero1_train_like_one_process(pool4):
     seed = random.randrange(2**31)
     results = pool4.run(jobs.train_equals_one_process, seed, 3, 2, True, 0.05, 1)

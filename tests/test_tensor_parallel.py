@@ -91,15 +91,9 @@ def test_config_keys():
         DeepSpeedConfig.load(refused, world_size=2)
 
 
-def test_tp2_by_dp2_on_four_ranks(tmp_path):
-    from dist_pool import DistributedPool
-
+def test_tp2_by_dp2_on_four_ranks(pool4, tmp_path):
     seed = int(torch.randint(2**31, ()))
-    pool = DistributedPool(4)
-    try:
-        results = pool.run(jobs.tp2_dp2_trains_like_one_process, seed, str(tmp_path), timeout=600.0)
-    finally:
-        pool.close()
+    results = pool4.run(jobs.tp2_dp2_trains_like_one_process, seed, str(tmp_path), timeout=600.0)
     for rank, result in enumerate(results):
         where = (rank, seed, result)
         layout = result["layout"]

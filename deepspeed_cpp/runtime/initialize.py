@@ -91,8 +91,9 @@ def initialize(
         args=args,
         model_group=mpu.get_data_parallel_group() if mpu is not None else None,
     )
-    if mpu is not None:
-        register_mpu(mpu)  # deepspeed_cpp.utils.groups answers from it (as DeepSpeed's does)
+    # deepspeed_cpp.utils.groups answers from this engine's mpu (as DeepSpeed's does); None
+    # forgets an earlier engine's, whose groups no longer describe this one.
+    register_mpu(mpu)
     if ds_config.activation_checkpointing is not None:
         configure_activation_checkpointing(ds_config.activation_checkpointing, mpu)
     engine_class = DeepSpeedEngine
