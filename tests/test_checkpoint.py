@@ -45,7 +45,9 @@ class Net(torch.nn.Module):
         self.extra = torch.nn.Linear(hidden, hidden) if extra_layer else None
 
     def forward(self, x):
-        h = torch.tanh(self.embed(x)) + self.offset
+        # The buffer stays float32 under fp16/bf16 (the engine casts parameters only, as
+        # DeepSpeed 0.19.8 does): the model casts it where it meets the activations.
+        h = torch.tanh(self.embed(x)) + self.offset.to(x.dtype)
         h = torch.tanh(self.mid(h)) + 0.5 * self.frozen(h)
         if self.extra is not None:
             h = h + self.extra(h)

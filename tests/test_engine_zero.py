@@ -462,6 +462,52 @@ def test_client_optimizer_wins_over_the_config_section(pool2):
     assert not any("is ignored" in m for m in results[1]["messages"])  # rank 0 says it
 
 
+class ScaledNet(torch.nn.Module):
+    """A layer whose output is scaled by a float32 table kept as a buffer (as rotary embeddings
+    keep ``inv_freq``): rounding the table to the training dtype would change every output."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(IN, OUT)
+        self.register_buffer("scale", torch.rand(OUT, dtype=torch.float32) + 1 / 3)
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def half_buffers_job(dtype: str, stage: int, seed: int) -> dict:
+    import deepspeed_cpp
+
+    torch.manual_seed(seed)
+    model = ScaledNet()
+    config = _config(stage, dtype, 1, 0.0)
+    engine, *_ = deepspeed_cpp.initialize(model=model, config=config)
+    x = torch.randn(MICRO_BATCH, IN, generator=torch.Generator().manual_seed(seed))
+    out = engine(x.to(engine.module.linear.weight.dtype))
+    dtypes = {name: t.dtype for name, t in engine.module.state_dict().items()}
+    engine.destroy()
+    return {"dtypes": dtypes, "out": out.detach(), "scale": model.scale.clone()}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_casts_parameters_and_keeps_buffers(pool2, dtype):
+    """As DeepSpeed 0.19.8 does (``data_types.buffer_dtype`` unset): parameters in the training
+    dtype, buffers (here a float32 table) untouched, so the forward uses the exact table."""
+    seed = int(torch.randint(0, 2**31, ()))
+    half = torch.bfloat16 if dtype == "bf16" else torch.float16
+    for stage in (1, 2):
+        result = pool2.run(half_buffers_job, dtype, stage, seed)[0]
+        assert result["dtypes"] == {
+            "linear.weight": half, "linear.bias": half, "scale": torch.float32
+        }, stage  # fmt: skip
+        torch.manual_seed(seed)
+        reference = ScaledNet()
+        assert torch.equal(result["scale"], reference.scale)
+        reference.linear.to(half)
+        x = torch.randn(MICRO_BATCH, IN, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(result["out"], reference(x.to(half)))
+
+
 def test_reference_itself_is_sensitive():
     """The comparison can fail: one extra step moves the parameters far beyond the tolerance."""
     five, _ = _reference(7, 5, 1, 2, 0.0)

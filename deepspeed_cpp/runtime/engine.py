@@ -27,7 +27,7 @@ from .engine_refusals import (
     release_previous_engine,
 )
 from .failed_step import FailedStepGuard
-from .half_inputs import cast_floating_to_half
+from .half_inputs import cast_floating_to_half, cast_parameters
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
 from .model_parallel import ModelParallelGroups
@@ -112,10 +112,10 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         if self.zero_optimization_stage() < 3:
             refuse_partitioned_parameters(model, self.zero_optimization_stage())
             self.module.to(self.device)
-            if self.fp16_enabled():
-                self.module.half()
-            elif self.bfloat16_enabled():
-                self.module.bfloat16()
+            if self.fp16_enabled() or self.bfloat16_enabled():
+                cast_parameters(
+                    self.module, torch.float16 if self.fp16_enabled() else torch.bfloat16
+                )
             self._broadcast_module_from_rank0()
 
         self.global_steps = 0
