@@ -3,6 +3,9 @@ by hand for Linear, Conv2d and attention; DeepSpeed's API and printed layout."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,3 +105,19 @@ def test_module_depth_filters_the_tree(depth):
         model(*_inputs())
     text = profiler.print_model_profile(module_depth=depth, output_file=None)
     assert ("(conv): Conv2d(224 = " in text) == (depth >= 1)
+
+
+def test_reachable_as_attributes_after_import_deepspeed():
+    """``import deepspeed; deepspeed.profiling.flops_profiler.get_model_profile(...)`` works in
+    DeepSpeed, so it must after ``import deepspeed_cpp as deepspeed`` too (a fresh interpreter:
+    here the subpackage is already imported)."""
+    code = (
+        "import deepspeed_cpp as deepspeed, torch\n"
+        "fp = deepspeed.profiling.flops_profiler\n"
+        "_, macs, _ = fp.get_model_profile(torch.nn.Linear(3, 2), input_shape=(4, 3),"
+        " print_profile=False, as_string=False)\n"
+        "print(macs, fp.FlopsProfiler.__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(4 * 3 * 2), "FlopsProfiler"]
