@@ -246,7 +246,7 @@ def test_wall_clock_breakdown_logs_deepspeed_timers(pool2, tmp_path, stage):
     # flops_profiler: rank 0 profiles step 1's forward: MICRO x (5*7 + 7*1) multiply-adds.
     assert not (tmp_path / "flops_rank1.txt").exists()
     profile = (tmp_path / "flops_rank0.txt").read_text()
-    assert "Profile Summary at step 1:" in profile
+    assert "Profile Summary at step 2:" in profile  # DeepSpeed: the step count after step 1
     assert f"{'fwd MACs per GPU:':<60}{MICRO * (5 * 7 + 7 * 1)} MACs" in profile
     # ZeRO-3: its gathers, gradient reduce-scatters and optimizer step, at every boundary, each
     # with time spent in it (a line per optimizer step; none at stage 2).

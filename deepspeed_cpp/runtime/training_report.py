@@ -91,8 +91,10 @@ class TrainingReport:
         return self._profiles(engine) and self.flops_profiler is not None
 
     def print_flops_profile(self, engine) -> None:
+        # DeepSpeed heads the profile with the step count after the profiled step was taken
+        # (profile_step + 1), which is ``global_steps`` here.
         self.flops_profiler.print_model_profile(
-            profile_step=self.flops.profile_step,
+            profile_step=engine.global_steps,
             module_depth=self.flops.module_depth,
             top_modules=self.flops.top_modules,
             detailed=self.flops.detailed,
