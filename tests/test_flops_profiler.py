@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,6 +119,9 @@ def test_reachable_as_attributes_after_import_deepspeed():
         " print_profile=False, as_string=False)\n"
         "print(macs, fp.FlopsProfiler.__name__)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    repo = Path(__file__).resolve().parents[1]  # ``-c`` imports from the working directory
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(4 * 3 * 2), "FlopsProfiler"]
