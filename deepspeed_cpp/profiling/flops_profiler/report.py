@@ -135,7 +135,7 @@ def _engine_step_lines(profiler, flops: float, phase_seconds: dict[str, float]) 
         f"{'bwd latency:':<60}{duration_to_string(bwd)}",
         f"{f'bwd FLOPS per GPU = {bwd_factor:g} * fwd flops per GPU / bwd latency:':<60}"
         f"{rate(bwd_factor * flops, bwd)}",
-        f"{both_label:<60}{rate((bwd_factor + 1) * flops, fwd + bwd)}",
+        f"{both_label:<59} {rate((bwd_factor + 1) * flops, fwd + bwd)}",  # longer than 60
         f"{'step latency:':<60}{duration_to_string(step)}",
         f"{'iter latency:':<60}{duration_to_string(iteration)}",
         f"{f'FLOPS per GPU = {bwd_factor + 1:g} * fwd flops per GPU / iter latency:':<60}"
