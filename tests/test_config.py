@@ -677,6 +677,12 @@ def test_stage3_is_accepted():
     assert config.zero_optimization.stage == 3
 
 
+def test_flops_profiler_profile_step_0_is_accepted():
+    """DeepSpeed profiles the first step with profile_step 0 (its default 1 only skips warm-up)."""
+    config = DeepSpeedConfig.load(_with_batch(flops_profiler={"profile_step": 0}), world_size=1)
+    assert config.flops_profiler.profile_step == 0
+
+
 def test_offload_device_none_is_accepted():
     config = DeepSpeedConfig.load(
         _with_batch(zero_optimization={"stage": 2, "offload_optimizer": {"device": "none"}})
@@ -741,6 +747,10 @@ def test_offload_device_none_is_accepted():
             "gradient_clipping = NaN: expected a number >= 0.0",
         ),
         (_with_batch(steps_per_print=0), "steps_per_print = 0: expected an integer >= 1"),
+        (
+            _with_batch(flops_profiler={"profile_step": -1}),
+            "flops_profiler.profile_step = -1: expected an integer >= 0",
+        ),
         ({"train_batch_size": -4}, "train_batch_size = -4: expected an integer >= 1, or null"),
         (_with_batch(optimizer={"params": {"lr": 1.0}}), "optimizer.type is required"),
         (

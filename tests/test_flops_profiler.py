@@ -3,6 +3,8 @@ by hand for Linear, Conv2d and attention; DeepSpeed's API and printed layout."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,3 +104,19 @@ def test_module_depth_filters_the_tree(depth):
         model(*_inputs())
     text = profiler.print_model_profile(module_depth=depth, output_file=None)
     assert ("(conv): Conv2d(224 = " in text) == (depth >= 1)
+
+
+def test_reachable_as_attributes_after_import_deepspeed(monkeypatch):
+    """``import deepspeed; deepspeed.profiling.flops_profiler.get_model_profile(...)`` works in
+    DeepSpeed, so it must after ``import deepspeed_cpp as deepspeed`` too. Here the subpackage is
+    already imported (and so an attribute): it is taken away for the test, as in a fresh
+    interpreter, and put back after."""
+    import deepspeed_cpp as deepspeed
+
+    monkeypatch.delattr(deepspeed.profiling, "flops_profiler")
+    monkeypatch.delitem(sys.modules, "deepspeed_cpp.profiling.flops_profiler")
+    fp = deepspeed.profiling.flops_profiler
+    _, macs, _ = fp.get_model_profile(
+        torch.nn.Linear(3, 2), input_shape=(4, 3), print_profile=False, as_string=False
+    )
+    assert macs == 4 * 3 * 2 and fp.FlopsProfiler.__name__ == "FlopsProfiler"

@@ -211,6 +211,12 @@ ZERO3_TIMERS_RUN = ("forward_fetch_submit", "forward_all_gather", "forward_fetch
                     "reduce_scatter_wait", "optimizer_step")  # fmt: skip
 
 
+def _profile_seconds(profile: str, phase: str) -> float:
+    """``<phase> latency:`` of a flops profile (DeepSpeed's "12.3 ms" format) in seconds."""
+    value, unit = profile.split(f"{f'{phase} latency:':<60}")[1].split()[:2]
+    return float(value) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+
+
 def _timer_values(line: str) -> dict[str, float]:
     parts = [part.split(": ") for part in line.split(" | ")[1:]]
     return {name: float(value.split()[0]) for name, value in parts}
@@ -238,8 +244,15 @@ def test_wall_clock_breakdown_logs_deepspeed_timers(pool2, tmp_path, stage):
     # flops_profiler: rank 0 profiles step 1's forward: MICRO x (5*7 + 7*1) multiply-adds.
     assert not (tmp_path / "flops_rank1.txt").exists()
     profile = (tmp_path / "flops_rank0.txt").read_text()
-    assert "Profile Summary at step 1:" in profile
+    assert "Profile Summary at step 2:" in profile  # DeepSpeed: the step count after step 1
     assert f"{'fwd MACs per GPU:':<60}{MICRO * (5 * 7 + 7 * 1)} MACs" in profile
+    # DeepSpeed's engine lines: the profiled step's latencies, iter = fwd + bwd + step.
+    seconds = {name: _profile_seconds(profile, name) for name in ("fwd", "bwd", "step", "iter")}
+    assert all(value > 0 for value in seconds.values()), seconds
+    iteration = seconds["fwd"] + seconds["bwd"] + seconds["step"]
+    assert seconds["iter"] == pytest.approx(iteration, rel=0.01, abs=2e-5), seconds
+    samples = float(profile.split(f"{'samples/second:':<60}")[1].split()[0])
+    assert samples == pytest.approx(MICRO * 2 / seconds["iter"], rel=0.02), (samples, seconds)
     # ZeRO-3: its gathers, gradient reduce-scatters and optimizer step, at every boundary, each
     # with time spent in it (a line per optimizer step; none at stage 2).
     zero3 = [_timer_values(line) for line in lines[0] if "| forward_fetch_submit:" in line]

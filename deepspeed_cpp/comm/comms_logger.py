@@ -5,9 +5,12 @@ Off by default, and then free: nothing is wrapped (``collective_tap.py`` swaps t
 only while it is on; the C++ reducer is wrapped only if it is on when the engine builds it).
 
 Message size is the whole buffer the collective moves: the tensor of an all-reduce or broadcast,
-the gathered output of an all-gather, the reduced input of a reduce-scatter (DeepSpeed passes the
-per-rank part and multiplies by the world size; the bandwidths come out the same). Bandwidths
-are DeepSpeed's formulas (``calc_bw_log``), in Gbps from the size in bytes and the latency in ms.
+the gathered output of an all-gather, the reduced input of a reduce-scatter. DeepSpeed logs the
+collective's ``tensor`` argument and multiplies it by the world size in the bandwidths: for an
+all-gather that is the per-rank part (its size column is 1/world_size of ours, its bandwidths
+equal ours); for a reduce-scatter it is the whole input (the same size as ours, but bandwidths
+world_size times ours, which overstates them). Bandwidths are otherwise DeepSpeed's formulas
+(``calc_bw_log``), in Gbps from the size in bytes and the latency in ms.
 """
 
 from __future__ import annotations

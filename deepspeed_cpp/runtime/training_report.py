@@ -16,8 +16,11 @@ that step is taken, as DeepSpeed does.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from ..accelerator import get_accelerator
 from ..monitor import MonitorMaster
 from ..utils.timer import (
     GLOBAL_TIMERS,
@@ -48,10 +51,17 @@ class TrainingReport:
         self._losses: torch.Tensor | None = None
         self.flops = config.flops_profiler
         self.flops_profiler = None  # built on rank 0 at its first forward
+        # The profiled step's fwd/bwd/step seconds (summed over its micro-steps), which
+        # DeepSpeed's engine-driven profile prints beside the counts; None outside that step.
+        self._phase_seconds: dict[str, float] | None = None
+        self._phase_starts: dict[str, float] = {}
         self._rank = rank
 
     # --- timers: "fwd", "bwd", "bwd_inner", "bwd_allreduce", "step" (micro and global) ----------
     def begin(self, name: str) -> None:
+        if self._phase_seconds is not None:
+            get_accelerator().synchronize()
+            self._phase_starts[name] = time.perf_counter()
         if self.wall_clock_breakdown:
             for timer in (self.timers(f"{name}_microstep"), self.timers(name)):
                 if timer.started_:  # a phase that raised part-way never ended
@@ -62,10 +72,19 @@ class TrainingReport:
         if self.wall_clock_breakdown:
             self.timers(f"{name}_microstep").stop()
             self.timers(name).stop()
+        if self._phase_seconds is not None and name in self._phase_starts:
+            get_accelerator().synchronize()
+            elapsed = time.perf_counter() - self._phase_starts.pop(name)
+            self._phase_seconds[name] = self._phase_seconds.get(name, 0.0) + elapsed
 
     def before_forward(self, engine) -> None:
+        profiles = self._profiles(engine)
+        if not profiles:
+            self._phase_seconds = None  # a profiled step that raised before it was printed
+        elif self._phase_seconds is None:
+            self._phase_seconds = {}
         self.begin("fwd")
-        if self._profiles(engine):
+        if profiles:
             if self.flops_profiler is None:
                 from ..profiling.flops_profiler import FlopsProfiler
 
@@ -91,14 +110,18 @@ class TrainingReport:
         return self._profiles(engine) and self.flops_profiler is not None
 
     def print_flops_profile(self, engine) -> None:
+        # DeepSpeed heads the profile with the step count after the profiled step was taken
+        # (profile_step + 1), which is ``global_steps`` here.
         self.flops_profiler.print_model_profile(
-            profile_step=self.flops.profile_step,
+            profile_step=engine.global_steps,
             module_depth=self.flops.module_depth,
             top_modules=self.flops.top_modules,
             detailed=self.flops.detailed,
             output_file=self.flops.output_file,
+            phase_seconds=self._phase_seconds,
         )
         self.flops_profiler.end_profile()
+        self._phase_seconds = None
 
     # --- events -----------------------------------------------------------------------------
     def after_backward(self, loss: torch.Tensor, divisor: int, boundary: bool, samples: int):

@@ -125,10 +125,16 @@ class FlopsProfiler:
         top_modules: int = 1,
         detailed: bool = True,
         output_file: str | None = None,
+        *,
+        phase_seconds: dict[str, float] | None = None,
     ) -> str:
+        """``phase_seconds`` (the engine's profiled step: "fwd", "bwd", "step") adds DeepSpeed's
+        engine lines: latencies, FLOPS per phase and samples/second."""
         from .report import model_profile_text
 
-        text = model_profile_text(self, profile_step, module_depth, top_modules, detailed)
+        text = model_profile_text(
+            self, profile_step, module_depth, top_modules, detailed, phase_seconds
+        )
         if output_file:
             with open(output_file, "w") as file:
                 file.write(text)

@@ -115,12 +115,46 @@ def detailed_profile_text(profiler, module_depth: int = -1) -> str:
     )
 
 
-def model_profile_text(profiler, profile_step, module_depth, top_modules, detailed) -> str:
+def _engine_step_lines(profiler, flops: float, phase_seconds: dict[str, float]) -> list[str]:
+    """DeepSpeed's lines for a profile the engine took: the step's backward and optimizer-step
+    latencies beside the forward's, and the FLOPS and samples/second they give."""
+    engine = profiler.ds_engine
+    fwd, bwd, step = (phase_seconds.get(name, 0.0) for name in ("fwd", "bwd", "step"))
+    bwd_factor = 2 + profiler.recompute_fwd_factor
+    iteration = fwd + bwd + step
+    samples = engine.train_micro_batch_size_per_gpu() * engine.world_size
+
+    both_label = (
+        f"fwd+bwd FLOPS per GPU = {bwd_factor + 1:g} * fwd flops per GPU / (fwd+bwd latency):"
+    )
+
+    def rate(value: float, seconds: float) -> str:
+        return flops_to_string(value / seconds if seconds else 0.0)
+
+    return [
+        f"{'bwd latency:':<60}{duration_to_string(bwd)}",
+        f"{f'bwd FLOPS per GPU = {bwd_factor:g} * fwd flops per GPU / bwd latency:':<60}"
+        f"{rate(bwd_factor * flops, bwd)}",
+        f"{both_label:<59} {rate((bwd_factor + 1) * flops, fwd + bwd)}",  # longer than 60
+        f"{'step latency:':<60}{duration_to_string(step)}",
+        f"{'iter latency:':<60}{duration_to_string(iteration)}",
+        f"{f'FLOPS per GPU = {bwd_factor + 1:g} * fwd flops per GPU / iter latency:':<60}"
+        f"{rate((bwd_factor + 1) * flops, iteration)}",
+        f"{'samples/second:':<60}{round(samples / iteration, 2) if iteration else 0.0}",
+    ]
+
+
+def model_profile_text(
+    profiler, profile_step, module_depth, top_modules, detailed, phase_seconds=None
+) -> str:
     params = profiler.get_total_params()
     flops = profiler.get_total_flops()
     macs = profiler.get_total_macs()
     duration = profiler.get_total_duration()
     engine = profiler.ds_engine
+    engine_step = engine is not None and bool(phase_seconds)
+    if engine_step:
+        duration = phase_seconds.get("fwd", duration)  # DeepSpeed: the engine's forward timer
     world = engine.world_size if engine is not None else 1
     lines = [
         "",
@@ -150,14 +184,18 @@ def model_profile_text(profiler, profile_step, module_depth, top_modules, detail
         f"{'fwd latency:':<60}{duration_to_string(duration)}",
         f"{'fwd FLOPS per GPU = fwd flops per GPU / fwd latency:':<60}"
         f"{flops_to_string(flops / duration if duration else 0.0)}",
-        # DeepSpeed's estimate: backward costs twice forward, plus recomputed forwards.
-        f"{'bwd flops per GPU = 2 * fwd flops per GPU:':<60}"
-        f"{flops_to_string((2 + profiler.recompute_fwd_factor) * flops).replace('FLOPS', '')}",
-        f"{'fwd+bwd flops per GPU:':<60}"
-        f"{flops_to_string((3 + profiler.recompute_fwd_factor) * flops).replace('FLOPS', '')}",
-        "",
-        aggregated_profile_text(profiler, module_depth, top_modules),
     ]
+    if engine_step:
+        lines += _engine_step_lines(profiler, flops, phase_seconds)
+    else:
+        lines += [
+            # DeepSpeed's estimate: backward costs twice forward, plus recomputed forwards.
+            f"{'bwd flops per GPU = 2 * fwd flops per GPU:':<60}"
+            f"{flops_to_string((2 + profiler.recompute_fwd_factor) * flops).replace('FLOPS', '')}",
+            f"{'fwd+bwd flops per GPU:':<60}"
+            f"{flops_to_string((3 + profiler.recompute_fwd_factor) * flops).replace('FLOPS', '')}",
+        ]
+    lines += ["", aggregated_profile_text(profiler, module_depth, top_modules)]
     if detailed:
         lines += ["", detailed_profile_text(profiler, module_depth)]
     lines.append(f"{_RULE}{'-' * 26}{_RULE}")

@@ -84,7 +84,9 @@ class FlopsProfilerConfig(ConfigSection):
 
     enabled: boolean() = False
     recompute_fwd_factor: number(minimum=0.0) = 0.0
-    profile_step: integer(1) = 1
+    profile_step: integer(0) = 1
+    """The ``global_steps`` whose forward passes are profiled; 0 (the first step) is allowed, as in
+    DeepSpeed, which only skips it by default to leave out the first step's warm-up."""
     module_depth: integer(-1) = -1
     top_modules: integer(1) = 1
     detailed: boolean() = True
