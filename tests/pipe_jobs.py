@@ -242,6 +242,9 @@ def bad_input_errors() -> dict[str, str]:
     errors["step"] = _error_of(lambda: engine.step())
     one_micro_batch = make_batches(0, 1, 1, 1)[0][0]
     errors["exhausted"] = _error_of(lambda: engine.train_batch(iter(one_micro_batch)))
+    # Only stage 0's iterator runs out: the last stage (which has data) stops too, at once.
+    uneven = make_batches(2, 1, 1, 2)[0][0][: 1 if engine.is_first_stage() else 2]
+    errors["exhausted_stage0"] = _error_of(lambda: engine.train_batch(iter(uneven)))
     # After a refused batch the pipeline still trains (nothing was sent).
     loss = engine.train_batch(iter(make_batches(1, 1, 1, 2)[0][0]))
     errors["after"] = f"loss {float(loss):.4f}"

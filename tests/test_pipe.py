@@ -106,6 +106,10 @@ def test_bad_input_is_named(pool2):
             assert f"PipelineEngine.{name}() is not available" in errors[name]
         assert "DataIteratorExhaustedError" in errors["exhausted"]
         assert "ran out after 1 of the 2 micro-batches" in errors["exhausted"]
+        assert errors["exhausted_stage0"].startswith(
+            "DataIteratorExhaustedError: the data iterator of rank 0 (stage 0) ran out after 1 "
+            "of the 2 micro-batches"
+        ), errors["exhausted_stage0"]
         assert errors["after"].startswith("loss ")
         assert "train_batch() is the pipeline engine's" in errors["train_batch_plain"]
 

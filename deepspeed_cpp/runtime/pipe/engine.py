@@ -214,8 +214,10 @@ class PipelineEngine(DeepSpeedEngine):
             schedule.ReduceGrads: self._exec_reduce_grads,
             schedule.OptimizerStep: self._exec_optimizer_step,
         }
+        loaded = sched.micro_batches
         if self.is_first_stage() or self.is_last_stage():
-            self._prefetch(sched.micro_batches)
+            loaded = self._prefetch(sched.micro_batches)
+        self._agree_on_data(loaded, sched.micro_batches)
         busy = 0.0
         try:
             for step in sched.steps():
@@ -236,25 +238,47 @@ class PipelineEngine(DeepSpeedEngine):
     def _buffer(self, instruction) -> dict:
         return self._buffers.setdefault(instruction.buffer_id, {})
 
-    def _prefetch(self, micro_batches: int) -> None:
-        """Reads the batch's micro-batches before the first send: an iterator that runs out
-        then fails this stage before its neighbours wait on it."""
+    def _prefetch(self, micro_batches: int) -> int:
+        """Reads the batch's micro-batches before the first send; returns how many there were
+        (fewer when the iterator ran out: ``_agree_on_data`` then fails every rank)."""
         if self.data_iterator is None:
             raise PipelineError(
                 "the first and last pipeline stages need a data iterator: pass training_data to "
                 "initialize(), or train_batch(data_iter=...) / set_dataiterator()"
             )
         self._prefetched = []
-        for index in range(micro_batches):
+        for _ in range(micro_batches):
             try:
                 self._prefetched.append(next(self.data_iterator))
             except StopIteration:
-                raise DataIteratorExhaustedError(
-                    f"the data iterator ran out after {index} of the {micro_batches} "
-                    f"micro-batches of this batch (stage {self.stage_id}); give at least "
-                    "gradient_accumulation_steps micro-batches per batch (a "
-                    "deepspeed.utils.RepeatingLoader repeats a finite loader)"
-                ) from None
+                break
+        return len(self._prefetched)
+
+    def _agree_on_data(self, loaded: int, micro_batches: int) -> None:
+        """Every rank learns whether any first or last stage ran out of data, before anything
+        is sent: otherwise the stages that read no data (the middle ones) and the other
+        replicas would wait for activations that never come. One small all-reduce over the
+        world per batch (a slot per rank, the minimum kept)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            counts = torch.full((world,), micro_batches, dtype=torch.int64)
+            counts[dist.get_rank()] = loaded
+            with named_collective("all_reduce of the micro-batch counts before a pipeline batch"):
+                dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+            short = [(rank, int(n)) for rank, n in enumerate(counts.tolist()) if n < micro_batches]
+        else:
+            short = [(0, loaded)] if loaded < micro_batches else []
+        if not short:
+            return
+        self._prefetched = []
+        rank, count = short[0]
+        stage = self.grid.topology().get_coord(rank).pipe
+        raise DataIteratorExhaustedError(
+            f"the data iterator of rank {rank} (stage {stage}) ran out after {count} of the "
+            f"{micro_batches} micro-batches of this batch; every stage stops this batch (this is "
+            f"stage {self.stage_id}). Give at least gradient_accumulation_steps micro-batches "
+            "per batch (a deepspeed.utils.RepeatingLoader repeats a finite loader)"
+        )
 
     def _exec_load_micro_batch(self, instruction) -> None:
         batch = self._prefetched[self._loaded]
