@@ -361,3 +361,103 @@ def load_error(seed: int, directory: str) -> str:
         model=pipe, optimizer=torch.optim.Adam(pipe.parameters()), config=_config(2, 1, 0.0, 0)
     )
     return _error_of(lambda: engine.load_checkpoint(directory))
+
+
+def bf16_equals_one_process(seed: int, steps: int, micro_batches: int) -> dict:
+    """2 stages, bf16, ZeRO-1, Adam: beside the same bf16 model in one process whose gradients
+    are summed in float32 over the micro-batches and stepped on float32 masters (as the engine
+    does). Returns the largest differences relative to bf16's unit in the last place."""
+    import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.pipe import PipelineModule
+
+    base_seed = seed % 10_000
+    pipe = PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn,
+                          partition_method="uniform", seed_layers=True, base_seed=base_seed)  # fmt: skip
+    config = _config(micro_batches, 1, 0.0, 1, precision="bf16")
+    engine, *_ = deepspeed.initialize(
+        model=pipe, optimizer=torch.optim.Adam(pipe.parameters(), lr=1e-2), config=config
+    )
+    reference = Reference(layer_specs(False), base_seed).to(torch.bfloat16)
+    names = list(reference.named_state())
+    params = dict(reference.named_parameters())
+    ref_params = [params["layers." + n] for n in names]
+    masters = [p.detach().float().clone() for p in ref_params]
+    ref_optimizer = torch.optim.Adam(masters, lr=1e-2)
+    start = {k: v.clone() for k, v in pipe.state_dict().items()}
+    loss_ratio = 0.0
+    for batch in make_batches(seed, steps, 1, micro_batches):
+        loss = engine.train_batch(iter(batch[0]))
+        sums = [torch.zeros_like(m) for m in masters]
+        ref_losses = []
+        for x, y in batch[0]:
+            reference.zero_grad()
+            ref_loss = loss_fn(reference(x.bfloat16()), y)
+            (ref_loss * (1.0 / micro_batches)).backward()
+            ref_losses.append(ref_loss.detach().float())
+            for total, p in zip(sums, ref_params):
+                total += p.grad.float()
+        for master, total in zip(masters, sums):
+            master.grad = total
+        ref_optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(ref_params, masters):
+                p.copy_(master)
+        ref_loss = torch.stack(ref_losses).mean()
+        loss_ratio = max(loss_ratio, abs(loss.item() - ref_loss.item()) / ref_loss.abs().item())
+    ref_state = dict(zip(names, ref_params))
+    ulps, dtypes = 0.0, set()
+    for name, value in pipe.state_dict().items():
+        ref = ref_state[name].float()
+        dtypes.add(str(value.dtype))
+        # bf16 spacing at each reference element: 2^(exponent - 7).
+        spacing = torch.ldexp(torch.ones_like(ref), torch.frexp(ref)[1] - 8)
+        ulps = max(ulps, ((value.float() - ref).abs() / spacing).max().item())
+    return {
+        "dtypes": sorted(dtypes),
+        "ulps": ulps,
+        "loss_ratio": loss_ratio,
+        "moved": max((start[k].float() - v.float()).abs().max().item()
+                     for k, v in pipe.state_dict().items()),  # fmt: skip
+    }
+
+
+def fp16_overflow_skips_every_stage(seed: int) -> dict:
+    """2 stages, fp16 with a dynamic loss scale; in the second batch one gradient of stage 0
+    only becomes inf. Every stage must skip that step (weights unchanged, the scale halved,
+    the same on both stages) and train on after it."""
+    import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.pipe import PipelineModule
+
+    torch.manual_seed(seed)
+    pipe = PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn,
+                          partition_method="uniform")  # fmt: skip
+    config = _config(2, 1, 0.0, 0)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000,
+                      "hysteresis": 1}  # halve at the first overflow
+    engine, *_ = deepspeed.initialize(
+        model=pipe, optimizer=torch.optim.Adam(pipe.parameters(), lr=1e-2), config=config
+    )
+    poison = {"on": False}
+    if engine.is_first_stage():
+        first = next(pipe.parameters())
+        first.register_hook(lambda g: torch.full_like(g, float("inf")) if poison["on"] else g)
+
+    def state() -> dict:
+        return {k: v.clone() for k, v in pipe.state_dict().items()}
+
+    batches = make_batches(seed, 3, 1, 2)
+    scales, changed = [], []
+    for step, batch in enumerate(batches):
+        poison["on"] = step == 1
+        before = state()
+        engine.train_batch(iter(batch[0]))
+        scales.append(engine.get_loss_scale())
+        changed.append(any(not torch.equal(before[k], v) for k, v in pipe.state_dict().items()))
+    return {
+        "stage": engine.stage_id,
+        "scales": scales,
+        "changed": changed,
+        "skipped": engine.skipped_steps,
+        "steps": engine.global_steps,
+        "dtypes": sorted({str(v.dtype) for v in pipe.state_dict().values()}),
+    }

@@ -162,3 +162,20 @@ def test_checkpoint_resumes_bitwise_and_loads_at_one_stage(pool2, tmp_path):
     for result in results:
         assert result["client"] == {"epoch": 7} and result["steps"] == 2, result
         assert result["loaded_diff"] < 1e-6 and result["eval_diff"] < 1e-6, result
+
+
+def test_bf16_zero1_matches_one_process_and_fp16_overflow_skips_every_stage(pool2):
+    seed = random.randrange(2**31)
+    for result in pool2.run(jobs.bf16_equals_one_process, seed, 3, 3):
+        assert result["dtypes"] == ["torch.bfloat16"] and result["moved"] > 1e-3, result
+        # The forward and backward are the reference's own bf16 operations and the float32
+        # sums run in the same order, so only the masters' Adam step may differ (~1e-7
+        # relative), which can round a weight to the neighbouring bf16 value: 1 unit at most.
+        assert result["ulps"] <= 1.0, result
+        assert result["loss_ratio"] <= 2**-7, result  # a bf16 output's rounding, at most
+    results = pool2.run(jobs.fp16_overflow_skips_every_stage, seed)
+    for result in results:
+        assert result["dtypes"] == ["torch.float16"], result
+        assert result["changed"] == [True, False, True], result
+        assert result["skipped"] == 1 and result["steps"] == 3, result
+        assert result["scales"] == [2.0**8, 2.0**7, 2.0**7], result
