@@ -121,9 +121,10 @@ def pipeline_stage(stall) -> None:
     """2 pipeline stages; stage 1 stops in its forward of the second micro-batch of the second
     batch, after stage 0 sent it that micro-batch's activations: stage 0 then waits to receive
     the first micro-batch's activation gradients (1F1B) from it."""
+    from pipe_jobs import _config, layer_specs, loss_fn, make_batches
+
     import deepspeed_cpp
     from deepspeed_cpp.pipe import PipelineModule
-    from pipe_jobs import _config, layer_specs, loss_fn, make_batches
 
     torch.manual_seed(3)
     pipe = PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn)

@@ -372,7 +372,8 @@ def bf16_equals_one_process(seed: int, steps: int, micro_batches: int) -> dict:
 
     base_seed = seed % 10_000
     pipe = PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn,
-                          partition_method="uniform", seed_layers=True, base_seed=base_seed)  # fmt: skip
+                          partition_method="uniform", seed_layers=True,
+                          base_seed=base_seed)  # fmt: skip
     config = _config(micro_batches, 1, 0.0, 1, precision="bf16")
     engine, *_ = deepspeed.initialize(
         model=pipe, optimizer=torch.optim.Adam(pipe.parameters(), lr=1e-2), config=config
@@ -416,8 +417,9 @@ def bf16_equals_one_process(seed: int, steps: int, micro_batches: int) -> dict:
         "dtypes": sorted(dtypes),
         "ulps": ulps,
         "loss_ratio": loss_ratio,
-        "moved": max((start[k].float() - v.float()).abs().max().item()
-                     for k, v in pipe.state_dict().items()),  # fmt: skip
+        "moved": max(
+            (start[k].float() - v.float()).abs().max().item() for k, v in pipe.state_dict().items()
+        ),  # fmt: skip
     }
 
 
@@ -432,8 +434,12 @@ def fp16_overflow_skips_every_stage(seed: int) -> dict:
     pipe = PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn,
                           partition_method="uniform")  # fmt: skip
     config = _config(2, 1, 0.0, 0)
-    config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000,
-                      "hysteresis": 1}  # halve at the first overflow
+    config["fp16"] = {
+        "enabled": True,
+        "initial_scale_power": 8,
+        "loss_scale_window": 1000,
+        "hysteresis": 1,
+    }  # halve at the first overflow
     engine, *_ = deepspeed.initialize(
         model=pipe, optimizer=torch.optim.Adam(pipe.parameters(), lr=1e-2), config=config
     )
