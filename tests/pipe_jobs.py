@@ -326,6 +326,17 @@ def checkpoint_resume(seed: int, directory: str, stages_after: int) -> dict:
     saved = state(pipe)
     saved_eval = engine.eval_batch(iter(eval_data)).item()
     engine.save_checkpoint(directory, client_state={"epoch": 7})
+    consolidated = {}
+    if stages_after == 2:
+        from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(directory)
+        plain = Reference(layer_specs(True), 0)
+        plain_engine, *_ = deepspeed.initialize(
+            model=plain, optimizer=torch.optim.Adam(plain.parameters()),
+            config={"train_micro_batch_size_per_gpu": 4},
+        )  # fmt: skip
+        plain_error = _error_of(lambda: plain_engine.load_checkpoint(directory))
     for step in range(2, 4):
         engine.train_batch(iter(batches[step][0]))
     uninterrupted = state(pipe)
@@ -334,8 +345,16 @@ def checkpoint_resume(seed: int, directory: str, stages_after: int) -> dict:
     pipe2, engine2 = build(stages_after)
     path, client = engine2.load_checkpoint(directory)
     loaded = state(pipe2)
-    result = {"client": client, "steps": engine2.global_steps, "path_ok": path is not None}
+    result = {"client": client, "steps": engine2.global_steps, "path_ok": path is not None,
+              "names": sorted(saved)}  # fmt: skip
     if stages_after == 2:
+        # fp32 training: the consolidated masters are the stage's weights, bitwise.
+        result["fp32_names"] = sorted(consolidated)
+        result["fp32_bitwise"] = all(
+            consolidated[k].dtype == torch.float32 and torch.equal(consolidated[k], v)
+            for k, v in saved.items()
+        )
+        result["plain_error"] = plain_error
         result["loaded_bitwise"] = all(torch.equal(loaded[k], saved[k]) for k in saved)
         for step in range(2, 4):
             engine2.train_batch(iter(batches[step][0]))
@@ -363,10 +382,11 @@ def load_error(seed: int, directory: str) -> str:
     return _error_of(lambda: engine.load_checkpoint(directory))
 
 
-def bf16_equals_one_process(seed: int, steps: int, micro_batches: int) -> dict:
+def bf16_equals_one_process(seed: int, steps: int, micro_batches: int, directory: str) -> dict:
     """2 stages, bf16, ZeRO-1, Adam: beside the same bf16 model in one process whose gradients
     are summed in float32 over the micro-batches and stepped on float32 masters (as the engine
-    does). Returns the largest differences relative to bf16's unit in the last place."""
+    does). Returns the largest differences relative to bf16's unit in the last place, and how
+    zero_to_fp32 of a checkpoint saved at the end compares with the reference's fp32 masters."""
     import deepspeed_cpp as deepspeed
     from deepspeed_cpp.pipe import PipelineModule
 
@@ -405,6 +425,11 @@ def bf16_equals_one_process(seed: int, steps: int, micro_batches: int) -> dict:
                 p.copy_(master)
         ref_loss = torch.stack(ref_losses).mean()
         loss_ratio = max(loss_ratio, abs(loss.item() - ref_loss.item()) / ref_loss.abs().item())
+    engine.save_checkpoint(directory)
+    from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(directory)
+    ref_masters = dict(zip(names, masters))
     ref_state = dict(zip(names, ref_params))
     ulps, dtypes = 0.0, set()
     for name, value in pipe.state_dict().items():
@@ -414,6 +439,13 @@ def bf16_equals_one_process(seed: int, steps: int, micro_batches: int) -> dict:
         spacing = torch.ldexp(torch.ones_like(ref), torch.frexp(ref)[1] - 8)
         ulps = max(ulps, ((value.float() - ref).abs() / spacing).max().item())
     return {
+        "fp32_names": sorted(consolidated) == sorted(names),
+        "fp32_dtypes": sorted({str(v.dtype) for v in consolidated.values()}),
+        "fp32_diff": max((consolidated[k] - v).abs().max().item() for k, v in ref_masters.items()),
+        # Masters, not the bf16 weights widened: some element must differ from its bf16 copy.
+        "fp32_not_widened": any(
+            not torch.equal(v, v.bfloat16().float()) for v in consolidated.values()
+        ),
         "dtypes": sorted(dtypes),
         "ulps": ulps,
         "loss_ratio": loss_ratio,

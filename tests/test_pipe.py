@@ -148,6 +148,10 @@ def test_checkpoint_resumes_bitwise_and_loads_at_one_stage(pool2, tmp_path):
     for result in results:
         assert result["path_ok"] and result["client"] == {"epoch": 7} and result["steps"] == 2
         assert result["loaded_bitwise"] and result["resumed_bitwise"], result
+        assert result["fp32_bitwise"], result
+        assert "pipeline checkpoint (saved by a PipelineEngine, 2 stages" in result["plain_error"]
+    # zero_to_fp32 holds every stage's weights under the PipelineModule's names.
+    assert results[0]["fp32_names"] == sorted(set(results[0]["names"]) | set(results[1]["names"]))
     tag = Path(tmp_path / "a" / "global_step2")
     names = sorted(p.name for p in tag.iterdir())
     assert "layer_00-model_states.pt" in names and "mp_rank_01_model_states.pt" in names
@@ -164,9 +168,13 @@ def test_checkpoint_resumes_bitwise_and_loads_at_one_stage(pool2, tmp_path):
         assert result["loaded_diff"] < 1e-6 and result["eval_diff"] < 1e-6, result
 
 
-def test_bf16_zero1_matches_one_process_and_fp16_overflow_skips_every_stage(pool2):
+def test_bf16_zero1_matches_one_process_and_fp16_overflow_skips_every_stage(pool2, tmp_path):
     seed = random.randrange(2**31)
-    for result in pool2.run(jobs.bf16_equals_one_process, seed, 3, 3):
+    for result in pool2.run(jobs.bf16_equals_one_process, seed, 3, 3, str(tmp_path)):
+        # zero_to_fp32 of the pipeline checkpoint: every stage's fp32 masters (the reference's,
+        # to float32 rounding of the same Adam step).
+        assert result["fp32_names"] and result["fp32_dtypes"] == ["torch.float32"], result
+        assert result["fp32_not_widened"] and result["fp32_diff"] < 1e-6, result
         assert result["dtypes"] == ["torch.bfloat16"] and result["moved"] > 1e-3, result
         # The forward and backward are the reference's own bf16 operations and the float32
         # sums run in the same order, so only the masters' Adam step may differ (~1e-7
