@@ -132,7 +132,12 @@ def pipeline_stage(stall) -> None:
         model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1), config=_config(2, 1, 0, 0)
     )
     forwards = []
-    pipe.register_forward_pre_hook(lambda *_: (forwards.append(1), stall(len(forwards) == 4)))
+
+    def count_and_stall(*_) -> None:  # returns None: the forward's inputs stay as they are
+        forwards.append(1)
+        stall(len(forwards) == 4)
+
+    pipe.register_forward_pre_hook(count_and_stall)
     for batch in make_batches(3, 2, 1, 2):
         engine.train_batch(iter(batch[0]))
 

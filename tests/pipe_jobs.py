@@ -233,6 +233,13 @@ def bad_input_errors() -> dict[str, str]:
             config={**config, "zero_optimization": {"stage": 2}},
         )
     )
+    errors["config_stages"] = _error_of(
+        lambda: deepspeed.initialize(
+            model=PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            config={**config, "pipeline": {"stages": 4}},
+        )
+    )
     pipe = PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn)
     engine, *_ = deepspeed.initialize(
         model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1), config=config
@@ -271,15 +278,15 @@ def checkpointing_changes_nothing(seed: int, steps: int) -> dict:
             num_stages=2,
             loss_fn=loss_fn,
             partition_method="uniform",
-            activation_checkpoint_interval=interval,
         )
         if interval:
             pipe.load_state_dict(states[0][0])  # the same start
+        # The interval from the config's pipeline section, which overrides the module's (0).
+        config = {**_config(3, 1, 0.0, 0), "pipeline": {"activation_checkpoint_interval": interval}}
         engine, *_ = deepspeed.initialize(
-            model=pipe,
-            optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1),
-            config=_config(3, 1, 0.0, 0),
+            model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1), config=config
         )
+        assert pipe.activation_checkpoint_interval == interval
         start = {k: v.clone() for k, v in pipe.state_dict().items()}
         torch.manual_seed(seed + 1)  # the dropout masks' stream
         run = [engine.train_batch(iter(b[0])).item() for b in make_batches(seed, steps, 1, 3)]

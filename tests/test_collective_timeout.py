@@ -91,7 +91,7 @@ def test_each_engine_collective_is_named(tmp_path):
         "zero3_gather": "all_gather (fetch) of ZeRO-3 parameter ",
         "moe_all_to_all": "all_to_all of MoE tokens (shape [",
         # A pipeline stage that stops mid-schedule: its neighbour's point-to-point wait.
-        "pipeline_stage": "receive of activation gradients (tensor 0 of shape [4, 8]) from rank 1",
+        "pipeline_stage": "receive of activation gradients (tensor 0 of shape [4, 16]) from rank 1",
     }
     for name, label in expected.items():
         error = errors[name]["0"]

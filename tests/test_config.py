@@ -587,7 +587,7 @@ def test_keys_from_deepspeeds_documentation_are_never_unknown():
         "tensor_parallel": {"autotp_size": 0},
         "hybrid_engine": {"enabled": False},
     }
-    final = DeepSpeedConfig.load(config)  # pipeline.stages "auto" is ignored with its section
+    final = DeepSpeedConfig.load(config)  # pipeline.stages "auto" is DeepSpeed's own value
     assert final.train_micro_batch_size_per_gpu == 8
     assert final.raw == config
 

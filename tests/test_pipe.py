@@ -102,6 +102,7 @@ def test_bad_input_is_named(pool2):
         assert "'random' is not one of" in errors["partition_unknown"]
         assert "nn.Module subclass" in errors["layerspec_not_module"]
         assert "zero_optimization.stage 2" in errors["zero2"]
+        assert "pipeline.stages is 4 but the PipelineModule has 2 stages" in errors["config_stages"]
         for name in ("forward", "backward", "step"):
             assert f"PipelineEngine.{name}() is not available" in errors[name]
         assert "DataIteratorExhaustedError" in errors["exhausted"]

@@ -44,6 +44,28 @@ def _as_tuple(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
+def _apply_pipeline_config(section, model: PipelineModule) -> None:
+    """The config's ``pipeline`` keys that DeepSpeed's PipelineEngine reads (the others are
+    decided by the PipelineModule's own arguments, see runtime/config/field_policy.py)."""
+    stages = model.num_pipeline_stages()
+    if section.stages != "auto" and section.stages != stages:
+        raise PipelineError(
+            f"the config's pipeline.stages is {section.stages} but the PipelineModule has "
+            f'{stages} stages (num_stages / topology); give the same number, or "auto"'
+        )
+    if section.activation_checkpoint_interval > 0:  # DeepSpeed: the config's overrides
+        model.set_checkpoint_interval(section.activation_checkpoint_interval)
+    tensor_parallel = model.topology().get_dim("model")
+    if tensor_parallel > 1 and (section.pipe_partitioned or section.grad_partitioned):
+        if dist.get_rank() == 0:
+            logger.info(
+                "deepspeed_cpp: pipeline.pipe_partitioned / grad_partitioned: activations and "
+                "their gradients are sent whole between stages (the same values; DeepSpeed "
+                "splits the transfer over the %d tensor-parallel ranks)",
+                tensor_parallel,
+            )
+
+
 class PipelineEngine(DeepSpeedEngine):
     """A pipeline stage's engine (see the module docstring)."""
 
@@ -58,6 +80,7 @@ class PipelineEngine(DeepSpeedEngine):
                 f"zero_optimization.stage {stage} cannot be used with pipeline parallelism "
                 "(PipelineModule); DeepSpeed's pipelines take stage 0 or 1"
             )
+        _apply_pipeline_config(config.pipeline, model)
         kwargs["mpu"] = kwargs.get("mpu") or model.mpu()
         super().__init__(model=model, config=config, **kwargs)
         grid = model.mpu()
