@@ -156,6 +156,7 @@ def test_checkpoint_resumes_bitwise_and_loads_at_one_stage(pool2, tmp_path):
     tag = Path(tmp_path / "a" / "global_step2")
     names = sorted(p.name for p in tag.iterdir())
     assert "layer_00-model_states.pt" in names and "mp_rank_01_model_states.pt" in names
+    assert (tmp_path / "a" / "zero_to_fp32.py").is_file()  # the recovery script, as DeepSpeed
     assert "zero_pp_rank_0_mp_rank_01_optim_states.pt" in names
     damaged = tag / "layer_03-model_states.pt"
     data = bytearray(damaged.read_bytes())

@@ -62,6 +62,7 @@ from ..checkpoint.layout import (
 from ..checkpoint.metadata import ZeroLayout, names_by_parameter, plain, to_json_text
 from ..checkpoint.rank_agreement import agree_on
 from ..checkpoint.rng_state import capture_rng_states, restore_rng_states
+from ..checkpoint.saver import write_recovery_script_or_warn
 from ..checkpoint.shard_reader import load_mapped
 
 
@@ -224,6 +225,7 @@ def save_pipeline_checkpoint(
                 }
             )
             write_text_atomically(staging / METADATA_FILE, to_json_text(metadata))
+            write_recovery_script_or_warn(save_dir)  # zero_to_fp32.py beside latest, as DeepSpeed
             publish_directory(staging, save_dir / tag, save_dir / f"{tag}{DISPLACED_SUFFIX}")
             if save_latest:
                 write_text_atomically(save_dir / LATEST_FILE, tag)
