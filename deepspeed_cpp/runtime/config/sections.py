@@ -258,7 +258,7 @@ class PipelineConfig(ConfigSection):
     """``pipeline``: what DeepSpeed's ``PipelineEngine`` reads of the config (the pipeline
     itself is built by ``PipelineModule``'s arguments, here as in DeepSpeed)."""
 
-    stages: integer(1) = AUTO
+    stages: Annotated[int | str, integer(1).__metadata__[0]] = AUTO  # "auto" kept as given
     """The number of stages; "auto" (DeepSpeed's default) takes the PipelineModule's. A number
     must equal it (checked by the pipeline engine)."""
     partition: text() = "best"
