@@ -93,7 +93,7 @@ def _entry(name: str, role: str, payload, staging: Path) -> dict:
     return {"name": name, "role": role, "rank": dist.get_rank(), "bytes": size, DIGEST_KEY: digest}
 
 
-def _write_rank_files(engine, staging: Path, client_state: dict) -> list[dict]:
+def _write_rank_files(engine, staging: Path, client_state: dict) -> tuple[list[dict], dict | None]:
     stage, replica = engine.stage_id, engine.dp_rank
     written = []
     if replica == 0:
