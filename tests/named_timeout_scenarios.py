@@ -119,8 +119,8 @@ def initialize(stall) -> None:
 
 def pipeline_stage(stall) -> None:
     """2 pipeline stages; stage 1 stops in its forward of the second micro-batch of the second
-    batch, after stage 0 sent it that micro-batch's activations: stage 0 then waits to receive
-    the first micro-batch's activation gradients (1F1B) from it."""
+    batch, after stage 0 sent it that micro-batch's activations (1F1B: stage 1 already sent the
+    first micro-batch's gradients): stage 0 then waits to receive the second's from it."""
     from pipe_jobs import _config, layer_specs, loss_fn, make_batches
 
     import deepspeed_cpp
