@@ -117,10 +117,36 @@ def initialize(stall) -> None:
     build_engine(7, 2, 2)
 
 
+def pipeline_stage(stall) -> None:
+    """2 pipeline stages; stage 1 stops in its forward of the second micro-batch of the second
+    batch, after stage 0 sent it that micro-batch's activations (1F1B: stage 1 already sent the
+    first micro-batch's gradients): stage 0 then waits to receive the second's from it."""
+    from pipe_jobs import _config, layer_specs, loss_fn, make_batches
+
+    import deepspeed_cpp
+    from deepspeed_cpp.pipe import PipelineModule
+
+    torch.manual_seed(3)
+    pipe = PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn)
+    engine, *_ = deepspeed_cpp.initialize(
+        model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1), config=_config(2, 1, 0, 0)
+    )
+    forwards = []
+
+    def count_and_stall(*_) -> None:  # returns None: the forward's inputs stay as they are
+        forwards.append(1)
+        stall(len(forwards) == 4)
+
+    pipe.register_forward_pre_hook(count_and_stall)
+    for batch in make_batches(3, 2, 1, 2):
+        engine.train_batch(iter(batch[0]))
+
+
 SCENARIOS = {
     "initialize": initialize,
     "zero3_gather": zero3_gather,
     "moe_all_to_all": moe_forward,
+    "pipeline_stage": pipeline_stage,
 }
 
 

@@ -233,6 +233,13 @@ def bad_input_errors() -> dict[str, str]:
             config={**config, "zero_optimization": {"stage": 2}},
         )
     )
+    errors["config_stages"] = _error_of(
+        lambda: deepspeed.initialize(
+            model=PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            config={**config, "pipeline": {"stages": 4}},
+        )
+    )
     pipe = PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn)
     engine, *_ = deepspeed.initialize(
         model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1), config=config
@@ -242,6 +249,9 @@ def bad_input_errors() -> dict[str, str]:
     errors["step"] = _error_of(lambda: engine.step())
     one_micro_batch = make_batches(0, 1, 1, 1)[0][0]
     errors["exhausted"] = _error_of(lambda: engine.train_batch(iter(one_micro_batch)))
+    # Only stage 0's iterator runs out: the last stage (which has data) stops too, at once.
+    uneven = make_batches(2, 1, 1, 2)[0][0][: 1 if engine.is_first_stage() else 2]
+    errors["exhausted_stage0"] = _error_of(lambda: engine.train_batch(iter(uneven)))
     # After a refused batch the pipeline still trains (nothing was sent).
     loss = engine.train_batch(iter(make_batches(1, 1, 1, 2)[0][0]))
     errors["after"] = f"loss {float(loss):.4f}"
@@ -268,15 +278,15 @@ def checkpointing_changes_nothing(seed: int, steps: int) -> dict:
             num_stages=2,
             loss_fn=loss_fn,
             partition_method="uniform",
-            activation_checkpoint_interval=interval,
         )
         if interval:
             pipe.load_state_dict(states[0][0])  # the same start
+        # The interval from the config's pipeline section, which overrides the module's (0).
+        config = {**_config(3, 1, 0.0, 0), "pipeline": {"activation_checkpoint_interval": interval}}
         engine, *_ = deepspeed.initialize(
-            model=pipe,
-            optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1),
-            config=_config(3, 1, 0.0, 0),
+            model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1), config=config
         )
+        assert pipe.activation_checkpoint_interval == interval
         start = {k: v.clone() for k, v in pipe.state_dict().items()}
         torch.manual_seed(seed + 1)  # the dropout masks' stream
         run = [engine.train_batch(iter(b[0])).item() for b in make_batches(seed, steps, 1, 3)]
@@ -323,6 +333,17 @@ def checkpoint_resume(seed: int, directory: str, stages_after: int) -> dict:
     saved = state(pipe)
     saved_eval = engine.eval_batch(iter(eval_data)).item()
     engine.save_checkpoint(directory, client_state={"epoch": 7})
+    consolidated = {}
+    if stages_after == 2:
+        from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(directory)
+        plain = Reference(layer_specs(True), 0)
+        plain_engine, *_ = deepspeed.initialize(
+            model=plain, optimizer=torch.optim.Adam(plain.parameters()),
+            config={"train_micro_batch_size_per_gpu": 4},
+        )  # fmt: skip
+        plain_error = _error_of(lambda: plain_engine.load_checkpoint(directory))
     for step in range(2, 4):
         engine.train_batch(iter(batches[step][0]))
     uninterrupted = state(pipe)
@@ -331,8 +352,16 @@ def checkpoint_resume(seed: int, directory: str, stages_after: int) -> dict:
     pipe2, engine2 = build(stages_after)
     path, client = engine2.load_checkpoint(directory)
     loaded = state(pipe2)
-    result = {"client": client, "steps": engine2.global_steps, "path_ok": path is not None}
+    result = {"client": client, "steps": engine2.global_steps, "path_ok": path is not None,
+              "names": sorted(saved)}  # fmt: skip
     if stages_after == 2:
+        # fp32 training: the consolidated masters are the stage's weights, bitwise.
+        result["fp32_names"] = sorted(consolidated)
+        result["fp32_bitwise"] = all(
+            consolidated[k].dtype == torch.float32 and torch.equal(consolidated[k], v)
+            for k, v in saved.items()
+        )
+        result["plain_error"] = plain_error
         result["loaded_bitwise"] = all(torch.equal(loaded[k], saved[k]) for k in saved)
         for step in range(2, 4):
             engine2.train_batch(iter(batches[step][0]))
@@ -358,3 +387,122 @@ def load_error(seed: int, directory: str) -> str:
         model=pipe, optimizer=torch.optim.Adam(pipe.parameters()), config=_config(2, 1, 0.0, 0)
     )
     return _error_of(lambda: engine.load_checkpoint(directory))
+
+
+def bf16_equals_one_process(seed: int, steps: int, micro_batches: int, directory: str) -> dict:
+    """2 stages, bf16, ZeRO-1, Adam: beside the same bf16 model in one process whose gradients
+    are summed in float32 over the micro-batches and stepped on float32 masters (as the engine
+    does). Returns the largest differences relative to bf16's unit in the last place, and how
+    zero_to_fp32 of a checkpoint saved at the end compares with the reference's fp32 masters."""
+    import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.pipe import PipelineModule
+
+    base_seed = seed % 10_000
+    pipe = PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn,
+                          partition_method="uniform", seed_layers=True,
+                          base_seed=base_seed)  # fmt: skip
+    config = _config(micro_batches, 1, 0.0, 1, precision="bf16")
+    engine, *_ = deepspeed.initialize(
+        model=pipe, optimizer=torch.optim.Adam(pipe.parameters(), lr=1e-2), config=config
+    )
+    reference = Reference(layer_specs(False), base_seed).to(torch.bfloat16)
+    names = list(reference.named_state())
+    params = dict(reference.named_parameters())
+    ref_params = [params["layers." + n] for n in names]
+    masters = [p.detach().float().clone() for p in ref_params]
+    ref_optimizer = torch.optim.Adam(masters, lr=1e-2)
+    start = {k: v.clone() for k, v in pipe.state_dict().items()}
+    loss_ratio = 0.0
+    for batch in make_batches(seed, steps, 1, micro_batches):
+        loss = engine.train_batch(iter(batch[0]))
+        sums = [torch.zeros_like(m) for m in masters]
+        ref_losses = []
+        for x, y in batch[0]:
+            reference.zero_grad()
+            ref_loss = loss_fn(reference(x.bfloat16()), y)
+            (ref_loss * (1.0 / micro_batches)).backward()
+            ref_losses.append(ref_loss.detach().float())
+            for total, p in zip(sums, ref_params):
+                total += p.grad.float()
+        for master, total in zip(masters, sums):
+            master.grad = total
+        ref_optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(ref_params, masters):
+                p.copy_(master)
+        ref_loss = torch.stack(ref_losses).mean()
+        loss_ratio = max(loss_ratio, abs(loss.item() - ref_loss.item()) / ref_loss.abs().item())
+    engine.save_checkpoint(directory)
+    from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(directory)
+    ref_masters = dict(zip(names, masters))
+    ref_state = dict(zip(names, ref_params))
+    ulps, dtypes = 0.0, set()
+    for name, value in pipe.state_dict().items():
+        ref = ref_state[name].float()
+        dtypes.add(str(value.dtype))
+        # bf16 spacing at each reference element: 2^(exponent - 7).
+        spacing = torch.ldexp(torch.ones_like(ref), torch.frexp(ref)[1] - 8)
+        ulps = max(ulps, ((value.float() - ref).abs() / spacing).max().item())
+    return {
+        "fp32_names": sorted(consolidated) == sorted(names),
+        "fp32_dtypes": sorted({str(v.dtype) for v in consolidated.values()}),
+        "fp32_diff": max((consolidated[k] - v).abs().max().item() for k, v in ref_masters.items()),
+        # Masters, not the bf16 weights widened: some element must differ from its bf16 copy.
+        "fp32_not_widened": any(
+            not torch.equal(v, v.bfloat16().float()) for v in consolidated.values()
+        ),
+        "dtypes": sorted(dtypes),
+        "ulps": ulps,
+        "loss_ratio": loss_ratio,
+        "moved": max(
+            (start[k].float() - v.float()).abs().max().item() for k, v in pipe.state_dict().items()
+        ),  # fmt: skip
+    }
+
+
+def fp16_overflow_skips_every_stage(seed: int) -> dict:
+    """2 stages, fp16 with a dynamic loss scale; in the second batch one gradient of stage 0
+    only becomes inf. Every stage must skip that step (weights unchanged, the scale halved,
+    the same on both stages) and train on after it."""
+    import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.pipe import PipelineModule
+
+    torch.manual_seed(seed)
+    pipe = PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn,
+                          partition_method="uniform")  # fmt: skip
+    config = _config(2, 1, 0.0, 0)
+    config["fp16"] = {
+        "enabled": True,
+        "initial_scale_power": 8,
+        "loss_scale_window": 1000,
+        "hysteresis": 1,
+    }  # halve at the first overflow
+    engine, *_ = deepspeed.initialize(
+        model=pipe, optimizer=torch.optim.Adam(pipe.parameters(), lr=1e-2), config=config
+    )
+    poison = {"on": False}
+    if engine.is_first_stage():
+        first = next(pipe.parameters())
+        first.register_hook(lambda g: torch.full_like(g, float("inf")) if poison["on"] else g)
+
+    def state() -> dict:
+        return {k: v.clone() for k, v in pipe.state_dict().items()}
+
+    batches = make_batches(seed, 3, 1, 2)
+    scales, changed = [], []
+    for step, batch in enumerate(batches):
+        poison["on"] = step == 1
+        before = state()
+        engine.train_batch(iter(batch[0]))
+        scales.append(engine.get_loss_scale())
+        changed.append(any(not torch.equal(before[k], v) for k, v in pipe.state_dict().items()))
+    return {
+        "stage": engine.stage_id,
+        "scales": scales,
+        "changed": changed,
+        "skipped": engine.skipped_steps,
+        "steps": engine.global_steps,
+        "dtypes": sorted({str(v.dtype) for v in pipe.state_dict().values()}),
+    }

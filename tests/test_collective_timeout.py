@@ -81,8 +81,8 @@ def _run_scenarios(out: Path, world: int, timeout_s: float, *arguments: str) -> 
 
 def test_each_engine_collective_is_named(tmp_path):
     """Rank 1 stops answering in initialize(), before a ZeRO-3 parameter gather
-    (GatheredParameters) and in an expert-parallel MoE forward (all_to_all); rank 0's error names
-    each of those collectives."""
+    (GatheredParameters), in an expert-parallel MoE forward (all_to_all) and as pipeline stage 1
+    in the middle of a batch; rank 0's error names each of those collectives."""
     timeout_s = 4
     errors = _run_scenarios(tmp_path, 2, timeout_s)
     expected = {
@@ -90,6 +90,8 @@ def test_each_engine_collective_is_named(tmp_path):
         "initialize": "all_gather of the set-up digests at deepspeed_cpp.initialize() ",
         "zero3_gather": "all_gather (fetch) of ZeRO-3 parameter ",
         "moe_all_to_all": "all_to_all of MoE tokens (shape [",
+        # A pipeline stage that stops mid-schedule: its neighbour's point-to-point wait.
+        "pipeline_stage": "receive of activation gradients (tensor 0 of shape [4, 16]) from rank 1",
     }
     for name, label in expected.items():
         error = errors[name]["0"]

@@ -587,7 +587,7 @@ def test_keys_from_deepspeeds_documentation_are_never_unknown():
         "tensor_parallel": {"autotp_size": 0},
         "hybrid_engine": {"enabled": False},
     }
-    final = DeepSpeedConfig.load(config)  # pipeline.stages "auto" is ignored with its section
+    final = DeepSpeedConfig.load(config)  # pipeline.stages "auto" is DeepSpeed's own value
     assert final.train_micro_batch_size_per_gpu == 8
     assert final.raw == config
 
@@ -1057,3 +1057,25 @@ def test_the_guides_templates_warn_on_rank_0_only(ds_log, monkeypatch, rank):
     local = [m for m in messages if "cpuadam_cores_perc = 0.5" in m]
     assert local == [m for m in local if m.startswith("rank 1: ") or rank == "0"]
     assert len(local) == 1
+
+
+def test_pipeline_section_is_typed(ds_log):
+    """The keys DeepSpeed's PipelineEngine reads: typed ("auto" stages is DeepSpeed's own value,
+    not a placeholder), checked by name, and each one's use said (runtime/pipe/engine.py reads
+    them; tests/test_pipe.py checks stages and activation_checkpoint_interval in a pipeline)."""
+    config = DeepSpeedConfig.load(_with_batch(pipeline={"stages": "auto", "use_reentrant": False}))
+    assert config.pipeline.stages == "auto" and config.pipeline.activation_checkpoint_interval == 0
+    assert config.auto_paths == ()
+    assert DeepSpeedConfig.load(_with_batch(pipeline={"stages": 4})).pipeline.stages == 4
+    assert not _warnings_about(ds_log, "pipeline.use_reentrant")
+    DeepSpeedConfig.load(_with_batch(pipeline={"use_reentrant": True, "seed_layers": True}))
+    assert "non-reentrant" in _warnings_about(ds_log, "pipeline.use_reentrant")[0]
+    assert "PipelineModule(seed_layers" in _warnings_about(ds_log, "pipeline.seed_layers")[0]
+    for section, expected in [
+        ({"stages": 0}, "pipeline.stages = 0: expected an integer >= 1"),
+        ({"activation_checkpoint_interval": -1}, "expected an integer >= 0"),
+        ({"pipe_partitioned": "yes"}, "pipeline.pipe_partitioned"),
+        ({"micro_batches": 4}, "unknown key 'pipeline.micro_batches'"),
+    ]:
+        with pytest.raises(DeepSpeedConfigError, match=expected.replace("(", r"\(")):
+            DeepSpeedConfig.load(_with_batch(pipeline=section))

@@ -102,10 +102,15 @@ def test_bad_input_is_named(pool2):
         assert "'random' is not one of" in errors["partition_unknown"]
         assert "nn.Module subclass" in errors["layerspec_not_module"]
         assert "zero_optimization.stage 2" in errors["zero2"]
+        assert "pipeline.stages is 4 but the PipelineModule has 2 stages" in errors["config_stages"]
         for name in ("forward", "backward", "step"):
             assert f"PipelineEngine.{name}() is not available" in errors[name]
         assert "DataIteratorExhaustedError" in errors["exhausted"]
         assert "ran out after 1 of the 2 micro-batches" in errors["exhausted"]
+        assert errors["exhausted_stage0"].startswith(
+            "DataIteratorExhaustedError: the data iterator of rank 0 (stage 0) ran out after 1 "
+            "of the 2 micro-batches"
+        ), errors["exhausted_stage0"]
         assert errors["after"].startswith("loss ")
         assert "train_batch() is the pipeline engine's" in errors["train_batch_plain"]
 
@@ -135,9 +140,14 @@ def test_checkpoint_resumes_bitwise_and_loads_at_one_stage(pool2, tmp_path):
     for result in results:
         assert result["path_ok"] and result["client"] == {"epoch": 7} and result["steps"] == 2
         assert result["loaded_bitwise"] and result["resumed_bitwise"], result
+        assert result["fp32_bitwise"], result
+        assert "pipeline checkpoint (saved by a PipelineEngine, 2 stages" in result["plain_error"]
+    # zero_to_fp32 holds every stage's weights under the PipelineModule's names.
+    assert results[0]["fp32_names"] == sorted(set(results[0]["names"]) | set(results[1]["names"]))
     tag = Path(tmp_path / "a" / "global_step2")
     names = sorted(p.name for p in tag.iterdir())
     assert "layer_00-model_states.pt" in names and "mp_rank_01_model_states.pt" in names
+    assert (tmp_path / "a" / "zero_to_fp32.py").is_file()  # the recovery script, as DeepSpeed
     assert "zero_pp_rank_0_mp_rank_01_optim_states.pt" in names
     damaged = tag / "layer_03-model_states.pt"
     data = bytearray(damaged.read_bytes())
@@ -149,3 +159,24 @@ def test_checkpoint_resumes_bitwise_and_loads_at_one_stage(pool2, tmp_path):
     for result in results:
         assert result["client"] == {"epoch": 7} and result["steps"] == 2, result
         assert result["loaded_diff"] < 1e-6 and result["eval_diff"] < 1e-6, result
+
+
+def test_bf16_zero1_matches_one_process_and_fp16_overflow_skips_every_stage(pool2, tmp_path):
+    seed = random.randrange(2**31)
+    for result in pool2.run(jobs.bf16_equals_one_process, seed, 3, 3, str(tmp_path)):
+        # zero_to_fp32 of the pipeline checkpoint: every stage's fp32 masters (the reference's,
+        # to float32 rounding of the same Adam step).
+        assert result["fp32_names"] and result["fp32_dtypes"] == ["torch.float32"], result
+        assert result["fp32_not_widened"] and result["fp32_diff"] < 1e-6, result
+        assert result["dtypes"] == ["torch.bfloat16"] and result["moved"] > 1e-3, result
+        # The forward and backward are the reference's own bf16 operations and the float32
+        # sums run in the same order, so only the masters' Adam step may differ (~1e-7
+        # relative), which can round a weight to the neighbouring bf16 value: 1 unit at most.
+        assert result["ulps"] <= 1.0, result
+        assert result["loss_ratio"] <= 2**-7, result  # a bf16 output's rounding, at most
+    results = pool2.run(jobs.fp16_overflow_skips_every_stage, seed)
+    for result in results:
+        assert result["dtypes"] == ["torch.float16"], result
+        assert result["changed"] == [True, False, True], result
+        assert result["skipped"] == 1 and result["steps"] == 3, result
+        assert result["scales"] == [2.0**8, 2.0**7, 2.0**7], result

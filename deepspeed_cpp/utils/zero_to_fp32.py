@@ -33,6 +33,9 @@ with), frozen parameters (converted to fp32) and buffers (as saved) from the mod
 file. A tied parameter appears under every name that shares it (one shared tensor in a torch
 file; a copy per name in safetensors, which cannot store aliases).
 
+A pipeline checkpoint (``PipelineEngine.save_checkpoint``) gives the ``PipelineModule``'s names
+with each stage's fp32 masters (``pipeline_to_fp32.py``).
+
 Integrity: the metadata's digest and each file's SHA-256 are checked as the files are read (a
 damaged file raises ``IncompleteCheckpointError`` naming it and both digests); a file holding
 objects other than tensors, a symbolic link (without ``--allow_symlinks``) or a tag that leads
@@ -69,6 +72,7 @@ from ..runtime.checkpoint.layout import (
 )
 from ..runtime.checkpoint.metadata import ZeroLayout
 from ..runtime.checkpoint.shard_reader import load_mapped
+from .pipeline_to_fp32 import pipeline_fp32_state_dict
 from .weight_files import (
     DEFAULT_MAX_SHARD_SIZE,
     ShardPlan,
@@ -134,6 +138,8 @@ def get_fp32_state_dict_from_zero_checkpoint(
     directory = resolve_checkpoint_dir(checkpoint_dir, tag, allow_symlinks)
     metadata = read_metadata(directory, allow_symlinks)
     digests = file_digests(metadata)
+    if metadata.get("pipeline") is not None:
+        return pipeline_fp32_state_dict(directory, metadata, digests)
     module_file = listed_file(directory, MODULE_FILE, digests, "module states")
     module_state = load_mapped(module_file, digests.get(MODULE_FILE), "module states")
     # Experts of MoE layers have files of their own, under global names (expert_files.py).

@@ -189,6 +189,13 @@ def _rng_states(engine, directory: Path, metadata: dict, reader: ShardReader) ->
 
 def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None:
     metadata = read_checked_metadata(directory, options["allow_symlinks"])
+    if metadata.get("pipeline") is not None:
+        raise CheckpointMismatchError(
+            f"{directory} is a pipeline checkpoint (saved by a PipelineEngine, "
+            f"{metadata['pipeline']['stages']} stages, a file per layer); load it into a "
+            "PipelineModule's engine, or consolidate it with zero_to_fp32 and load the weights "
+            "into this model"
+        )
     check_model_parallel_metadata(metadata, engine.mp_rank, engine.mp_world_size, directory)
     digests = file_digests(metadata)
     layers = expert_layers(engine.module)

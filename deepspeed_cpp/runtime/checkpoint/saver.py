@@ -275,7 +275,7 @@ def _prepare(save_dir: Path, staging: Path, client_state, allow_pickle: bool, lo
     return pickled
 
 
-def _write_recovery_script(save_dir: Path) -> None:
+def write_recovery_script_or_warn(save_dir: Path) -> None:
     """``zero_to_fp32.py`` beside ``latest``, as DeepSpeed leaves it (``recovery_script.py``).
     A convenience, not part of the checkpoint: failing to write it warns and the save goes on."""
     try:
@@ -302,7 +302,7 @@ def _publish(
     except OSError as error:
         reason = error.strerror or str(error)
         raise OSError(error.errno, f"{reason}; nothing was published, {latest}") from error
-    _write_recovery_script(save_dir)
+    write_recovery_script_or_warn(save_dir)
     if save_latest:
         try:
             write_text_atomically(save_dir / LATEST_FILE, tag)

@@ -38,6 +38,11 @@ HF_TRAINER_FILLS = frozenset(
 )
 
 
+# Keys for which "auto" is a value of DeepSpeed's own (its default), not a placeholder for the
+# Hugging Face integration to fill: "take the PipelineModule's number of stages".
+AUTO_AS_VALUE = frozenset({"pipeline.stages"})
+
+
 def find_auto_paths(data: Any, skip: Collection[str] = (), prefix: str = "") -> list[str]:
     """Dotted paths of every ``"auto"`` value inside the objects of ``data``, except under the
     paths in ``skip`` (sections that are ignored, where an "auto" changes nothing)."""

@@ -24,7 +24,12 @@ from typing import Any
 from pydantic import Field, PrivateAttr, ValidationError
 
 from ...utils.logging import logger
-from .auto_values import fill_auto_values, find_auto_paths, unresolved_auto_problem
+from .auto_values import (
+    AUTO_AS_VALUE,
+    fill_auto_values,
+    find_auto_paths,
+    unresolved_auto_problem,
+)
 from .batch_size import resolve_batch_sizes
 from .errors import DeepSpeedConfigError, describe_validation_error, join_path
 from .field_policy import judge_fields
@@ -53,6 +58,7 @@ from .sections import (
     AioConfig,
     BF16Config,
     FP16Config,
+    PipelineConfig,
     TensorParallelConfig,
     ZeroConfig,
 )
@@ -104,6 +110,8 @@ class DeepSpeedConfig(ConfigSection):
     """AutoTP training: ``autotp_size`` ranks split each model (deepspeed_cpp.module_inject)."""
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     """``deepspeed.checkpointing``'s settings; None when the config has no such section."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """What a ``PipelineEngine`` reads (``runtime/pipe/engine.py``); plain engines ignore it."""
     nonfinite_gradients: choice(("skip", "raise")) = "skip"
     """deepspeed_cpp extension: a step whose global gradient holds NaN or inf is skipped on
     every rank (parameters, optimizer state and LR schedule unchanged, counted in
@@ -312,7 +320,7 @@ class DeepSpeedConfig(ConfigSection):
     @property
     def auto_paths(self) -> tuple[str, ...]:
         """Dotted key paths still holding ``"auto"`` (not counting ignored sections)."""
-        return tuple(find_auto_paths(self._raw, skip=ignored_key_paths()))
+        return tuple(find_auto_paths(self._raw, skip=ignored_key_paths() | AUTO_AS_VALUE))
 
     @property
     def world_size(self) -> int | None:

@@ -58,6 +58,7 @@ _ENGINE = "runtime/engine.py"
 _OFFLOAD = "runtime/zero/offload/optimizer_offload.py"
 _STAGE3 = "runtime/zero/stage3.py"
 _AIO = "runtime/zero/offload/swap_transfers.py"
+_PIPE = "runtime/pipe/engine.py"
 _CONFIG = "runtime/config/deepspeed_config.py"
 _OPTIMIZER = "runtime/config_optimizer.py"
 _REPORT = "runtime/training_report.py"
@@ -180,6 +181,27 @@ FIELDS: dict[str, FieldUse] = {
         for name in "partition_activations contiguous_memory_optimization cpu_checkpointing "
         "number_checkpoints synchronize_checkpoint_boundary profile".split()
     },
+    # pipeline: read by the PipelineEngine (DeepSpeed's engine reads the same keys).
+    "pipeline.stages": _judged(_PIPE),  # must equal the PipelineModule's num_stages
+    "pipeline.activation_checkpoint_interval": _read(_PIPE),
+    "pipeline.pipe_partitioned": _judged(_PIPE),  # noted when tensor parallelism would use it
+    "pipeline.grad_partitioned": _judged(_PIPE),
+    "pipeline.use_reentrant": FieldUse(
+        Use.FIXED,
+        value=False,
+        reason="pipeline activation checkpointing always recomputes with the non-reentrant "
+        "checkpoint, which computes the same gradients",
+    ),
+    "pipeline.partition": FieldUse(
+        Use.NO_EFFECT,
+        reason="PipelineModule(partition_method=...) partitions the layers (DeepSpeed's engine "
+        "does not read this key either)",
+    ),
+    "pipeline.seed_layers": FieldUse(
+        Use.NO_EFFECT,
+        reason="PipelineModule(seed_layers=...) decides (DeepSpeed's engine does not read this "
+        "key either)",
+    ),
     # optimizer.params.<name>: read by the optimizer factory, by name.
     **{
         f"optimizer.params.{name}": _read(_OPTIMIZER)

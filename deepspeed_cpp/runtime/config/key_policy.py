@@ -142,12 +142,6 @@ POLICIES: tuple[KeyPolicy, ...] = (
     _ignored("log_level", "deepspeed_cpp's log level is set on the 'deepspeed_cpp' logger"),
     # --- configure APIs that a script calls itself; deepspeed_cpp does not provide them yet ---
     _ignored("sparse_attention", _NO_API + " (sparse attention modules)"),
-    _ignored(
-        "pipeline",
-        "a pipeline is configured by PipelineModule's arguments (num_stages, partition_method, "
-        "activation_checkpoint_interval); DeepSpeed's engine reads this section only for "
-        "partitioned activation transfers, which deepspeed_cpp does not do",
-    ),
     # --- gradient communication ---------------------------------------------------------------
     _harmless_at("prescale_gradients", (False,), "gradients are averaged after the reduction"),
     _harmless_at("gradient_predivide_factor", (1.0,), "gradients are not pre-divided"),

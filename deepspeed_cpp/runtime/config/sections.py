@@ -1,5 +1,5 @@
 """The typed sections of the config: fp16, bf16, zero_optimization (with its offload parts), aio,
-activation_checkpointing.
+activation_checkpointing, pipeline.
 
 Field names, defaults and meanings are DeepSpeed's. Keys of these sections that deepspeed_cpp
 does not model are in ``key_policy.py``. (No ``from __future__ import annotations`` here: the
@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from .values import ConfigSection, boolean, choice, integer, is_auto, number, text
+from .values import AUTO, ConfigSection, boolean, choice, integer, is_auto, number, text
 
 
 class FP16Config(ConfigSection):
@@ -272,3 +272,26 @@ class TensorParallelConfig(ConfigSection):
     preset_model: text(optional=True) = None
     """The policy of this architecture (a ``config.model_type`` such as "llama", "qwen2")
     instead of the model's own."""
+
+
+class PipelineConfig(ConfigSection):
+    """``pipeline``: what DeepSpeed's ``PipelineEngine`` reads of the config (the pipeline
+    itself is built by ``PipelineModule``'s arguments, here as in DeepSpeed)."""
+
+    stages: Annotated[int | str, integer(1).__metadata__[0]] = AUTO  # "auto" kept as given
+    """The number of stages; "auto" (DeepSpeed's default) takes the PipelineModule's. A number
+    must equal it (checked by the pipeline engine)."""
+    partition: text() = "best"
+    """Not read by DeepSpeed's engine either: ``PipelineModule(partition_method=...)`` decides."""
+    seed_layers: boolean() = False
+    """Not read by DeepSpeed's engine either: ``PipelineModule(seed_layers=...)`` decides."""
+    activation_checkpoint_interval: integer(0) = 0
+    """Above 0: overrides the PipelineModule's ``activation_checkpoint_interval``."""
+    pipe_partitioned: boolean() = True
+    """DeepSpeed splits the activations sent between stages over the tensor-parallel group
+    (a transfer optimization only; no effect without tensor parallelism)."""
+    grad_partitioned: boolean() = True
+    """As ``pipe_partitioned``, for the activation gradients sent back."""
+    use_reentrant: boolean(optional=True) = None
+    """DeepSpeed's choice of checkpoint function for ``activation_checkpoint_interval``; here
+    the checkpoint is always the non-reentrant one, which computes the same gradients."""

@@ -59,9 +59,10 @@ from ..checkpoint.layout import (
     read_metadata,
     resolve_checkpoint_dir,
 )
-from ..checkpoint.metadata import plain, to_json_text
+from ..checkpoint.metadata import ZeroLayout, names_by_parameter, plain, to_json_text
 from ..checkpoint.rank_agreement import agree_on
 from ..checkpoint.rng_state import capture_rng_states, restore_rng_states
+from ..checkpoint.saver import write_recovery_script_or_warn
 from ..checkpoint.shard_reader import load_mapped
 
 
@@ -92,7 +93,7 @@ def _entry(name: str, role: str, payload, staging: Path) -> dict:
     return {"name": name, "role": role, "rank": dist.get_rank(), "bytes": size, DIGEST_KEY: digest}
 
 
-def _write_rank_files(engine, staging: Path, client_state: dict) -> list[dict]:
+def _write_rank_files(engine, staging: Path, client_state: dict) -> tuple[list[dict], dict | None]:
     stage, replica = engine.stage_id, engine.dp_rank
     written = []
     if replica == 0:
@@ -132,7 +133,27 @@ def _write_rank_files(engine, staging: Path, client_state: dict) -> list[dict]:
         }
         role = f"optimizer shard of stage {stage} replica {replica}"
         written.append(_entry(optimizer_file(replica, stage), role, shard, staging))
-    return written
+    return written, (_stage_record(engine) if replica == 0 else None)
+
+
+def _stage_record(engine) -> dict:
+    """What zero_to_fp32 needs of a stage without building it: the names its layer files'
+    keys take in the PipelineModule, and where each parameter's fp32 master lies in the
+    stage's optimizer shards (a ZeroLayout, slices named by replica)."""
+    module, stage = engine.module, engine.stage_id
+    tied = module.tied_layer_keys()
+    prefixes = {
+        str(index): (f"tied_modules.{tied[index]}." if index in tied else f"{index}.")
+        for index, _ in _saved_layers(module)
+    }
+    layout = None
+    if engine.optimizer is not None and hasattr(engine.optimizer, "layout"):
+        layout = ZeroLayout.from_optimizer(
+            engine.optimizer,
+            names_by_parameter(module),
+            lambda replica: optimizer_file(replica, stage),
+        ).to_json()
+    return {"stage": stage, "layer_prefixes": prefixes, "zero_layout": layout}
 
 
 def _layout(engine) -> dict:
@@ -181,7 +202,8 @@ def save_pipeline_checkpoint(
             what=f"checkpoint '{tag}': writing the stage files into {staging}",
             error_type=CheckpointSaveError,
         )
-        files = [entry for entries in written for entry in entries]
+        files = [entry for entries, _ in written for entry in entries]
+        stage_records = sorted((r for _, r in written if r), key=lambda r: r["stage"])
 
         def publish() -> None:
             if rank != 0:
@@ -196,12 +218,14 @@ def save_pipeline_checkpoint(
                     "deepspeed_cpp_version": __version__,
                     "saved_at_unix": time.time(),
                     "pipeline": _layout(engine),
+                    "pipeline_stages": stage_records,
                     "counters": {"global_steps": engine.global_steps},
                     "files": files,
                     "ds_config": plain(engine.config.raw),
                 }
             )
             write_text_atomically(staging / METADATA_FILE, to_json_text(metadata))
+            write_recovery_script_or_warn(save_dir)  # zero_to_fp32.py beside latest, as DeepSpeed
             publish_directory(staging, save_dir / tag, save_dir / f"{tag}{DISPLACED_SUFFIX}")
             if save_latest:
                 write_text_atomically(save_dir / LATEST_FILE, tag)

@@ -44,6 +44,28 @@ def _as_tuple(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
+def _apply_pipeline_config(section, model: PipelineModule) -> None:
+    """The config's ``pipeline`` keys that DeepSpeed's PipelineEngine reads (the others are
+    decided by the PipelineModule's own arguments, see runtime/config/field_policy.py)."""
+    stages = model.num_pipeline_stages()
+    if section.stages != "auto" and section.stages != stages:
+        raise PipelineError(
+            f"the config's pipeline.stages is {section.stages} but the PipelineModule has "
+            f'{stages} stages (num_stages / topology); give the same number, or "auto"'
+        )
+    if section.activation_checkpoint_interval > 0:  # DeepSpeed: the config's overrides
+        model.set_checkpoint_interval(section.activation_checkpoint_interval)
+    tensor_parallel = model.topology().get_dim("model")
+    if tensor_parallel > 1 and (section.pipe_partitioned or section.grad_partitioned):
+        if dist.get_rank() == 0:
+            logger.info(
+                "deepspeed_cpp: pipeline.pipe_partitioned / grad_partitioned: activations and "
+                "their gradients are sent whole between stages (the same values; DeepSpeed "
+                "splits the transfer over the %d tensor-parallel ranks)",
+                tensor_parallel,
+            )
+
+
 class PipelineEngine(DeepSpeedEngine):
     """A pipeline stage's engine (see the module docstring)."""
 
@@ -58,6 +80,7 @@ class PipelineEngine(DeepSpeedEngine):
                 f"zero_optimization.stage {stage} cannot be used with pipeline parallelism "
                 "(PipelineModule); DeepSpeed's pipelines take stage 0 or 1"
             )
+        _apply_pipeline_config(config.pipeline, model)
         kwargs["mpu"] = kwargs.get("mpu") or model.mpu()
         super().__init__(model=model, config=config, **kwargs)
         grid = model.mpu()
@@ -214,8 +237,10 @@ class PipelineEngine(DeepSpeedEngine):
             schedule.ReduceGrads: self._exec_reduce_grads,
             schedule.OptimizerStep: self._exec_optimizer_step,
         }
+        loaded = sched.micro_batches
         if self.is_first_stage() or self.is_last_stage():
-            self._prefetch(sched.micro_batches)
+            loaded = self._prefetch(sched.micro_batches)
+        self._agree_on_data(loaded, sched.micro_batches)
         busy = 0.0
         try:
             for step in sched.steps():
@@ -236,25 +261,47 @@ class PipelineEngine(DeepSpeedEngine):
     def _buffer(self, instruction) -> dict:
         return self._buffers.setdefault(instruction.buffer_id, {})
 
-    def _prefetch(self, micro_batches: int) -> None:
-        """Reads the batch's micro-batches before the first send: an iterator that runs out
-        then fails this stage before its neighbours wait on it."""
+    def _prefetch(self, micro_batches: int) -> int:
+        """Reads the batch's micro-batches before the first send; returns how many there were
+        (fewer when the iterator ran out: ``_agree_on_data`` then fails every rank)."""
         if self.data_iterator is None:
             raise PipelineError(
                 "the first and last pipeline stages need a data iterator: pass training_data to "
                 "initialize(), or train_batch(data_iter=...) / set_dataiterator()"
             )
         self._prefetched = []
-        for index in range(micro_batches):
+        for _ in range(micro_batches):
             try:
                 self._prefetched.append(next(self.data_iterator))
             except StopIteration:
-                raise DataIteratorExhaustedError(
-                    f"the data iterator ran out after {index} of the {micro_batches} "
-                    f"micro-batches of this batch (stage {self.stage_id}); give at least "
-                    "gradient_accumulation_steps micro-batches per batch (a "
-                    "deepspeed.utils.RepeatingLoader repeats a finite loader)"
-                ) from None
+                break
+        return len(self._prefetched)
+
+    def _agree_on_data(self, loaded: int, micro_batches: int) -> None:
+        """Every rank learns whether any first or last stage ran out of data, before anything
+        is sent: otherwise the stages that read no data (the middle ones) and the other
+        replicas would wait for activations that never come. One small all-reduce over the
+        world per batch (a slot per rank, the minimum kept)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            counts = torch.full((world,), micro_batches, dtype=torch.int64)
+            counts[dist.get_rank()] = loaded
+            with named_collective("all_reduce of the micro-batch counts before a pipeline batch"):
+                dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+            short = [(rank, int(n)) for rank, n in enumerate(counts.tolist()) if n < micro_batches]
+        else:
+            short = [(0, loaded)] if loaded < micro_batches else []
+        if not short:
+            return
+        self._prefetched = []
+        rank, count = short[0]
+        stage = self.grid.topology().get_coord(rank).pipe
+        raise DataIteratorExhaustedError(
+            f"the data iterator of rank {rank} (stage {stage}) ran out after {count} of the "
+            f"{micro_batches} micro-batches of this batch; every stage stops this batch (this is "
+            f"stage {self.stage_id}). Give at least gradient_accumulation_steps micro-batches "
+            "per batch (a deepspeed.utils.RepeatingLoader repeats a finite loader)"
+        )
 
     def _exec_load_micro_batch(self, instruction) -> None:
         batch = self._prefetched[self._loaded]
