@@ -118,8 +118,8 @@ FIELDS: dict[str, FieldUse] = {
     },
     "bf16.enabled": _read(_ENGINE),
     "zero_optimization.stage": _read(_ENGINE),
-    "zero_optimization.reduce_scatter": _read(_ENGINE),
-    "zero_optimization.reduce_bucket_size": _read(_ENGINE),
+    "zero_optimization.reduce_scatter": _read("runtime/zero/build.py"),
+    "zero_optimization.reduce_bucket_size": _read("runtime/zero/build.py"),
     "zero_optimization.contiguous_gradients": FieldUse(
         Use.FIXED,
         value=True,
