@@ -26,7 +26,6 @@ from collections.abc import Sequence
 import torch
 
 from ..utils.logging import logger
-
 from .lr_schedule_base import (  # noqa: F401 - SECOND_BETA and WARMUP_TYPES stay importable here
     SECOND_BETA,
     WARMUP_TYPES,
@@ -38,6 +37,7 @@ from .lr_schedule_base import (  # noqa: F401 - SECOND_BETA and WARMUP_TYPES sta
     _warmup_fraction,
     _write,
 )
+
 # DeepSpeed's schedule and parameter names (WARMUP_LR, WARMUP_NUM_STEPS, ...) under its path.
 from .lr_schedule_keys import *  # noqa: F403
 
