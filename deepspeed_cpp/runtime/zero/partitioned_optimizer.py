@@ -42,6 +42,7 @@ from ...ops.zero import (
     unflatten_from,
 )
 from ...utils.timer import REDUCE_SCATTER_SUBMIT_TIMER, REDUCE_SCATTER_WAIT_TIMER, timed
+from .norm_ranges import counted_ranges, norm_of_ranges
 from .offload.optimizer_offload import OptimizerOffload
 from .offload.stepping import OffloadedStepping
 from .param_fragments import ParamFragments
@@ -122,7 +123,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         self.params, self.plan = self._plan(param_groups, reduce_bucket_size, owned_whole)
         self.buckets = self._make_buckets(owned_whole)
         self.norm_group = norm_group
-        self._norm_ranges = _counted_ranges(self.buckets, counts_in_norm)
+        self._norm_ranges = counted_ranges(self.buckets, counts_in_norm)
         for bucket in self.buckets:
             self._view_params_in_flat(bucket)
         device = self.params[0].device
@@ -458,7 +459,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         norms = self._shard_grad_norms()
         if self._norm_ranges is not None:  # parameters another model-parallel rank counts
             norms = [
-                norm if ranges is None else _norm_of_ranges(grad, ranges)
+                norm if ranges is None else norm_of_ranges(grad, ranges)
                 for norm, grad, ranges in zip(norms, self.shard_grads, self._norm_ranges)
             ]
         squares = torch.stack(norms).double().pow(2).sum().reshape(1)
@@ -605,33 +606,3 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             if self._backward_steps is not None:
                 self._backward_steps.close()
             self.home.close()
-
-
-def _counted_ranges(
-    buckets: list[_Bucket], counts: Callable[[torch.nn.Parameter], bool] | None
-) -> list[list[tuple[int, int]] | None] | None:
-    """Per bucket, the ``(start, stop)`` ranges of this rank's owned slice whose parameters
-    count in the gradient norm (None: the whole slice); None when every parameter counts."""
-    if counts is None or all(counts(p) for bucket in buckets for p in bucket.params):
-        return None
-    result: list[list[tuple[int, int]] | None] = []
-    for bucket in buckets:
-        if all(counts(p) for p in bucket.params):
-            result.append(None)
-            continue
-        low, high = bucket.owned_start, bucket.owned_start + bucket.owned_size
-        ranges = []
-        for param, offset in zip(bucket.params, bucket.offsets):
-            start, stop = max(offset, low), min(offset + param.numel(), high)
-            if counts(param) and start < stop:
-                ranges.append((start - low, stop - low))
-        result.append(ranges)
-    return result
-
-
-def _norm_of_ranges(grad: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """The float32 norm of ``grad`` over ``ranges`` (zero when there are none)."""
-    if not ranges:
-        return grad.new_zeros(())
-    parts = torch._foreach_norm([grad[start:stop] for start, stop in ranges])
-    return torch.stack(parts).double().pow(2).sum().sqrt().float()
