@@ -275,26 +275,7 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         profiled = self._report.before_step(self)
         self._report.begin("step")
         if boundary:
-            try:
-                stepped = self.optimizer.step()
-            except BaseException as error:  # an interrupt part-way leaves the same mix
-                self._failed_step.record(self.global_steps, error)
-                raise
-            self.optimizer.overflow = not stepped
-            if stepped:
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step(**(lr_kwargs or {}))
-            else:
-                self.skipped_steps += 1
-                skipped = report_skipped_step(
-                    self.global_rank == 0,
-                    self.global_steps,
-                    self.optimizer.global_grad_norm,
-                    self.skipped_steps,
-                    self.loss_scaler,
-                )
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+            skipped = self._optimizer_step(lr_kwargs)
         self._report.end("step")
         if boundary:
             self._log_progress()
@@ -303,6 +284,33 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         self._call_order.after_step()
         if skipped is not None:
             raise_if_asked(self.config.nonfinite_gradients, skipped)
+
+    def _optimizer_step(self, lr_kwargs=None):
+        """One optimizer step and the LR schedule's, or neither when the gradients are not
+        finite (then counted and reported: the report is returned for ``raise_if_asked``, else
+        None); the global step and sample counters advance either way."""
+        try:
+            stepped = self.optimizer.step()
+        except BaseException as error:  # an interrupt part-way leaves the same mix
+            self._failed_step.record(self.global_steps, error)
+            raise
+        self.optimizer.overflow = not stepped
+        skipped = None
+        if stepped:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        else:
+            self.skipped_steps += 1
+            skipped = report_skipped_step(
+                self.global_rank == 0,
+                self.global_steps,
+                self.optimizer.global_grad_norm,
+                self.skipped_steps,
+                self.loss_scaler,
+            )
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        return skipped
 
     def train_batch(self, data_iter=None):
         """DeepSpeed's pipeline API; this engine trains a plain module."""

@@ -22,7 +22,7 @@ from ...utils.logging import logger
 from ...utils.repeating_loader import RepeatingLoader
 from ..dataloader import make_distributed_loader
 from ..engine import DeepSpeedEngine
-from ..nonfinite_gradients import raise_if_asked, report_skipped_step
+from ..nonfinite_gradients import raise_if_asked
 from . import schedule
 from .module import PipelineError, PipelineModule
 from .p2p import Channel
@@ -420,27 +420,7 @@ class PipelineEngine(DeepSpeedEngine):
         self.optimizer.end_backward()  # hands every accumulated gradient to the reducer
 
     def _exec_optimizer_step(self, instruction) -> None:
-        try:
-            stepped = self.optimizer.step()
-        except BaseException as error:
-            self._failed_step.record(self.global_steps, error)
-            raise
-        self.optimizer.overflow = not stepped
-        skipped = None
-        if stepped:
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        else:
-            self.skipped_steps += 1
-            skipped = report_skipped_step(
-                self.global_rank == 0,
-                self.global_steps,
-                self.optimizer.global_grad_norm,
-                self.skipped_steps,
-                self.loss_scaler,
-            )
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        skipped = self._optimizer_step()
         self.micro_steps += self.micro_batches
         if skipped is not None:
             raise_if_asked(self.config.nonfinite_gradients, skipped)
