@@ -5,16 +5,13 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..accelerator import get_accelerator
-from ..comm.collective_errors import named_collective
 from ..comm.logging_api import configure as configure_comms_logger
 from ..module_inject import tensor_parallel_info
-from ..utils import groups as moe_groups
 from ..utils.logging import logger
 from .call_order import CallOrder
 from .config import DeepSpeedConfig
@@ -28,6 +25,7 @@ from .engine_refusals import (
 )
 from .failed_step import FailedStepGuard
 from .half_inputs import cast_floating_to_half, cast_parameters
+from .initial_weights import broadcast_initial_weights
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
 from .model_parallel import ModelParallelGroups
@@ -35,19 +33,8 @@ from .nonfinite_gradients import raise_if_asked, report_skipped_step
 from .tensor_parallel.setup import remap_parameters as remap_for_tensor_parallel
 from .training_report import TrainingReport
 from .zero.build import build_stage
-from .zero.moe_stage import DENSE, expert_set_of, needs_expert_sets
+from .zero.moe_stage import needs_expert_sets
 from .zero.offload.host_heap import give_back_free_heap
-
-
-def _initial_broadcast_label(
-    index: int, count: int, tensor: torch.Tensor, key
-) -> Callable[[], str]:
-    """Names one broadcast of initialize(); formatted only if that broadcast fails."""
-    where = "" if key == DENSE else f", expert set {key}"
-    return lambda: (
-        f"broadcast of the initial weights in initialize() (tensor {index} of {count}, "
-        f"shape {list(tensor.shape)}{where})"
-    )
 
 
 class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
@@ -116,7 +103,7 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
                 cast_parameters(
                     self.module, torch.float16 if self.fp16_enabled() else torch.bfloat16
                 )
-            self._broadcast_module_from_rank0()
+            broadcast_initial_weights(self.module, self.parallel, self.group)
 
         self.global_steps = 0
         self.global_samples = 0
@@ -185,30 +172,6 @@ class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
         if tensor_parallel_info(model) is None:
             model.to(self.device)  # the whole model is broadcast from rank 0, then split
         return prepare_model(model, self.mpu, self.config)
-
-    def _broadcast_module_from_rank0(self) -> None:
-        """Every rank starts from its data-parallel group's first rank's weights and buffers, as
-        data parallelism requires (model-parallel ranks hold other parts: not broadcast)."""
-        if self.dp_world_size == 1:
-            return
-        source = self.parallel.broadcast_src
-        tensors = list(self.module.parameters()) + list(self.module.buffers())
-        with torch.no_grad():
-            for index, tensor in enumerate(tensors):
-                key = expert_set_of(tensor) if isinstance(tensor, torch.nn.Parameter) else DENSE
-                what = _initial_broadcast_label(index, len(tensors), tensor, key)
-                with named_collective(what):
-                    if key == DENSE:
-                        dist.broadcast(tensor.data, src=source, group=self.group)
-                    else:
-                        # ep_size > 1 experts differ between expert-parallel ranks: each is a
-                        # replica only within its expert-data-parallel group, whose first
-                        # rank's copy every member starts from.
-                        dist.broadcast(
-                            tensor.data,
-                            src=moe_groups._get_expert_broadcast_src_rank(key),
-                            group=moe_groups._get_expert_data_parallel_group(key),
-                        )
 
     def _configure_lr_scheduler(self, client_scheduler):
         if client_scheduler is not None:
