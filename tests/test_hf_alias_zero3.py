@@ -174,7 +174,8 @@ def test_run_clm_shaped_trainer_script_at_zero3_matches_one_process(
     assert summary["losses"] == pytest.approx(one_process_reference, abs=1e-5, rel=0)
 
 
-def test_half_precision_construction_is_partitioned_and_equals_the_cast(saved_gpt2, tmp_path):
+@pytest.mark.parametrize("end", ["newest", "lowest"])
+def test_half_precision_construction_is_partitioned_and_equals_the_cast(saved_gpt2, tmp_path, end):
     """bf16 and fp16 stage-3 configs, ``from_pretrained(..., dtype=)`` and ``from_config``: every
     parameter partitioned at construction, its shard in that dtype, and gathered equal to the
     saved fp32 weights cast to it (what transformers gives without ZeRO) bit for bit."""
@@ -182,7 +183,7 @@ def test_half_precision_construction_is_partitioned_and_equals_the_cast(saved_gp
 
     reports = tmp_path / "reports"
     output = _launch(
-        TESTS / "hf_zero3_half_job.py", [], str(REPO_ROOT), tmp_path,
+        TESTS / "hf_zero3_half_job.py", [], _transformers_paths(end), tmp_path,
         MODEL_DIR=str(saved_gpt2), REPORT_DIR=str(reports),
     )  # fmt: skip
     assert "[ERROR]" not in output, output[-8000:]
