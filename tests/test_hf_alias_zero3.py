@@ -46,6 +46,16 @@ def _transformers_paths(end: str) -> str:
     return str(REPO_ROOT)
 
 
+def _transformers_version(end: str) -> str:
+    """The transformers version the ranks must import at ``end`` of the supported range."""
+    if end == "lowest":
+        pins = (REPO_ROOT / "scripts" / "hf_lowest.txt").read_text().splitlines()
+        return next(line.split("==")[1] for line in pins if line.startswith("transformers=="))
+    import transformers
+
+    return transformers.__version__
+
+
 def _launch(script: Path, args: list[str], pythonpath: str, cwd: Path, **env) -> str:
     command = [
         sys.executable, "-m", "deepspeed_cpp.launcher", "--num_gpus", str(WORLD),
@@ -192,6 +202,7 @@ def test_half_precision_construction_is_partitioned_and_equals_the_cast(saved_gp
     expected.discard("lm_head.weight")  # tied to the input embedding
     for report in ranks:
         assert report["deepspeed_module"] == "deepspeed_cpp"
+        assert report["transformers"] == _transformers_version(end)
         for key, dtype in (("bf16", "torch.bfloat16"), ("fp16", "torch.float16")):
             pretrained = report[key]["from_pretrained"]
             assert set(pretrained) == expected

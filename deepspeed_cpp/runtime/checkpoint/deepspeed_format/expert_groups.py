@@ -95,13 +95,21 @@ def merged_param_groups(param_groups: list[dict], mapping: dict[int, int], count
     return [merged.get(g, {}) for g in range(count)]
 
 
+def _group_count(current) -> int:
+    return 1 + max((r.group for r in current.params), default=0)
+
+
+def _one_to_one(mapping: dict[int, int], count: int, param_groups: list) -> bool:
+    return all(k == v for k, v in mapping.items()) and count == len(param_groups)
+
+
 def regroup_to_engine(params: list, param_groups: list[dict], current, where: str) -> list[dict]:
     """``engine_groups`` applied to a DeepSpeed checkpoint's ``params`` (renumbered in place);
     returns the saved hyper-parameters per engine group. Nothing changes when the groups
     already correspond one to one."""
     mapping = engine_groups([(p.name, p.group) for p in params], current, where)
-    count = 1 + max((r.group for r in current.params), default=0)
-    if all(k == v for k, v in mapping.items()) and count == len(param_groups):
+    count = _group_count(current)
+    if _one_to_one(mapping, count, param_groups):
         return param_groups
     for param in params:
         param.group = mapping.get(param.group, param.group)
@@ -113,8 +121,8 @@ def regroup_layout(layout, param_groups: list[dict], current, where: str):
     DeepSpeed's groups: ``(layout with the engine's group numbers, hyper-parameters per engine
     group)``."""
     mapping = engine_groups([(r.name, r.group) for r in layout.params], current, where)
-    count = 1 + max((r.group for r in current.params), default=0)
-    if all(k == v for k, v in mapping.items()) and count == len(param_groups):
+    count = _group_count(current)
+    if _one_to_one(mapping, count, param_groups):
         return layout, param_groups
     params = tuple(replace(r, group=mapping.get(r.group, r.group)) for r in layout.params)
     buckets = tuple(replace(b, group=mapping.get(b.group, b.group)) for b in layout.buckets)
