@@ -88,3 +88,38 @@ def test_deepspeed_moe_checkpoint_resumes_as_deepspeed_does(pool2, tmp_path):
     expert = "moe.deepspeed_moe.experts.deepspeed_experts.0.weight"
     key = (str(FIXTURE), 2)
     assert not torch.equal(results[0][key]["weights"][expert], results[1][key]["weights"][expert])
+
+
+def test_missing_or_mismatched_experts_are_refused_by_name(tmp_path):
+    """A missing expert file is named; a model with other MoE layers than the checkpoint's is
+    refused with both counts; an expert group split over a rank count that does not divide the
+    world is named."""
+    import shutil
+
+    from deepspeed_cpp.moe.expert_names import ExpertLayer
+    from deepspeed_cpp.runtime.checkpoint.deepspeed_format import read_deepspeed_checkpoint
+    from deepspeed_cpp.runtime.checkpoint.deepspeed_format.expert_groups import (
+        partition_holders,
+    )
+    from deepspeed_cpp.runtime.checkpoint.errors import (
+        CheckpointMismatchError,
+        IncompleteCheckpointError,
+    )
+    from deepspeed_cpp.runtime.checkpoint.expert_files import check_deepspeed_experts_match
+
+    copy = tmp_path / "moe"
+    shutil.copytree(FIXTURE, copy)
+    missing = "layer_0_expert_1_mp_rank_00_model_states.pt"
+    (copy / "global_step2" / missing).unlink()
+    named = f"{missing} is missing.*num_experts=\\[2\\]"
+    with pytest.raises(IncompleteCheckpointError, match=named):
+        read_deepspeed_checkpoint(copy / "global_step2", False, True)
+
+    four = [ExpertLayer(0, "moe", 4, 2, 0, "ep_size_2")]
+    with pytest.raises(CheckpointMismatchError, match="num_experts=\\[2\\], the model \\[4\\]"):
+        check_deepspeed_experts_match([2], four, copy)
+    with pytest.raises(CheckpointMismatchError, match="num_experts=\\[\\], the model \\[4\\]"):
+        check_deepspeed_experts_match(None, four, copy)
+    with pytest.raises(CheckpointMismatchError, match="3 partitions.*4 ranks"):
+        partition_holders(4, 3, "somewhere")
+    assert partition_holders(4, 2, "x") == [[0, 2], [1, 3]]  # ep 2: rank r is ep rank r % 2
