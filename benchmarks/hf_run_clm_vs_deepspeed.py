@@ -1,13 +1,16 @@
 """transformers' own ``examples/pytorch/language-modeling/run_clm.py``, unmodified, under
-deepspeed_cpp's ``import deepspeed`` alias and under real DeepSpeed, at ZeRO-2 and ZeRO-3 on 2
-gloo ranks (numbers for the issue note, not CI: ``datasets`` and ``evaluate`` are not in CI).
+deepspeed_cpp's ``import deepspeed`` alias and under real DeepSpeed, at ZeRO-2 and ZeRO-3 (also
+with CPU offload) on 2 gloo ranks (numbers for the issue note, not CI: ``datasets`` and
+``evaluate`` are not in CI).
 
     python benchmarks/hf_run_clm_vs_deepspeed.py --run-clm PATH/run_clm.py \
-        [--extra-path /work/hf_extra] [--deepspeed-path /work/ds_target] [--stages 2 3]
+        [--extra-path /work/hf_extra] [--deepspeed-path /work/ds_target] [--stages 2 3 3-offload]
 
 ``--run-clm``: the file from transformers' repository (not shipped here: it is their code).
-``--extra-path``: a folder with ``datasets`` and ``evaluate`` (``pip install --target``), put on
-PYTHONPATH after this repository / DeepSpeed. Everything is local: a tiny GPT-2 and a word-level
+``--stages``: any of 2, 3 and 3-offload (the ZeRO-3 template with ``offload_param`` and
+``offload_optimizer`` on the CPU), all by default. ``--extra-path``: a folder with ``datasets``
+and ``evaluate`` (``pip install --target``), put on PYTHONPATH after this repository /
+DeepSpeed. Everything is local: a tiny GPT-2 and a word-level
 tokenizer saved with ``save_pretrained``, a generated text file as ``--train_file`` and
 ``--validation_file`` (``--do_train`` only: ``--do_eval`` makes run_clm fetch the "accuracy"
 metric from the Hub), the guide's ``"auto"`` configs. Ours: ``python -m deepspeed_cpp.launcher
@@ -42,10 +45,15 @@ ENGINE_LINES = {
 }
 
 
-def guide_config(stage: int) -> dict:
-    """The guide's ZeRO-2 / ZeRO-3 templates, "auto" wherever it writes "auto"."""
+def guide_config(case: str) -> dict:
+    """The guide's ZeRO-2 / ZeRO-3 templates, "auto" wherever it writes "auto"; "3-offload" is
+    its ZeRO-3 template with parameters and optimizer state offloaded to the CPU."""
+    stage = int(case[0])
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": "auto"}  # fmt: skip
+    if case.endswith("offload"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if stage == 2:
         zero.update(allgather_partitions=True, allgather_bucket_size=2e8, reduce_scatter=True)
     else:
@@ -103,9 +111,9 @@ def save_inputs(folder: Path) -> None:
     GPT2LMHeadModel(config).save_pretrained(folder / "gpt2")
 
 
-def run_clm_args(folder: Path, stage: int, out: Path) -> list[str]:
-    config = folder / f"ds_config_zero{stage}.json"
-    config.write_text(json.dumps(guide_config(stage)))
+def run_clm_args(folder: Path, case: str, out: Path) -> list[str]:
+    config = folder / f"ds_config_zero{case}.json"
+    config.write_text(json.dumps(guide_config(case)))
     return [
         "--model_name_or_path", str(folder / "gpt2"),
         "--train_file", str(folder / "train.txt"),
@@ -177,7 +185,8 @@ def main() -> None:
     parser.add_argument("--run-clm", type=Path, required=True)
     parser.add_argument("--extra-path", default="/work/hf_extra")
     parser.add_argument("--deepspeed-path", default="/work/ds_target")
-    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--stages", nargs="+", default=["2", "3", "3-offload"],
+                        choices=["2", "3", "3-offload"])  # fmt: skip
     paths = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
@@ -188,7 +197,7 @@ def main() -> None:
                 out = folder / f"out_{engine}_{stage}"
                 reports[engine] = run(engine, paths.run_clm, run_clm_args(folder, stage, out),
                                       paths, folder)  # fmt: skip
-            print(f"== run_clm.py, ZeRO-{stage}, 2 gloo ranks")
+            print(f"== run_clm.py, ZeRO-{stage}, 2 gloo ranks")  # e.g. ZeRO-3-offload
             for engine, name in (("ours", "deepspeed_cpp"), ("deepspeed", "DeepSpeed")):
                 report = reports[engine]
                 if "error" in report:
