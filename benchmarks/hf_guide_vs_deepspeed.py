@@ -76,7 +76,7 @@ def save_models(directory: Path) -> None:
 # --- the worker: one rank of one case, one engine --------------------------------------------
 
 
-def _gloo_for_accelerate() -> None:
+def gloo_for_accelerate() -> None:
     """accelerate 1.15 gives its DeepSpeed mode no backend on a machine without a GPU; choose
     gloo (what its CPU path picks), for real DeepSpeed only (our alias does the same)."""
     from accelerate.state import DistributedType, PartialState
@@ -209,7 +209,7 @@ def _t0_case(models: Path) -> dict:
 
 def worker(case: str, engine: str, models: Path, out: Path) -> None:
     if engine == "deepspeed":
-        _gloo_for_accelerate()
+        gloo_for_accelerate()
     if case == "llama_zero3":
         report = _llama_case()
     elif case == "t0_inference":
@@ -226,7 +226,7 @@ def worker(case: str, engine: str, models: Path, out: Path) -> None:
 # --- the driver ------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -238,11 +238,11 @@ def run(case: str, engine: str, models: Path, out: Path, ds_path: str) -> dict:
     if engine == "ours":
         env["PYTHONPATH"] = str(REPO_ROOT)
         launch = ["-m", "deepspeed_cpp.launcher", "--num_procs", "2", "--alias-deepspeed"]
-        command = [sys.executable, *launch, "--master_port", str(_free_port()), *tail]
+        command = [sys.executable, *launch, "--master_port", str(free_port()), *tail]
     else:
         env.update(PYTHONPATH=ds_path, DS_ACCELERATOR="cpu")
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_port", str(_free_port()), *tail]  # fmt: skip
+                   "--master_port", str(free_port()), *tail]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
     path = out / f"{case}_{engine}_rank0.json"
     if done.returncode != 0 or not path.exists():

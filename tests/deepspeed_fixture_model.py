@@ -117,3 +117,34 @@ def ds_config(world: int, stage: int, dtype: str) -> dict:
         # gradients, which deepspeed_cpp does not copy; the fixture compares checkpoints, not that.
         config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 100}
     return config
+
+
+# --- the MoE fixture: one MoE layer of 2 experts, expert parallel over the 2 ranks ------------
+MOE_FIXTURE = ("zero2_moe", 2, "fp32")
+NUM_EXPERTS, EP_SIZE = 2, 2
+
+
+class TinyMoENet(torch.nn.Module):
+    """TinyNet with its middle layer made a MoE layer (``moe_class``: DeepSpeed's or ours, the
+    same signature): top-1 gating without random token selection or noise, and a capacity of
+    every token a rank sees (capacity_factor = num_experts), so the forward pass draws no random
+    numbers and drops nothing."""
+
+    def __init__(self, moe_class):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(IN, HIDDEN)
+        self.moe = moe_class(
+            HIDDEN, torch.nn.Linear(HIDDEN, HIDDEN), num_experts=NUM_EXPERTS, ep_size=EP_SIZE,
+            k=1, capacity_factor=float(NUM_EXPERTS), min_capacity=0, use_rts=False,
+        )  # fmt: skip
+        self.head = torch.nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        h, _, _ = self.moe(h)
+        return self.head(torch.tanh(h))
+
+
+def make_moe_model(moe_class, seed: int = MODEL_SEED) -> TinyMoENet:
+    torch.manual_seed(seed)
+    return TinyMoENet(moe_class)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import deepspeed
 import torch
+import transformers
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
@@ -27,7 +28,7 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 deepspeed.init_distributed()
 rank = torch.distributed.get_rank()
 saved = load_file(str(Path(MODEL_DIR) / "model.safetensors"))
-report = {"deepspeed_module": deepspeed.__name__}
+report = {"deepspeed_module": deepspeed.__name__, "transformers": transformers.__version__}
 for key, dtype in PRECISIONS.items():
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,

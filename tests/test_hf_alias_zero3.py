@@ -46,6 +46,16 @@ def _transformers_paths(end: str) -> str:
     return str(REPO_ROOT)
 
 
+def _transformers_version(end: str) -> str:
+    """The transformers version the ranks must import at ``end`` of the supported range."""
+    if end == "lowest":
+        pins = (REPO_ROOT / "scripts" / "hf_lowest.txt").read_text().splitlines()
+        return next(line.split("==")[1] for line in pins if line.startswith("transformers=="))
+    import transformers
+
+    return transformers.__version__
+
+
 def _launch(script: Path, args: list[str], pythonpath: str, cwd: Path, **env) -> str:
     command = [
         sys.executable, "-m", "deepspeed_cpp.launcher", "--num_gpus", str(WORLD),
@@ -174,7 +184,8 @@ def test_run_clm_shaped_trainer_script_at_zero3_matches_one_process(
     assert summary["losses"] == pytest.approx(one_process_reference, abs=1e-5, rel=0)
 
 
-def test_half_precision_construction_is_partitioned_and_equals_the_cast(saved_gpt2, tmp_path):
+@pytest.mark.parametrize("end", ["newest", "lowest"])
+def test_half_precision_construction_is_partitioned_and_equals_the_cast(saved_gpt2, tmp_path, end):
     """bf16 and fp16 stage-3 configs, ``from_pretrained(..., dtype=)`` and ``from_config``: every
     parameter partitioned at construction, its shard in that dtype, and gathered equal to the
     saved fp32 weights cast to it (what transformers gives without ZeRO) bit for bit."""
@@ -182,7 +193,7 @@ def test_half_precision_construction_is_partitioned_and_equals_the_cast(saved_gp
 
     reports = tmp_path / "reports"
     output = _launch(
-        TESTS / "hf_zero3_half_job.py", [], str(REPO_ROOT), tmp_path,
+        TESTS / "hf_zero3_half_job.py", [], _transformers_paths(end), tmp_path,
         MODEL_DIR=str(saved_gpt2), REPORT_DIR=str(reports),
     )  # fmt: skip
     assert "[ERROR]" not in output, output[-8000:]
@@ -191,6 +202,7 @@ def test_half_precision_construction_is_partitioned_and_equals_the_cast(saved_gp
     expected.discard("lm_head.weight")  # tied to the input embedding
     for report in ranks:
         assert report["deepspeed_module"] == "deepspeed_cpp"
+        assert report["transformers"] == _transformers_version(end)
         for key, dtype in (("bf16", "torch.bfloat16"), ("fp16", "torch.float16")):
             pretrained = report[key]["from_pretrained"]
             assert set(pretrained) == expected

@@ -88,6 +88,19 @@ def check_experts_match(metadata: dict, layers: list[ExpertLayer]) -> None:
             )
 
 
+def check_deepspeed_experts_match(num_experts, layers: list[ExpertLayer], directory) -> None:
+    """Refuses a DeepSpeed checkpoint whose MoE layers (its model states' ``num_experts``, one
+    count per layer) differ from the model's."""
+    saved = list(num_experts or [])
+    if saved != [layer.num_experts for layer in layers]:
+        raise CheckpointMismatchError(
+            f"the DeepSpeed checkpoint {directory} has MoE layers with num_experts={saved}, the "
+            f"model {[layer.num_experts for layer in layers]} "
+            f"({[layer.module_name for layer in layers]}); experts cannot be added or removed "
+            "by loading"
+        )
+
+
 def read_expert_states(
     directory: Path, metadata: dict, digests: dict, wanted=lambda layer, expert: True
 ) -> dict:

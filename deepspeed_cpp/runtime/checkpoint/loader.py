@@ -23,13 +23,19 @@ from ...utils.logging import logger
 from .client_state import NEEDS_PICKLE_KEY, load_client_state
 from .deepspeed_format import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from .deepspeed_format.convert import CONVERTED_FROM_KEY
+from .deepspeed_format.expert_groups import regroup_layout, regroup_to_engine
 from .digests import file_digests
 from .errors import (
     CheckpointMismatchError,
     IncompleteCheckpointError,
     ModelParallelMismatchError,
 )
-from .expert_files import check_experts_match, read_expert_states, wanted_by
+from .expert_files import (
+    check_deepspeed_experts_match,
+    check_experts_match,
+    read_expert_states,
+    wanted_by,
+)
 from .expert_layout import global_names_by_parameter, local_layout
 from .layout import (
     CLIENT_STATE_FILE,
@@ -224,6 +230,13 @@ def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None
             )
         saved = ZeroLayout.from_json(metadata["zero_layout"])
         current = local_layout(zero, global_names_by_parameter(engine.module))
+        if metadata.get(CONVERTED_FROM_KEY) and metadata.get("optimizer"):
+            # DeepSpeed's groups (a MoE model's expert groups of their own) as the engine's.
+            saved, groups = regroup_layout(
+                saved, metadata["optimizer"]["param_groups"], current, str(directory)
+            )
+            metadata["optimizer"]["param_groups"] = groups
+            plan.module_payload["param_groups"] = groups
         check_layouts_match(saved, current, lambda name: local_name(name, layers) is None)
         if options["optimizer_states"]:
             _check_optimizer_matches(metadata, zero)
@@ -268,9 +281,16 @@ def _read_deepspeed(engine, directory: Path, options: dict, plan: _Plan) -> None
     saved.payload["micro_steps"] = saved.payload["global_steps"] * gas
     saved.payload["gradient_accumulation_steps"] = gas
     plan.module_payload = saved.payload
-    plan.module_state = saved.module_state
     plan.client_state = saved.client_state
-    check_module_matches(engine.module, saved.module_state, options["strict"])
+    layers = expert_layers(engine.module)
+    check_deepspeed_experts_match(saved.info.get("num_experts"), layers, directory)
+    # Global expert names (as DeepSpeed's expert files have them): this rank's experts only.
+    plan.module_state = {
+        name: value
+        for name, value in saved.module_state.items()
+        if local_name(name, layers) is not None
+    }
+    check_module_matches(engine.module, to_local(plan.module_state, layers), options["strict"])
     if not wants_masters:
         return
     if not saved.params:
@@ -278,9 +298,12 @@ def _read_deepspeed(engine, directory: Path, options: dict, plan: _Plan) -> None
             f"the DeepSpeed checkpoint {directory} has no ZeRO optimizer-states files (fp32 "
             "masters); pass load_module_only=True to load its weights"
         )
-    layout = saved.layout()
     current = local_layout(zero, global_names_by_parameter(engine.module))
-    check_layouts_match(layout, current)
+    saved.payload["param_groups"] = regroup_to_engine(
+        saved.params, saved.payload["param_groups"], current, str(directory)
+    )
+    layout = saved.layout()
+    check_layouts_match(layout, current, lambda name: local_name(name, layers) is None)
     kinds = {}
     if options["optimizer_states"]:
         state = saved.params[0].state

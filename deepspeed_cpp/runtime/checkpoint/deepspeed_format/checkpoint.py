@@ -3,7 +3,8 @@
 The model-states file gives the module's buffers (and frozen parameters), the counters, the LR
 scheduler's state and the client state (DeepSpeed stores the ``client_state`` dict's keys beside
 its own; every key that is not DeepSpeed's is returned); the optimizer-states files give the
-fp32 masters and Adam state (``flat_partitions.py``). The trainable parameters' values in the
+fp32 masters and Adam state (``flat_partitions.py``); a MoE model's experts are in per-expert
+files, named globally (``expert_groups.py``). The trainable parameters' values in the
 module state are the fp32 masters (ZeRO 3 saves empty tensors for them; bf16 saves rounded ones);
 at ZeRO 3 a frozen parameter is saved empty too, each rank's model-states file holding its
 partition of it (``frozen_param_fragments``), which are concatenated in rank order.
@@ -18,8 +19,9 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointMismatchError, IncompleteCheckpointError
+from ..expert_files import expert_file
 from ..metadata import ZeroLayout
-from .files import find_files, zero3_model_file
+from .files import DeepSpeedFiles, find_files, zero3_model_file
 from .flat_partitions import ParamState, reassemble
 from .reassembled_reader import ReassembledReader, layout_of
 from .restricted_load import LossScalerRecord, load_deepspeed_file
@@ -29,7 +31,8 @@ DEEPSPEED_KEYS = frozenset(
     "module buffer_names optimizer param_shapes frozen_param_shapes shared_params "
     "frozen_param_fragments lr_scheduler data_sampler random_ltd sparse_tensor_module_names "
     "skipped_steps global_steps global_samples dp_world_size mp_world_size ds_config ds_version "
-    "checkpoint_parallel_dimensions universal_checkpoint_info iteration".split()
+    "checkpoint_parallel_dimensions universal_checkpoint_info iteration num_experts "
+    "ds_autoep_layers".split()
 )
 _DYNAMIC_SCALER_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 _HYPER_PARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
@@ -94,8 +97,33 @@ def _frozen_fragments(directory: Path, world: int, allow_symlinks: bool) -> dict
     return pieces
 
 
-def _module_state(saved: dict, params: list[ParamState], path: Path, world: int, symlinks):
+def _expert_states(saved: dict, files: DeepSpeedFiles, symlinks) -> dict:
+    """MoE models: every expert's tensors (global names) from DeepSpeed's per-expert files, all
+    of which ``num_experts`` (one count per MoE layer) says must be there."""
+    counts = saved.get("num_experts") or []
+    wanted = [expert_file(layer, e) for layer, count in enumerate(counts) for e in range(count)]
+    present = {path.name: path for path in files.experts}
+    unexpected = sorted(set(present) - set(wanted))
+    if unexpected:
+        raise CheckpointMismatchError(
+            f"DeepSpeed checkpoint {files.model.parent}: {unexpected[0]} is not one of the expert "
+            f"files its model states announce (num_experts per MoE layer: {counts})"
+        )
+    state = {}
+    for name in wanted:
+        if name not in present:
+            raise IncompleteCheckpointError(
+                f"DeepSpeed checkpoint {files.model.parent} is incomplete: {name} is missing "
+                f"(its model states say num_experts={counts} per MoE layer)"
+            )
+        state.update(load_deepspeed_file(present[name], symlinks))
+    return state
+
+
+def _module_state(saved: dict, params: list[ParamState], files: DeepSpeedFiles, world, symlinks):
+    path = files.model
     state = dict(saved["module"])
+    state.update(_expert_states(saved, files, symlinks))
     for param in params:
         state[param.name] = param.master.view(param.shape)
     trainable = {p.name for p in params}
@@ -170,8 +198,9 @@ def read_deepspeed_checkpoint(directory: Path, allow_symlinks: bool, with_optimi
         "param_groups": _param_groups(optims[0] if optims else None),
     }
     client_state = {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}
-    module_state = _module_state(model, params, files.model, world, allow_symlinks)
-    info = {key: model.get(key) for key in ("ds_config", "ds_version", "frozen_param_shapes")}
+    module_state = _module_state(model, params, files, world, allow_symlinks)
+    keys = ("ds_config", "ds_version", "frozen_param_shapes", "num_experts")
+    info = {key: model.get(key) for key in keys}
     return DeepSpeedCheckpoint(
         directory, world, stage, module_state, payload, client_state, params, info
     )

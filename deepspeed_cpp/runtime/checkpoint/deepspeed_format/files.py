@@ -10,6 +10,9 @@ DeepSpeed's layout (data parallel only; one model-parallel rank, ``mp_rank_00``)
                                                         and its Adam state (ZeRO 1-3)
     save_dir/<tag>/bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt   the same, bf16
                                                         (DeepSpeed's BF16_Optimizer)
+    save_dir/<tag>/layer_<L>_expert_<E>_mp_rank_00_model_states.pt   MoE models: global expert
+                                                        E of MoE layer L (the model-states file
+                                                        holds everything else)
 
 deepspeed_cpp's own checkpoints reuse two of these names but always hold ``checkpoint_meta.json``
 and ``client_state.pt``; a folder with neither and a DeepSpeed model-states file is DeepSpeed's.
@@ -47,6 +50,7 @@ class DeepSpeedFiles:
     model: Path
     optim: tuple[Path, ...]
     bf16: bool
+    experts: tuple[Path, ...] = ()
 
 
 def find_files(directory: Path, world_size: int) -> DeepSpeedFiles:
@@ -56,17 +60,16 @@ def find_files(directory: Path, world_size: int) -> DeepSpeedFiles:
     if not model.is_file():
         model = directory / zero3_model_file(0)
     model_parallel = sorted(p.name for p in directory.glob("*mp_rank_0[1-9]_*"))
-    experts = sorted(p.name for p in directory.glob("*expert_*_mp_rank_*"))
-    if model_parallel or experts:
-        found = (model_parallel or experts)[0]
-        what = "model (tensor or pipeline) parallel ranks" if model_parallel else "MoE experts"
+    if model_parallel:
         raise CheckpointMismatchError(
-            f"{directory} is a DeepSpeed checkpoint with {what} ({found}); deepspeed_cpp reads "
-            "DeepSpeed's data-parallel ZeRO checkpoints only (mp_rank_00, no expert files)"
+            f"{directory} is a DeepSpeed checkpoint with model (tensor or pipeline) parallel "
+            f"ranks ({model_parallel[0]}); deepspeed_cpp reads DeepSpeed's data- and "
+            "expert-parallel ZeRO checkpoints only (mp_rank_00)"
         )
+    experts = tuple(sorted(directory.glob("*expert_*_mp_rank_*")))
     bf16 = (directory / optim_file(0, bf16=True)).is_file()
     if not bf16 and not (directory / optim_file(0, bf16=False)).is_file():
-        return DeepSpeedFiles(model, (), bf16=False)
+        return DeepSpeedFiles(model, (), bf16=False, experts=experts)
     optim = tuple(directory / optim_file(rank, bf16) for rank in range(world_size))
     for path in optim:
         if not path.is_file():
@@ -74,4 +77,4 @@ def find_files(directory: Path, world_size: int) -> DeepSpeedFiles:
                 f"DeepSpeed checkpoint {directory} is incomplete: {path.name} is missing (its "
                 f"model states say {world_size} data-parallel ranks saved it)"
             )
-    return DeepSpeedFiles(model, optim, bf16)
+    return DeepSpeedFiles(model, optim, bf16, experts)

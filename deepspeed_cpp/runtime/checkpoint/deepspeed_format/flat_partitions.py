@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CheckpointMismatchError, IncompleteCheckpointError
+from .expert_groups import global_expert_names, partition_holders
 
 
 @dataclass
@@ -87,28 +88,43 @@ def _walk(names_shapes, flat: dict[str, torch.Tensor], group: int, where: str) -
     return params
 
 
+def _flat_group(inners: list[dict], group: int, bf16: bool) -> tuple[dict, dict]:
+    """A group's flat buffers (``"master"`` and per-element states) from the partitions of
+    ``inners`` (its holders' optimizer dicts, in partition order), and its scalar state."""
+    masters, states, scalars = [], [], {}
+    for inner in inners:
+        partition = inner["single_partition_of_fp32_groups"][group]
+        # ZeRO 1/2 saves its masters trimmed already; BF16_Optimizer keeps the padding.
+        padding = inner["group_paddings"][group] if bf16 else 0
+        real = partition.numel() - padding
+        masters.append(partition[:real])
+        base = inner["base_optimizer_state"]["state"].get(group, {})
+        tensors, scalars = _split_state(base)
+        states.append({k: v[:real] for k, v in tensors.items()})
+    flat = {"master": torch.cat(masters).float()}
+    for key in states[0]:
+        flat[key] = torch.cat([s[key] for s in states])
+    return flat, scalars
+
+
 def zero12_params(param_shapes: list, optims: list[dict], paths, bf16: bool) -> list[ParamState]:
-    """The parameters of a ZeRO 1/2 or BF16_Optimizer checkpoint (see the module docstring)."""
+    """The parameters of a ZeRO 1/2 or BF16_Optimizer checkpoint (see the module docstring);
+    a MoE model's expert groups under their experts' global names (``expert_groups.py``)."""
     inners = [_optimizer_dict(o, p) for o, p in zip(optims, paths)]
+    where = str(paths[0].parent)
     params: list[ParamState] = []
     for group, shapes in enumerate(param_shapes):
-        masters, states, scalars = [], [], {}
-        for inner in inners:
-            partition = inner["single_partition_of_fp32_groups"][group]
-            # ZeRO 1/2 saves its masters trimmed already; BF16_Optimizer keeps the padding.
-            padding = inner["group_paddings"][group] if bf16 else 0
-            real = partition.numel() - padding
-            masters.append(partition[:real])
-            base = inner["base_optimizer_state"]["state"].get(group, {})
-            tensors, scalars = _split_state(base)
-            states.append({k: v[:real] for k, v in tensors.items()})
-        flat = {"master": torch.cat(masters).float()}
-        for key in states[0]:
-            flat[key] = torch.cat([s[key] for s in states])
-        cut = _walk(list(shapes.items()), flat, group, str(paths[0].parent))
-        for param in cut:
-            param.state.update(_scalars(scalars))
-        params.extend(cut)
+        count = inners[0].get("partition_count", [len(inners)] * len(param_shapes))[group]
+        holders = partition_holders(len(inners), int(count), where)
+        for expert_rank, ranks in enumerate(holders):
+            flat, scalars = _flat_group([inners[r] for r in ranks], group, bf16)
+            names_shapes = list(shapes.items())
+            if len(holders) > 1:
+                names_shapes = global_expert_names(names_shapes, expert_rank, where)
+            cut = _walk(names_shapes, flat, group, where)
+            for param in cut:
+                param.state.update(_scalars(scalars))
+            params.extend(cut)
     return params
 
 
