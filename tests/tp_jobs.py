@@ -368,8 +368,9 @@ def reload_at_other_tp_size(seed: int, folder: str) -> dict:
     import transformers
 
     wider = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQUENCE, n_embd=48, n_layer=2,
-                                n_head=4)  # fmt: skip
+        transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=SEQUENCE, n_embd=48, n_layer=2, n_head=4
+        )  # fmt: skip
     )
     import deepspeed_cpp
 
