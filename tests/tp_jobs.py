@@ -29,6 +29,20 @@ def tiny_model(kind: str) -> torch.nn.Module:
             attention_bias=True,  # row-parallel o_proj with a bias: added once, after the sum
         )  # fmt: skip
         return transformers.LlamaForCausalLM(config)
+    if kind == "opt":  # outside the policy table: split found from the module graph
+        config = transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=SEQUENCE, word_embed_proj_dim=32,
+            dropout=0.0, attention_dropout=0.0,
+        )  # fmt: skip
+        return transformers.OPTForCausalLM(config)
+    if kind == "gpt_neox":  # fused q/k/v laid out head by head, untied lm_head
+        config = transformers.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=SEQUENCE, hidden_dropout=0.0,
+            attention_dropout=0.0, tie_word_embeddings=False,
+        )  # fmt: skip
+        return transformers.GPTNeoXForCausalLM(config)
     raise ValueError(kind)
 
 
