@@ -284,6 +284,17 @@ def checkpoint_round_trip(save_dir: str, stage: int, seed: int) -> dict:
             model_parallel_dir(save_dir, 0, mp_world_size, loading=True)
         except ModelParallelMismatchError as error:
             refusals.append(str(error))
+    # An engine without model parallelism: these parts are not AutoTP's, nothing re-cuts them.
+    import deepspeed_cpp as deepspeed
+
+    config = _config(stage)
+    config["train_batch_size"] = MICRO * GAS * dist.get_world_size()
+    plain, *_ = deepspeed.initialize(model=PartNet(0, seed), config=config)
+    try:
+        plain.load_checkpoint(save_dir)
+    except ModelParallelMismatchError as error:
+        refusals.append(str(error))
+    plain.destroy()
     return {
         "folders": sorted(os.listdir(save_dir)),
         "path": path,

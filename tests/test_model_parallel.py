@@ -36,7 +36,9 @@ def test_checkpoint_per_model_parallel_rank_resumes_bitwise(pool4, tmp_path, sta
         assert result["path"].endswith(f"mp_rank_{rank % 2:02d}/two")
         assert result["differs_before"] and result["loaded_equal"] and result["resumed_equal"]
         assert result["global_steps"] == 3
-        without, other = result["refusals"]
+        without, other, engine_without = result["refusals"]
+        assert "without tensor_parallel_slices" in engine_without, engine_without
+        assert "loads only at model-parallel size 2" in engine_without, engine_without
         assert "saved with model parallelism" in without and "size 1" in without
         assert "model-parallel size 2" in other and "size 4" in other
 
