@@ -16,8 +16,9 @@ and the number of fused blocks it is made of). To load it at TP T, every rank
    gets its owned slices from the same ``Resharder`` as any other resharded load.
 
 Adam-family updates are element-wise, so the re-cut state continues training exactly where the
-saved one stopped. Per-bucket scalars (Adam's ``step``) are taken from part 0 and must agree
-across the saved buckets they come from. RNG states are not restored (other ranks saved them).
+saved one stopped. Per-bucket scalars (Adam's ``step``) are taken from the bucket of part 0
+that held the parameter; parameters that the engine puts in one bucket must have the same
+(``Resharder`` checks). RNG states are not restored (other ranks saved them).
 Each rank holds the whole model's fp32 masters and state once in host memory while it loads.
 
 Refused by name: parts that do not record their slices (a caller's own mpu, not AutoTP), a
