@@ -17,9 +17,12 @@ known names; this one reads the shapes instead of names):
    has those counts and the widths derived from them divided by the TP size, for its own
    reshapes (attributes that are absent are skipped).
 
-A fused q/k/v layer is split into contiguous slices, which gives each rank whole heads when
-its features are laid out head by head (GPT-NeoX, Falcon, Bloom); a layout of three blocks
-[q | k | v] (GPT-2's ``c_attn``) needs a policy with ``fused_blocks`` (``register_tp_policy``).
+A fused q/k/v layer (one column layer producing a multiple of what the row layer reads) is
+split into contiguous slices, which gives each rank whole heads only when its features are laid
+out head by head. Shapes cannot tell that layout from three blocks [q | k | v] (GPT-2's
+``c_attn``) or others (CodeGen's), so such a group is split only for the model types known to
+lay out head by head (``HEAD_BY_HEAD_FUSED``: GPT-NeoX, Bloom, Falcon) and left whole otherwise
+(a wrong split would train silently wrong); a policy with ``fused_blocks`` covers the others.
 Embeddings stay replicated; an untied ``lm_head`` is split as with any policy (``output_head.py``).
 """
 
@@ -29,6 +32,7 @@ import re
 
 import torch
 
+from ..utils.logging import logger
 from .tp_policies import TensorParallelPolicy
 
 # Attributes of an attention module that count its heads or give the width of all its heads.
@@ -44,6 +48,10 @@ HEAD_ATTRIBUTES = (
     "inner_dim",
 )
 _HEAD_COUNTS = HEAD_ATTRIBUTES[:6]
+
+# Model types whose fused q/k/v features are laid out head by head (contiguous slices of the
+# output give each rank whole heads' queries, keys and values).
+HEAD_BY_HEAD_FUSED = ("gpt_neox", "bloom", "falcon")
 
 
 def _widths(module) -> tuple[int, int] | None:
@@ -82,14 +90,23 @@ def _groups(block_name: str, block: torch.nn.Module):
         yield ".".join(p for p in (block_name, holder_name) if p), holder, linears
 
 
-def _column_row_split(linears) -> tuple[list[str], str] | None:
-    """(column names, row name) of a group whose shapes fit rule 3, else None."""
+def _column_row_split(linears, fused_allowed: bool) -> tuple[list[str], str] | None:
+    """(column names, row name) of a group whose shapes fit rule 3, else None; a group with a
+    fused column layer only when ``fused_allowed``."""
     if len(linears) < 2:
         return None
     *columns, (row, (row_in, hidden)) = linears
     if any(col_in != hidden for _, (col_in, _) in columns):
         return None
     if not any(out % row_in == 0 for _, (_, out) in columns):
+        return None
+    fused = [name for name, (_, out) in columns if out > row_in and out % row_in == 0]
+    if fused and not fused_allowed:
+        logger.info(
+            "deepspeed_cpp: %s looks like fused q/k/v of an unknown layout: its group is kept "
+            "whole on every rank (give a policy with fused_blocks to split it)",
+            fused[0],
+        )
         return None
     return [name for name, _ in columns], row
 
@@ -99,9 +116,11 @@ def discover_policy(model: torch.nn.Module) -> TensorParallelPolicy | None:
     block to split."""
     columns, rows = [], []
     head_attributes: dict[str, tuple[str, ...]] = {}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    fused_allowed = model_type in HEAD_BY_HEAD_FUSED
     for block_name, block in _blocks(model):
         for _, holder, linears in _groups(block_name, block):
-            split = _column_row_split(linears)
+            split = _column_row_split(linears, fused_allowed)
             if split is None:
                 continue
             columns.extend(split[0])
