@@ -235,7 +235,10 @@ def module_state(parts: list[_Part], module: torch.nn.Module, recut: Recut) -> d
     current = dict(module.state_dict(keep_vars=True))
     state = {}
     for name, value in parts[0].payload["module"].items():
-        expected = current[name].shape if name in current else None
+        # A ZeRO-3 partitioned parameter's tensor is empty; ds_shape is its shape.
+        expected = (
+            getattr(current[name], "ds_shape", current[name].shape) if name in current else None
+        )
         if recut.splits(name):
             pieces = [part.payload["module"][name] for part in parts]
             value = recut(name, pieces, expected if expected is not None else ())
