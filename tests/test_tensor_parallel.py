@@ -124,6 +124,7 @@ def test_checkpoint_loads_at_another_tp_size(pool2, tmp_path):
         where = (rank, seed, result)
         assert result["differs_before"] > 1e-3 and result["steps_loaded"] == 2, where
         assert result["loaded_diff"] == 0.0, where  # the saved weights, exactly
+        assert result["loaded_at_zero3_diff"] == 0.0, where
         # Weights and Adam state (m, v, step) re-cut: training continues as uninterrupted.
         assert result["tp2_to_tp1"] <= 1e-6, where
         assert result["tp1_to_tp2"] <= 1e-6, where

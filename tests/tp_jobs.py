@@ -338,7 +338,8 @@ def reload_at_other_tp_size(seed: int, folder: str) -> dict:
     """2 ranks, GPT-2 (fused q/k/v split in 3 blocks, tied embedding): trained 2 steps at TP 2
     (ZeRO-1), saved, trained 2 more (the uninterrupted run). A TP-1 engine (DP 2, ZeRO-2)
     loads the TP-2 save and trains the same 2 steps; it saves after the first, and a TP-2
-    engine (ZeRO-0) loads that TP-1 save and trains the last step. Then the refusals."""
+    engine (ZeRO-0) loads that TP-1 save and trains the last step. A TP-1 ZeRO-3 engine loads
+    the weights alone (which then train elsewhere). Then a refusal."""
     from deepspeed_cpp.runtime.checkpoint import CheckpointMismatchError
 
     rank = dist.get_rank()
@@ -372,8 +373,9 @@ def reload_at_other_tp_size(seed: int, folder: str) -> dict:
     back.destroy()
 
     # Without the optimizer state the same steps land elsewhere: the state is what matters.
-    weights_only = _engine_at(1, 2, 2, seed + 7)
+    weights_only = _engine_at(1, 3, 2, seed + 7)  # and at ZeRO-3 (partitioned parameters)
     weights_only.load_checkpoint(save_dir, tag="tp2", load_optimizer_states=False)
+    loaded_at_zero3 = {k: v.clone() for k, v in weights_only.whole_model_state_dict().items()}
     _steps(weights_only, batches[2:], rank, 2)
     without_state = {k: v.clone() for k, v in weights_only.whole_model_state_dict().items()}
     weights_only.destroy()
@@ -399,6 +401,7 @@ def reload_at_other_tp_size(seed: int, folder: str) -> dict:
     return {
         "differs_before": _max_diff(before, saved),
         "loaded_diff": _max_diff(loaded, saved),
+        "loaded_at_zero3_diff": _max_diff(loaded_at_zero3, saved),
         "steps_loaded": steps_loaded,
         "tp2_to_tp1": _max_diff(at_tp1, uninterrupted),
         "tp1_to_tp2": _max_diff(back_at_tp2, uninterrupted),
