@@ -8,8 +8,8 @@ feeds the whole batch to both ranks, which split every layer. Prints per impleme
 median step time, its ratio to DDP and to DeepSpeed's AutoTP, and per-rank memory of parameters
 and of Adam's moments (+ fp32 masters where kept apart from the parameters).
 
-deepspeed_cpp keeps the embeddings and lm_head whole on every TP rank; DeepSpeed 0.19.8 splits
-the vocabulary of an untied lm_head, so its parameters per rank are smaller by half the lm_head.
+Both keep the embeddings whole on every TP rank and split the vocabulary of the (untied)
+lm_head with its logits gathered (DeepSpeed 0.19.8's rule), so their parameters per rank match.
 
     python benchmarks/bench_tp.py [--hidden 512] [--layers 4] [--rounds 5] [--deepspeed DIR]
 

@@ -11,6 +11,7 @@ clipping by the norm of the whole model's gradient.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -113,8 +114,8 @@ def _columns(mp_index: int) -> slice:
     return slice(start, start + split_width(mp_index))
 
 
-def _config(stage: int, clip: float = CLIP) -> dict:
-    return {
+def _config(stage: int, clip: float = CLIP, extra: dict | None = None) -> dict:
+    config = {
         "train_batch_size": None,  # set by the callers: the rule counts data-parallel ranks only
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
@@ -127,9 +128,15 @@ def _config(stage: int, clip: float = CLIP) -> dict:
         # Small buckets: the replicated and the split layer share one, split between owners.
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 40},
     }
+    for key, value in (extra or {}).items():  # {"bf16": {...}, "zero_optimization": {...}}
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    return config
 
 
-def reference(seed: int, dp_size: int, mp_size: int, steps: int):
+def reference(seed: int, dp_size: int, mp_size: int, steps: int, clip: float = CLIP):
     """The whole model trained in one process: per step the parameters of every part (the
     shared layer once, as part 0's) and the gradient norm before clipping."""
     parts = [PartNet(m, seed) for m in range(mp_size)]
@@ -148,7 +155,7 @@ def reference(seed: int, dp_size: int, mp_size: int, steps: int):
             (loss / GAS).backward()
         norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params)).item()
         norms.append(norm)
-        coefficient = CLIP / (norm + 1e-6)
+        coefficient = clip / (norm + 1e-6) if clip > 0 else 1.0
         if coefficient < 1.0:
             for p in params:
                 p.grad.mul_(coefficient)
@@ -177,19 +184,21 @@ def _train(engine, seed: int, mpu: PairMpu, steps: int, first_step: int = 0):
     rows = slice(dp_rank * MICRO, (dp_rank + 1) * MICRO)
     columns = _columns(mpu.get_model_parallel_rank())
     out = []
+    dtype = next(engine.module.parameters()).dtype  # bf16 / fp16 engines take their dtype
     for micro_batches in _batches(seed, dp_size, mp_size, steps)[first_step:]:
         for x, target, y in micro_batches:
-            engine.backward(engine(x[rows], target[rows], y[rows, columns]))
+            x, target, y = (t.to(dtype) for t in (x, target, y[:, columns]))
+            engine.backward(engine(x[rows], target[rows], y[rows]))
             engine.step()
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         out.append((params, engine.get_global_grad_norm()))
     return out
 
 
-def _initialize(stage: int, seed: int, mpu: PairMpu, clip: float = CLIP):
+def _initialize(stage: int, seed: int, mpu: PairMpu, clip: float = CLIP, extra=None):
     import deepspeed_cpp as deepspeed
 
-    config = _config(stage, clip)
+    config = _config(stage, clip, extra)
     config["train_batch_size"] = MICRO * GAS * mpu.get_data_parallel_world_size()
     model = PartNet(mpu.get_model_parallel_rank(), seed)
     engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu)
@@ -201,13 +210,16 @@ def _max_difference(ours: dict, reference: dict) -> float:
     return max((ours[n] - reference[n]).abs().max().item() for n in ours)
 
 
-def train_matches_reference(stage: int, mp_size: int, seed: int) -> dict:
-    """Trains this rank's part at ``stage`` with the mpu; returns the largest parameter and norm
-    differences from the reference, what the engine and ``deepspeed.utils.groups`` report."""
+def train_matches_reference(
+    stage: int, mp_size: int, seed: int, clip: float = CLIP, extra: dict | None = None
+) -> dict:
+    """Trains this rank's part at ``stage`` with the mpu (``extra``: config sections added:
+    precision, offload); returns the largest parameter and norm differences from the
+    reference, what the engine and ``deepspeed.utils.groups`` report."""
     from deepspeed_cpp.utils import groups
 
     mpu = _mpu(mp_size)
-    engine = _initialize(stage, seed, mpu)
+    engine = _initialize(stage, seed, mpu, clip, extra)
     seen = {
         "engine": (engine.dp_rank, engine.dp_world_size, engine.mp_rank, engine.mp_world_size),
         "groups": (
@@ -222,8 +234,9 @@ def train_matches_reference(stage: int, mp_size: int, seed: int) -> dict:
     ours = _train(engine, seed, mpu, STEPS)
     engine.destroy()
     groups.set_model_parallel_unit(None)
-    norms, snapshots = reference(seed, mpu.get_data_parallel_world_size(), mp_size, STEPS)
+    norms, snapshots = reference(seed, mpu.get_data_parallel_world_size(), mp_size, STEPS, clip)
     m = mpu.get_model_parallel_rank()
+    ours = [({n: p.float() for n, p in params.items()}, norm) for params, norm in ours]
     return {
         **seen,
         "param_difference": max(
@@ -271,6 +284,17 @@ def checkpoint_round_trip(save_dir: str, stage: int, seed: int) -> dict:
             model_parallel_dir(save_dir, 0, mp_world_size, loading=True)
         except ModelParallelMismatchError as error:
             refusals.append(str(error))
+    # An engine without model parallelism: these parts are not AutoTP's, nothing re-cuts them.
+    import deepspeed_cpp as deepspeed
+
+    config = _config(stage)
+    config["train_batch_size"] = MICRO * GAS * dist.get_world_size()
+    plain, *_ = deepspeed.initialize(model=PartNet(0, seed), config=config)
+    try:
+        plain.load_checkpoint(save_dir)
+    except ModelParallelMismatchError as error:
+        refusals.append(str(error))
+    plain.destroy()
     return {
         "folders": sorted(os.listdir(save_dir)),
         "path": path,
@@ -312,18 +336,43 @@ def mp1_equals_no_mpu(stage: int, seed: int) -> bool:
     return all(_equal(a, b) and na == nb for (a, na), (b, nb) in zip(ours, theirs))
 
 
-def nonfinite_on_one_rank_skipped_everywhere(stage: int, seed: int) -> dict:
-    """A NaN in one rank's split-layer gradient (global rank 3: another model-parallel part
-    than ranks 0 and 2) at step 1: every rank of the world skips that step."""
+def _count_backward_steps(engine) -> list[int]:
+    """Per boundary ``engine.step()`` from now on: how many optimizer sub-groups were stepped
+    during that step's backward (offload's ``step_during_backward``; stays [] without it)."""
+    backward_steps = getattr(engine.optimizer, "_backward_steps", None)
+    counts: list[int] = []
+    if backward_steps is None:
+        return counts
+    step = engine.step
+
+    def counting_step():
+        if engine.is_gradient_accumulation_boundary():
+            counts.append(backward_steps.stepped_count)
+        return step()
+
+    engine.step = counting_step
+    return counts
+
+
+def nonfinite_on_one_rank_skipped_everywhere(
+    stage: int, seed: int, clip: float = CLIP, extra: dict | None = None, bad: float = math.nan
+) -> dict:
+    """A NaN (or ``bad``: inf, an fp16 overflow) in one rank's split-layer gradient (global
+    rank 3: another model-parallel part than ranks 0 and 2) at step 1: every rank of the world
+    skips that step (with ``extra`` config sections: precision, offload)."""
     from deepspeed_cpp.utils import groups
 
     mpu = _mpu(2)
-    engine = _initialize(stage, seed, mpu)
+    engine = _initialize(stage, seed, mpu, clip, extra)
     first = _train(engine, seed, mpu, 1)[-1][0]
+    scale_before = engine.loss_scaler.cur_scale if engine.loss_scaler is not None else None
     handle = None
     if dist.get_rank() == 3:
-        handle = engine.module.split.weight.register_hook(lambda g: g * float("nan"))
+        handle = engine.module.split.weight.register_hook(lambda g: g * bad)
+    stepped_early = _count_backward_steps(engine)
     second = _train(engine, seed, mpu, 2, first_step=1)[-1][0]
+    engine.__dict__.pop("step", None)  # counting_step's wrapper
+    scale_after = engine.loss_scaler.cur_scale if engine.loss_scaler is not None else None
     if handle is not None:
         handle.remove()
     third = _train(engine, seed, mpu, 3, first_step=2)[-1][0]
@@ -332,6 +381,10 @@ def nonfinite_on_one_rank_skipped_everywhere(stage: int, seed: int) -> dict:
         "unchanged_by_skip": _equal(first, second),
         "trains_after": not _equal(second, third),
     }
+    if scale_before is not None:
+        result["loss_scales"] = (scale_before, scale_after)
+    if stepped_early:
+        result["stepped_early"] = stepped_early
     engine.destroy()
     groups.set_model_parallel_unit(None)
     return result

@@ -46,11 +46,14 @@ def test_trains_like_one_process(pool2, tmp_path, kind, stage, clip):
             assert split["transformer.h.1.attn.c_proj"] == ("LinearAllreduce", (16, 32)), where
             assert split["transformer.h.0.mlp.c_fc"] == ("LinearLayer", (32, 64)), where
             assert split["transformer.h.0.mlp.c_proj"] == ("LinearAllreduce", (64, 32)), where
+            assert "lm_head" not in split, where  # tied to wte: kept whole (DeepSpeed's rule)
         else:
             assert split["model.layers.0.self_attn.k_proj"] == ("LinearLayer", (8, 32)), where
             assert split["model.layers.1.self_attn.o_proj"] == ("LinearAllreduce", (32, 16))
             assert split["model.layers.0.mlp.down_proj"] == ("LinearAllreduce", (32, 24)), where
-            assert len(split) == 14, where
+            # The untied lm_head split by vocabulary (64 / 2), its logits gathered.
+            assert split["lm_head"] == ("LinearLayer", (32, 32)), where
+            assert len(split) == 15, where
 
 
 @pytest.mark.parametrize("kind", ["t5", "custom"])
@@ -113,3 +116,67 @@ def test_tp2_by_dp2_on_four_ranks(pool4, tmp_path):
     assert results[0]["losses"] == results[1]["losses"]
     assert results[2]["losses"] == results[3]["losses"]
     assert results[0]["losses"] != results[2]["losses"]
+
+
+def test_checkpoint_loads_at_another_tp_size(pool2, tmp_path):
+    seed = int(torch.randint(2**31, ()))
+    for rank, result in enumerate(pool2.run(jobs.reload_at_other_tp_size, seed, str(tmp_path))):
+        where = (rank, seed, result)
+        assert result["differs_before"] > 1e-3 and result["steps_loaded"] == 2, where
+        assert result["loaded_diff"] == 0.0, where  # the saved weights, exactly
+        assert result["loaded_at_zero3_diff"] == 0.0, where
+        # Weights and Adam state (m, v, step) re-cut: training continues as uninterrupted.
+        assert result["tp2_to_tp1"] <= 1e-6, where
+        assert result["tp1_to_tp2"] <= 1e-6, where
+        assert result["without_state"] > 1e-4, where  # the optimizer state is what matters
+        assert "cannot be re-cut" in result["refusal"] or "shape" in result["refusal"], where
+        assert "transformer." in result["refusal"], where
+
+
+@pytest.mark.parametrize("kind", ["opt", "gpt_neox"])
+def test_graph_discovered_split_trains_like_one_process(pool2, tmp_path, kind):
+    """Architectures outside the policy table: the split found from the module graph trains
+    through the engine (ZeRO-1, clipping active) equal to the unsplit model in one process."""
+    seed = int(torch.randint(2**31, ()))
+    results = pool2.run(
+        jobs.trains_like_one_process, kind, 1, 0.05, seed, str(tmp_path), timeout=600.0
+    )
+    for rank, result in enumerate(results):
+        where = (rank, seed, result)
+        assert result["names_equal"] and result["moved"] > 1e-4, where
+        assert result["weight_diff"] <= 1e-5 and result["output_diff"] <= 1e-5, where
+        for pair in result["losses"] + result["norms"]:
+            assert _relative(pair) <= 1e-5, where
+        split = result["split"]
+        if kind == "opt":
+            layer = "model.decoder.layers.1"
+            assert split[f"{layer}.self_attn.q_proj"] == ("LinearLayer", (16, 32)), where
+            assert split[f"{layer}.self_attn.out_proj"] == ("LinearAllreduce", (32, 16)), where
+            assert split[f"{layer}.fc1"] == ("LinearLayer", (32, 32)), where
+            assert split[f"{layer}.fc2"] == ("LinearAllreduce", (32, 32)), where
+            assert len(split) == 12, where  # lm_head tied to embed_tokens: kept whole
+        else:
+            layer = "gpt_neox.layers.0"
+            assert split[f"{layer}.attention.query_key_value"] == ("LinearLayer", (48, 32))
+            assert split[f"{layer}.attention.dense"] == ("LinearAllreduce", (32, 16)), where
+            assert split["lm_head"] == ("LinearLayer", (32, 32)), where  # vocabulary split
+            assert len(split) == 9, where
+
+
+def test_graph_discovery_agrees_with_the_policy_table():
+    """On the table's architectures the module graph gives the table's column/row split."""
+    from deepspeed_cpp.module_inject.graph_discovery import discover_policy
+    from deepspeed_cpp.module_inject.tp_policies import policy_for_model_type
+
+    for kind, count in (("gpt2", 4), ("llama", 14)):
+        model = jobs.tiny_model(kind)
+        discovered, table = discover_policy(model), policy_for_model_type(kind)
+        kinds = [(n, discovered.kind_of(n), table.kind_of(n)) for n, _ in model.named_modules()]
+        if kind == "gpt2":
+            # c_attn's fused [q | k | v] blocks: shapes cannot tell their layout, so the
+            # attention stays whole; the MLP is split as the table splits it.
+            assert all(ours is None for n, ours, _ in kinds if ".attn." in n), kinds
+            kinds = [k for k in kinds if ".attn." not in k[0]]
+        assert all(ours == theirs for _, ours, theirs in kinds), kinds
+        assert sum(ours is not None for _, ours, _ in kinds) == count, kinds
+    assert discover_policy(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None

@@ -29,6 +29,20 @@ def tiny_model(kind: str) -> torch.nn.Module:
             attention_bias=True,  # row-parallel o_proj with a bias: added once, after the sum
         )  # fmt: skip
         return transformers.LlamaForCausalLM(config)
+    if kind == "opt":  # outside the policy table: split found from the module graph
+        config = transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=SEQUENCE, word_embed_proj_dim=32,
+            dropout=0.0, attention_dropout=0.0,
+        )  # fmt: skip
+        return transformers.OPTForCausalLM(config)
+    if kind == "gpt_neox":  # fused q/k/v laid out head by head, untied lm_head
+        config = transformers.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=SEQUENCE, hidden_dropout=0.0,
+            attention_dropout=0.0, tie_word_embeddings=False,
+        )  # fmt: skip
+        return transformers.GPTNeoXForCausalLM(config)
     raise ValueError(kind)
 
 
@@ -292,4 +306,105 @@ def tp2_dp2_trains_like_one_process(seed: int, folder: str) -> dict:
         "consolidated_diff": consolidated_diff,
         "reload_equal": reload_equal,
         "resumed_diff": resumed_diff,
+    }
+
+
+def _engine_at(tp: int, stage: int, micro: int, seed: int):
+    import deepspeed_cpp
+
+    torch.manual_seed(seed)  # another initialisation than the checkpoint's: the load replaces it
+    config = _config(stage, 0.0, tp, True)
+    config["train_micro_batch_size_per_gpu"] = micro
+    if tp == 1:
+        del config["tensor_parallel"]
+    engine, *_ = deepspeed_cpp.initialize(model=tiny_model("gpt2"), config=config)
+    return engine
+
+
+def _steps(engine, batches, dp_rank: int, dp_size: int) -> None:
+    for ids in batches:
+        rows = ids.shape[0] // dp_size
+        mine = ids[dp_rank * rows : (dp_rank + 1) * rows]
+        engine.backward(engine(input_ids=mine, labels=mine).loss)
+        engine.step()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def reload_at_other_tp_size(seed: int, folder: str) -> dict:
+    """2 ranks, GPT-2 (fused q/k/v split in 3 blocks, tied embedding): trained 2 steps at TP 2
+    (ZeRO-1), saved, trained 2 more (the uninterrupted run). A TP-1 engine (DP 2, ZeRO-2)
+    loads the TP-2 save and trains the same 2 steps; it saves after the first, and a TP-2
+    engine (ZeRO-0) loads that TP-1 save and trains the last step. A TP-1 ZeRO-3 engine loads
+    the weights alone (which then train elsewhere). Then a refusal."""
+    from deepspeed_cpp.runtime.checkpoint import CheckpointMismatchError
+
+    rank = dist.get_rank()
+    data = torch.Generator().manual_seed(seed + 1)
+    batches = [torch.randint(0, VOCAB, (4, SEQUENCE), generator=data) for _ in range(4)]
+    save_dir = os.path.join(folder, "tp_resize")
+
+    tp2 = _engine_at(2, 1, 4, seed)
+    _steps(tp2, batches[:2], 0, 1)
+    saved = {k: v.clone() for k, v in tp2.whole_model_state_dict().items()}
+    tp2.save_checkpoint(save_dir, tag="tp2")
+    _steps(tp2, batches[2:], 0, 1)
+    uninterrupted = {k: v.clone() for k, v in tp2.whole_model_state_dict().items()}
+    tp2.destroy()
+
+    tp1 = _engine_at(1, 2, 2, seed + 7)
+    before = {k: v.clone() for k, v in tp1.whole_model_state_dict().items()}
+    tp1.load_checkpoint(save_dir, tag="tp2")
+    loaded = {k: v.clone() for k, v in tp1.whole_model_state_dict().items()}
+    steps_loaded = tp1.global_steps
+    _steps(tp1, batches[2:3], rank, 2)
+    tp1.save_checkpoint(save_dir + "_tp1", tag="tp1")
+    _steps(tp1, batches[3:], rank, 2)
+    at_tp1 = {k: v.clone() for k, v in tp1.whole_model_state_dict().items()}
+    tp1.destroy()
+
+    back = _engine_at(2, 0, 4, seed + 11)
+    back.load_checkpoint(save_dir + "_tp1")  # the tag from latest
+    _steps(back, batches[3:], 0, 1)
+    back_at_tp2 = {k: v.clone() for k, v in back.whole_model_state_dict().items()}
+    back.destroy()
+
+    # Without the optimizer state the same steps land elsewhere: the state is what matters.
+    weights_only = _engine_at(1, 3, 2, seed + 7)  # and at ZeRO-3 (partitioned parameters)
+    weights_only.load_checkpoint(save_dir, tag="tp2", load_optimizer_states=False)
+    loaded_at_zero3 = {k: v.clone() for k, v in weights_only.whole_model_state_dict().items()}
+    _steps(weights_only, batches[2:], rank, 2)
+    without_state = {k: v.clone() for k, v in weights_only.whole_model_state_dict().items()}
+    weights_only.destroy()
+
+    refusal = ""
+    import transformers
+
+    wider = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=SEQUENCE, n_embd=48, n_layer=2, n_head=4
+        )  # fmt: skip
+    )
+    import deepspeed_cpp
+
+    config = _config(2, 0.0, 1, True)
+    del config["tensor_parallel"]
+    other, *_ = deepspeed_cpp.initialize(model=wider, config=config)
+    try:
+        other.load_checkpoint(save_dir, tag="tp2")
+    except CheckpointMismatchError as error:
+        refusal = str(error)
+    other.destroy()
+    return {
+        "differs_before": _max_diff(before, saved),
+        "loaded_diff": _max_diff(loaded, saved),
+        "loaded_at_zero3_diff": _max_diff(loaded_at_zero3, saved),
+        "steps_loaded": steps_loaded,
+        "tp2_to_tp1": _max_diff(at_tp1, uninterrupted),
+        "tp1_to_tp2": _max_diff(back_at_tp2, uninterrupted),
+        "without_state": _max_diff(without_state, uninterrupted),
+        "refusal": refusal,
     }

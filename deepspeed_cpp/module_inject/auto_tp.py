@@ -22,6 +22,7 @@ from .layers import (
     shard_tensor,
     unshard_tensors,
 )
+from .output_head import splits_output_head
 from .tp_policies import TensorParallelPolicy, policy_for
 
 # The attribute a split model carries: its TensorParallelInfo.
@@ -59,11 +60,18 @@ def shard_model(
         if not name:
             continue
         kind = policy.kind_of(name)
+        gather_output = False
+        if kind is None and policy.output_head and splits_output_head(model, name, module, size):
+            kind, gather_output = "column", True
         if kind is not None:
-            layer = LinearLayer if kind == "column" else LinearAllreduce
-            blocks = policy.blocks_of(name, module) if kind == "column" else 1
             try:
-                replacement = layer.from_module(module, group, rank, size, blocks)
+                if kind == "column":
+                    blocks = policy.blocks_of(name, module)
+                    replacement = LinearLayer.from_module(
+                        module, group, rank, size, blocks, gather_output=gather_output
+                    )
+                else:
+                    replacement = LinearAllreduce.from_module(module, group, rank, size)
             except (TypeError, ValueError) as error:
                 raise ValueError(f"tensor-parallel {kind} split of {name!r}: {error}") from None
             _set_submodule(model, name, replacement)

@@ -19,7 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .tp_collectives import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from .tp_collectives import (
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+)
 
 
 def is_tensor_parallel_param(param: torch.Tensor) -> bool:
@@ -108,21 +112,33 @@ class _TensorParallelLinear(torch.nn.Module):
 
 
 class LinearLayer(_TensorParallelLinear):
-    """Column-parallel: this rank's output features from the whole (replicated) input."""
+    """Column-parallel: this rank's output features from the whole (replicated) input; with
+    ``gather_output`` (DeepSpeed's name; the output head) every rank's features gathered."""
+
+    gather_output = False
 
     @classmethod
-    def from_module(cls, module, group, tp_rank: int, tp_size: int, blocks: int = 1):
+    def from_module(cls, module, group, tp_rank: int, tp_size: int, blocks: int = 1,
+                    gather_output: bool = False):  # fmt: skip
         transposed = cls._layout_of(module)
         out_dim = 1 if transposed else 0
+        if gather_output and blocks != 1:
+            raise ValueError("a gathered column-parallel output cannot have fused blocks")
         weight = _sliced_parameter(module.weight, out_dim, tp_rank, tp_size, blocks)
         bias = None
         if module.bias is not None:
             bias = _sliced_parameter(module.bias, 0, tp_rank, tp_size, blocks)
-        return cls(weight, bias, transposed=transposed, group=group, tp_rank=tp_rank,
-                   tp_size=tp_size)  # fmt: skip
+        layer = cls(weight, bias, transposed=transposed, group=group, tp_rank=tp_rank,
+                    tp_size=tp_size)  # fmt: skip
+        layer.gather_output = gather_output
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(copy_to_tensor_parallel(x, self.mp_group), self.bias)
+        out = self._matmul(copy_to_tensor_parallel(x, self.mp_group), self.bias)
+        return gather_from_tensor_parallel(out, self.mp_group) if self.gather_output else out
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", gather_output" if self.gather_output else "")
 
 
 class LinearAllreduce(_TensorParallelLinear):

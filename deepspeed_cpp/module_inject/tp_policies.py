@@ -6,10 +6,15 @@ row-parallel (``LinearAllreduce``). Attention q/k/v and the MLP's up/gate projec
 by column, the attention output and the MLP's down projection by row, so that a transformer
 block exchanges activations twice forward (once per row-parallel layer) and twice backward.
 
-Embeddings, position embeddings, norms and the ``lm_head`` are not split: every TP rank holds
-them whole (replicated) and they get the same gradient on every rank, because the input
-gradient of a column-parallel layer and the output of a row-parallel one are summed over the TP
-group. (DeepSpeed can split the vocabulary of ``lm_head`` too; deepspeed_cpp does not.)
+Embeddings, position embeddings and norms are not split: every TP rank holds them whole
+(replicated) and they get the same gradient on every rank, because the input gradient of a
+column-parallel layer and the output of a row-parallel one are summed over the TP group. An
+untied ``lm_head`` is split by vocabulary with its logits gathered, a tied one kept whole
+(``output_head.py``, DeepSpeed's rule), unless ``output_head`` is false (a policy made only of
+the config's ``layer_specs``, which name every layer to split).
+
+Architectures outside the table and without specs: the policy is found from the module graph
+(``graph_discovery.py``).
 
 ``head_split`` names tensors with one column per attention head (T5's relative position bias):
 each rank keeps its heads' columns. ``head_attributes`` names the attributes of attention
@@ -28,6 +33,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..utils.logging import logger
+
 
 @dataclass(frozen=True)
 class TensorParallelPolicy:
@@ -41,6 +48,8 @@ class TensorParallelPolicy:
     head_attributes: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Names matched against parameter names with re.search (the config's layer_specs).
     search_parameter_names: bool = False
+    # Whether an untied lm_head / embed_out is split by vocabulary (output_head.py).
+    output_head: bool = True
 
     def kind_of(self, module_name: str) -> str | None:
         """ "column", "row" or None for the module named ``module_name``."""
@@ -137,7 +146,9 @@ def _policy_from_layer_specs(partition_config: dict) -> TensorParallelPolicy:
                 "supported yet (only patterns and partition_type are)"
             )
         (columns if kind == "column" else rows).extend(patterns)
-    return TensorParallelPolicy(tuple(columns), tuple(rows), search_parameter_names=True)
+    return TensorParallelPolicy(
+        tuple(columns), tuple(rows), search_parameter_names=True, output_head=False
+    )
 
 
 def policy_for_model_type(model_type: str) -> TensorParallelPolicy:
@@ -161,9 +172,22 @@ def policy_for(model, partition_config: dict | None = None) -> TensorParallelPol
             return custom
         return _merge(default, custom)
     if default is None:
+        from .graph_discovery import discover_policy
+
+        discovered = discover_policy(model)
+        if discovered is not None:
+            logger.info(
+                "deepspeed_cpp: no tensor-parallel policy for model type %r: split found from "
+                "the module graph, column %s, row %s",
+                model_type,
+                list(discovered.column[:4]),
+                list(discovered.row[:2]),
+            )
+            return discovered
         raise ValueError(
             f"no tensor-parallel policy for model type {model_type!r} "
-            f"({type(model).__name__}); known: {', '.join(sorted(_POLICIES))}. Give one with "
+            f"({type(model).__name__}), and its module graph has no block of linear layers "
+            f"to split (column then row); known: {', '.join(sorted(_POLICIES))}. Give one with "
             "deepspeed_cpp.module_inject.register_tp_policy or the config's "
             "tensor_parallel.partition_config.layer_specs"
         )

@@ -20,6 +20,7 @@ import torch
 
 from ...moe.expert_names import expert_layers, local_name, to_local
 from ...utils.logging import logger
+from . import tensor_parallel_reshard as tp_reshard
 from .client_state import NEEDS_PICKLE_KEY, load_client_state
 from .deepspeed_format import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from .deepspeed_format.convert import CONVERTED_FROM_KEY
@@ -325,6 +326,45 @@ def _read_deepspeed(engine, directory: Path, options: dict, plan: _Plan) -> None
         )
 
 
+def _read_tensor_parallel(engine, directories, options: dict, plan: _Plan) -> None:
+    """``_read_and_check`` for a checkpoint saved at another tensor-parallel size
+    (``tensor_parallel_reshard.py``): its parts joined and re-cut for this TP rank."""
+    parts = tp_reshard.read_parts(directories, options["allow_symlinks"])
+    recut = tp_reshard.Recut(parts, engine.module, engine.mp_rank, engine.mp_world_size)
+    first = parts[0]
+    plan.module_payload = first.payload
+    plan.module_state = tp_reshard.module_state(parts, engine.module, recut)
+    allow_missing = ()
+    if first.payload.get("frozen_parameters_excluded"):
+        allow_missing = {n for p in first.metadata["frozen_parameters"] for n in p["names"]}
+    check_module_matches(engine.module, plan.module_state, options["strict"], allow_missing)
+    zero = engine.optimizer
+    if zero is not None and not options["module_only"]:
+        if options["optimizer_states"]:
+            _check_optimizer_matches(first.metadata, zero)
+        kinds = first.metadata["optimizer"]["state_kinds"] if options["optimizer_states"] else {}
+        current = local_layout(zero, global_names_by_parameter(engine.module))
+        plan.reader = tp_reshard.whole_parameter_shards(parts, current, recut, kinds)
+        check_layouts_match(plan.reader.layout, current)
+        plan.masters, plan.states = Resharder(plan.reader, current, kinds).slices_for(
+            zero.owned_ranges(), with_state=options["optimizer_states"], mapped=_in_swap(zero)
+        )
+    plan.client_state = load_client_state(
+        listed_file(first.directory, CLIENT_STATE_FILE, first.digests, "client state"),
+        first.digests.get(CLIENT_STATE_FILE),
+        bool(first.metadata.get(NEEDS_PICKLE_KEY, False)),
+        options["allow_pickle"],
+    )
+    if engine.global_rank == 0:
+        logger.info(
+            "deepspeed_cpp: re-cutting %s from tensor-parallel size %d to %d (random-number "
+            "generator states not restored)",
+            first.directory,
+            len(parts),
+            engine.mp_world_size,
+        )
+
+
 def _in_swap(zero) -> frozenset[int]:
     """The buckets whose state lives in NVMe swap files (``state_outline`` not None)."""
     home = getattr(zero, "home", None)  # the expert-parallel composite has one per set
@@ -375,6 +415,17 @@ def _apply(engine, plan: _Plan, options: dict) -> None:
         restore_rng_states(plan.rng, engine.device)
 
 
+def _directory_to_load(engine, load_dir, tag, allow_symlinks: bool) -> Path | None:
+    """This model-parallel rank's ``<tag>`` folder (``latest``'s when ``tag`` is None; None
+    when there is no ``latest``)."""
+    load_dir = model_parallel_dir(load_dir, engine.mp_rank, engine.mp_world_size, loading=True)
+    if tag is None:
+        tag = read_latest_tag(load_dir, allow_symlinks)
+        if tag is None:
+            return None
+    return tag_directory(load_dir, tag, allow_symlinks)
+
+
 def load_checkpoint(
     engine,
     load_dir,
@@ -395,17 +446,20 @@ def load_checkpoint(
     ``latest`` must each be one directory name in ``load_dir``; a symbolic link (``latest``, the
     tag folder, a file in it) is followed only with ``allow_symlinks`` (see ``layout.py``).
     """
-    load_dir = model_parallel_dir(load_dir, engine.mp_rank, engine.mp_world_size, loading=True)
-    if tag is None:
-        tag = read_latest_tag(load_dir, allow_symlinks)
-        if tag is None:
-            logger.warning(
-                "deepspeed_cpp: no checkpoint to load: %s does not exist; pass tag=... to load "
-                "a specific one",
-                Path(load_dir) / "latest",
-            )
-            return None, None
-    directory = tag_directory(load_dir, tag, allow_symlinks)
+    saved_tp_size = tp_reshard.saved_size_to_reshard(engine, load_dir)
+    directories = None
+    if saved_tp_size is not None:
+        directories = tp_reshard.part_directories(load_dir, saved_tp_size, tag, allow_symlinks)
+        directory = directories[0] if directories else None
+    else:
+        directory = _directory_to_load(engine, load_dir, tag, allow_symlinks)
+    if directory is None:
+        logger.warning(
+            "deepspeed_cpp: no checkpoint to load: %s has no latest file; pass tag=... to load "
+            "a specific one",
+            load_dir,
+        )
+        return None, None
     options = {
         "strict": load_module_strict,
         "optimizer_states": load_optimizer_states and engine.optimizer is not None,
@@ -418,7 +472,9 @@ def load_checkpoint(
 
     def read_and_check() -> None:
         plans.append(_Plan())
-        if is_deepspeed_checkpoint(directory):
+        if saved_tp_size is not None:
+            _read_tensor_parallel(engine, directories, options, plans[0])
+        elif is_deepspeed_checkpoint(directory):
             if engine.mp_world_size > 1:
                 raise ModelParallelMismatchError(
                     f"{directory} is a DeepSpeed checkpoint; reading DeepSpeed's model-parallel "

@@ -204,9 +204,9 @@ POLICIES: tuple[KeyPolicy, ...] = (
     _ignored("tensor_parallel.dtype", "the model trains in the dtype of the fp16/bf16 sections"),
     _harmless_at("tensor_parallel.tp_overlap_comm", (False,), "the all-reduces run in order"),
     _harmless_at(
-        "tensor_parallel.vocab_parallel_lm_head", (None, False), "lm_head is kept replicated"
+        "tensor_parallel.vocab_parallel_lm_head", (None, False), "lm_head's logits are gathered"
     ),
-    _ignored("tensor_parallel.vocab_parallel_ce_backend", "lm_head is kept replicated"),
+    _ignored("tensor_parallel.vocab_parallel_ce_backend", "lm_head's logits are gathered"),
     _harmless_at("tensor_parallel.keep_module_on_host", (False,), "no checkpoint is loaded here"),
     _harmless_at("tensor_parallel.replace_with_kernel_inject", (False,), "no inference kernels"),
     _harmless_at("tensor_parallel.kernel_inject", (False,), "no inference kernels"),
