@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
+from ...comm.reducer_tap import logged_if_enabled
 from ...ops.zero import (
     BucketPlan,
     flatten_into,
@@ -247,6 +248,7 @@ class ZeroPartitionedOptimizer(
         reducer = make_gradient_reducer(
             self.group, self.plan, scatter=scatter, scatter_method=scatter_method, device=device
         )
+        reducer = logged_if_enabled(reducer, self.plan, self.group)  # only with comms_logger on
         reducer.accumulate_into(self.shard_grads, scale)
         return reducer
 
