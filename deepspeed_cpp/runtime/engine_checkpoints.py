@@ -68,6 +68,7 @@ class EngineCheckpoints:
             module=self.module,
             zero=self.optimizer,
             zero_stage=self.zero_optimization_stage(),
+            global_rank=self.global_rank,
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_world_size,
             group=self.group,
@@ -76,8 +77,12 @@ class EngineCheckpoints:
             device=self.device,
             ds_config=self.config.raw,
             expert_parallel=self._expert_parallel,
+            gathers_16bit_weights_on_save=self.zero_gather_16bit_weights_on_model_save(),
             train_state=self.train_state(),
             full_module_state_dict=lambda rank0_only: self.full_module_state_dict(
+                rank0_only=rank0_only
+            ),
+            whole_model_state_dict=lambda rank0_only: self.whole_model_state_dict(
                 rank0_only=rank0_only
             ),
             load_full_module_state=self.load_full_module_state,
@@ -175,7 +180,9 @@ class EngineCheckpoints:
         from .checkpoint.model_save import save_16bit_model
 
         self._failed_step.check("engine.save_16bit_model")
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+        return save_16bit_model(
+            self._checkpoint_subject(), save_dir, save_filename, exclude_frozen_parameters
+        )
 
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's older name for ``save_16bit_model``."""

@@ -26,6 +26,8 @@ class CheckpointSubject:
     expert-parallel MoE layers, whose experts differ between ranks; ``full_module_state_dict(
     rank0_only)``: the whole model's state dict, experts under global names (collective);
     ``load_full_module_state(state_dict)``: loads such a dict (partitioned at ZeRO-3);
+    ``whole_model_state_dict(rank0_only)``: the same with AutoTP's slices gathered (what
+    ``save_16bit_model`` writes; ``gathers_16bit_weights_on_save``: ZeRO-3 may gather it);
     ``restore_train_state(state, scheduler=, lrs_from_scheduler=)``: takes the counters, the
     loss scaler's state and (``scheduler``) the schedule's, with ``lrs_from_scheduler`` also
     writing the schedule's learning rates into the param groups."""
@@ -33,6 +35,7 @@ class CheckpointSubject:
     module: torch.nn.Module
     zero: object | None
     zero_stage: int
+    global_rank: int
     dp_rank: int
     dp_world_size: int
     group: object
@@ -41,7 +44,9 @@ class CheckpointSubject:
     device: torch.device
     ds_config: dict
     expert_parallel: bool
+    gathers_16bit_weights_on_save: bool
     train_state: TrainState
     full_module_state_dict: Callable[[bool], dict]
+    whole_model_state_dict: Callable[[bool], dict]
     load_full_module_state: Callable[[dict], None]
     restore_train_state: Callable[..., None]
