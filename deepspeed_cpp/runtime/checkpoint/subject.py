@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..train_state import TrainState
+
+if TYPE_CHECKING:
+    from ..zero.stage import ZeroStage
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class CheckpointSubject:
     writing the schedule's learning rates into the param groups."""
 
     module: torch.nn.Module
-    zero: object | None
+    zero: ZeroStage | None
     zero_stage: int
     global_rank: int
     dp_rank: int
