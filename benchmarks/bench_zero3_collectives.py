@@ -40,6 +40,19 @@ is worth quoting (the same run measured main's 114-collective encoder step at 5.
     deep     ours, reduction per unit, unit per module  97               197
     deep     ours, reduction per unit, merged units     49               101
     deep     FSDP2                                      49               146
+
+Then a module whose whole subtree fits in the merge cap (4x the min numel) became one unit (each
+encoder layer one unit, not its attention and the rest as two), counted 2026-11-27 15:02 with
+--steps 5 --unit-min-numel 16384 0, again with other jobs on the 2 cores (load average 18-26;
+step times not quotable):
+
+    model    implementation                          units  collectives/step
+    encoder  ours, merged units                          7                17
+    encoder  ours, unit per module                      37                77
+    encoder  FSDP2                                       7                20
+    deep     ours, merged units                         49               101
+    deep     ours, unit per module                      97               197
+    deep     FSDP2                                      49               146
 """
 
 from __future__ import annotations

@@ -55,11 +55,13 @@ STABLE_TORCH_LIBRARY(deepspeed_cpp, m) {
   m.def("zero_flatten_into(Tensor[] tensors, Tensor(a!) flat, int[] offsets) -> ()");
   m.def("zero_unflatten_from(Tensor flat, Tensor(a!)[] tensors, int[] offsets) -> ()");
   // csrc/zero: pack parameters (numels, group ids, in order) into flat buckets of at most
-  // `capacity` elements, each padded to a multiple of world_size * alignment. Returns
-  // (slots [num_params, 2] = (bucket, offset), bucket_sizes [num_buckets]).
+  // `capacity` elements, each padded to a multiple of world_size * alignment; a parameter whose
+  // `alone` flag is non-zero gets a bucket of its own (`alone` empty: none). Returns
+  // (slots [num_params, 2] = (bucket, offset), bucket_sizes [num_buckets], bucket_groups
+  // [num_buckets]).
   m.def(
-      "zero_plan_buckets(int[] numels, int[] groups, int capacity, int world_size, int alignment) "
-      "-> (Tensor slots, Tensor bucket_sizes)");
+      "zero_plan_buckets(int[] numels, int[] groups, int capacity, int world_size, int alignment, "
+      "int[] alone=[]) -> (Tensor slots, Tensor bucket_sizes, Tensor bucket_groups)");
 
   // csrc/moe: Mixture-of-Experts gating dispatch (DeepSpeed's top1gating/top2gating) over logits
   // [tokens, experts] (float32/float64). Per (token, slot): combine weight (first, as the one

@@ -14,14 +14,14 @@ def _collectives(groups) -> int:
     return sum(int(group._get_sequence_number_for_group()) for group in groups)
 
 
-def count_job(layers: int, steps: int):
+def count_job(layers: int, steps: int, width: int = 32, feedforward: int = 64):
     import deepspeed_cpp as deepspeed
 
     torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    layer = torch.nn.TransformerEncoderLayer(width, 4, feedforward, dropout=0.0, batch_first=True)
     model = torch.nn.Sequential(
         torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False),
-        torch.nn.Linear(32, 4),
+        torch.nn.Linear(width, 4),
     )
     config = {
         "train_micro_batch_size_per_gpu": 2,
@@ -36,7 +36,7 @@ def count_job(layers: int, steps: int):
         generator = torch.Generator().manual_seed(dist.get_rank())
         counts = []
         for _ in range(steps):
-            x = torch.randn(2, 8, 32, generator=generator)
+            x = torch.randn(2, 8, width, generator=generator)
             before = (_collectives(fetching), _collectives(everything))
             loss = engine(x).square().mean()
             engine.backward(loss)
@@ -44,7 +44,12 @@ def count_job(layers: int, steps: int):
             after = (_collectives(fetching), _collectives(everything))
             counts.append((after[0] - before[0], after[1] - before[1]))
         partitioned = sum(1 for u in coordinator.units for _ in u)
-        return {"units": len(coordinator.units), "params": partitioned, "counts": counts}
+        return {
+            "units": len(coordinator.units),
+            "names": list(coordinator.unit_names),
+            "params": partitioned,
+            "counts": counts,
+        }
     finally:
         engine.destroy()
 
@@ -65,3 +70,16 @@ def test_gathers_and_checks_per_step_are_bounded_by_units(pool2):
         # the rest is the step's norm all-reduce and the use checks.
         assert total <= 3 * units + 8, (total, first)
         assert first["params"] > units  # else the bound above would not tell units from params
+
+
+def test_a_small_encoder_layer_is_one_unit(pool2):
+    """Width 64: a layer's attention alone (16,640 elements) passes the default
+    stage3_unit_min_numel (16,384), but the whole layer (33,472) fits in the merge cap (4x), so
+    the layer is one unit, as FSDP2 wraps it (it was two: its attention and the rest), and the
+    head joins the root."""
+    first, second = pool2.run(count_job, 2, 2, 64, 128, timeout=JOB_TIMEOUT)
+    assert first["counts"] == second["counts"]
+    assert first["names"] == ["<root>", "0.layers.0", "0.layers.1"], first
+    for fetching, total in first["counts"][1:]:
+        assert fetching <= 2 * first["units"] + 4, (fetching, first)
+        assert total <= 3 * first["units"] + 8, (total, first)

@@ -54,6 +54,54 @@ def test_plan_is_deterministic_and_matches_hand_computed_example():
     assert again == plan
 
 
+def _reference_plan(numels, groups, alone, capacity, world, alignment):
+    """The packing rule restated: buckets in order, a new one at a group change, when the next
+    parameter does not fit, or around a parameter that stays alone."""
+    multiple = world * alignment
+    param_bucket, param_offset, sizes, bucket_groups = [], [], [], []
+    used, open_alone = 0, False
+    for numel, group, is_alone in zip(numels, groups, alone):
+        fits = (
+            bucket_groups
+            and not open_alone
+            and not is_alone
+            and bucket_groups[-1] == group
+            and used + numel <= capacity
+        )
+        if not fits:
+            if bucket_groups:
+                sizes.append(-(-max(used, 1) // multiple) * multiple)
+            bucket_groups.append(group)
+            used = 0
+        param_bucket.append(len(bucket_groups) - 1)
+        param_offset.append(used)
+        used += numel
+        open_alone = is_alone
+    sizes.append(-(-max(used, 1) // multiple) * multiple)
+    return param_bucket, param_offset, sizes, bucket_groups
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_plan_puts_alone_parameters_in_buckets_of_their_own(world):
+    """ZeRO-3 plans partitioned (alone) and persistent parameters in one call; the plan, bucket
+    groups included, is the C++ planner's and equals the rule restated in Python."""
+    generator = torch.Generator().manual_seed(world)
+    count = 200
+    numels = torch.randint(0, 400, (count,), generator=generator).tolist()
+    groups = sorted(torch.randint(0, 3, (count,), generator=generator).tolist())
+    alone = (torch.rand(count, generator=generator) < 0.4).tolist()
+    plan = plan_buckets(numels, groups, capacity=1000, world_size=world, alignment=4, alone=alone)
+    expected = _reference_plan(numels, groups, alone, 1000, world, 4)
+    assert (plan.param_bucket, plan.param_offset, plan.bucket_sizes, plan.bucket_groups) == (
+        expected
+    )
+    for p, is_alone in enumerate(alone):
+        if is_alone:
+            assert plan.param_bucket.count(plan.param_bucket[p]) == 1
+    with pytest.raises(RuntimeError, match=r"alone has 2 entries; expected none or one per"):
+        plan_buckets([1, 2, 3], [0, 0, 0], capacity=8, world_size=1, alone=[True, False])
+
+
 @pytest.mark.parametrize(
     "numels, groups, kwargs, message",
     [
@@ -99,12 +147,15 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.deepspeed_cpp.zero_flatten_into.default, flat_args)
     unflat_args = (torch.randn(9), [torch.zeros(3), torch.zeros(2, 2)], [1, 5])
     torch.library.opcheck(torch.ops.deepspeed_cpp.zero_unflatten_from.default, unflat_args)
-    plan_args = ([5, 3, 100], [0, 0, 1], 10, 2, 4)
-    torch.library.opcheck(
-        torch.ops.deepspeed_cpp.zero_plan_buckets.default,
-        plan_args,
-        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
-    )
+    for plan_args in (
+        ([5, 3, 100], [0, 0, 1], 10, 2, 4),
+        ([5, 3, 1], [0, 0, 0], 10, 2, 4, [1, 0, 0]),
+    ):
+        torch.library.opcheck(
+            torch.ops.deepspeed_cpp.zero_plan_buckets.default,
+            plan_args,
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+        )
 
 
 def reducer_job(scatter: bool, order_seed: int, scatter_method: str = "auto"):

@@ -27,10 +27,16 @@ int64_t padded_size(int64_t used, int64_t multiple) {
 }  // namespace
 
 BucketPlan plan_buckets(const std::vector<int64_t>& numels, const std::vector<int64_t>& groups,
-                        int64_t capacity, int64_t world_size, int64_t alignment) {
+                        const std::vector<int64_t>& alone, int64_t capacity, int64_t world_size,
+                        int64_t alignment) {
   if (numels.size() != groups.size()) {
     throw std::invalid_argument("plan_buckets: numels has " + std::to_string(numels.size()) +
                                 " entries but groups has " + std::to_string(groups.size()));
+  }
+  if (!alone.empty() && alone.size() != numels.size()) {
+    throw std::invalid_argument("plan_buckets: alone has " + std::to_string(alone.size()) +
+                                " entries; expected none or one per parameter (" +
+                                std::to_string(numels.size()) + ")");
   }
   if (capacity < 1 || world_size < 1 || alignment < 1) {
     throw std::invalid_argument(
@@ -46,15 +52,18 @@ BucketPlan plan_buckets(const std::vector<int64_t>& numels, const std::vector<in
   const int64_t multiple = world_size * alignment;
   BucketPlan plan;
   plan.slots.reserve(numels.size());
-  int64_t used = 0;  // elements in the open bucket
+  int64_t used = 0;            // elements in the open bucket
+  bool open_is_alone = false;  // the open bucket holds a parameter that stays alone
   for (size_t i = 0; i < numels.size(); ++i) {
     if (numels[i] < 0) {
       throw std::invalid_argument("plan_buckets: numels[" + std::to_string(i) + "] is negative");
     }
+    const bool is_alone = !alone.empty() && alone[i] != 0;
     const bool open = !plan.bucket_groups.empty();
     // `numels[i] <= capacity - used` rather than `used + numels[i] <= capacity`: no overflow.
-    const bool fits =
-        open && plan.bucket_groups.back() == groups[i] && numels[i] <= capacity - used;
+    const bool fits = open && !open_is_alone && !is_alone &&
+                      plan.bucket_groups.back() == groups[i] && numels[i] <= capacity - used;
+    open_is_alone = is_alone;  // a parameter that fits joins a bucket that is not alone
     if (!fits) {
       if (open) plan.bucket_sizes.push_back(padded_size(used, multiple));
       plan.bucket_groups.push_back(groups[i]);

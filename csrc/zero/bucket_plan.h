@@ -22,8 +22,11 @@ struct BucketPlan {
 // parameter gets a bucket of its own). A bucket never mixes parameter groups, so every slice of
 // it can be stepped with one set of hyper-parameters. Each bucket is padded to a multiple of
 // world_size * alignment elements, so that it splits into world_size equal, aligned shards.
-// The plan depends only on its inputs: every rank computes the same one.
+// A parameter with a non-zero `alone[i]` gets a bucket to itself whatever its size (ZeRO-3's
+// partitioned parameters: a bucket's shard is that parameter's shard); `alone` may be empty (no
+// such parameter). The plan depends only on its inputs: every rank computes the same one.
 BucketPlan plan_buckets(const std::vector<int64_t>& numels, const std::vector<int64_t>& groups,
-                        int64_t capacity, int64_t world_size, int64_t alignment);
+                        const std::vector<int64_t>& alone, int64_t capacity, int64_t world_size,
+                        int64_t alignment);
 
 }  // namespace deepspeed_cpp

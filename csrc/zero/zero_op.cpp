@@ -45,12 +45,12 @@ void zero_unflatten_from(const at::Tensor& flat, at::TensorList tensors, at::Int
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> zero_plan_buckets(at::IntArrayRef numels, at::IntArrayRef groups,
-                                                     int64_t capacity, int64_t world_size,
-                                                     int64_t alignment) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> zero_plan_buckets(
+    at::IntArrayRef numels, at::IntArrayRef groups, int64_t capacity, int64_t world_size,
+    int64_t alignment, at::IntArrayRef alone) {
   BucketPlan plan;
   try {
-    plan = plan_buckets(numels.vec(), groups.vec(), capacity, world_size, alignment);
+    plan = plan_buckets(numels.vec(), groups.vec(), alone.vec(), capacity, world_size, alignment);
   } catch (const std::invalid_argument& error) {
     TORCH_CHECK(false, error.what());
   }
@@ -62,7 +62,8 @@ std::tuple<at::Tensor, at::Tensor> zero_plan_buckets(at::IntArrayRef numels, at:
     slot[p][1] = plan.slots[p].offset;
   }
   at::Tensor sizes = at::tensor(plan.bucket_sizes, at::kLong);
-  return {slots, sizes};
+  at::Tensor bucket_groups = at::tensor(plan.bucket_groups, at::kLong);
+  return {slots, sizes, bucket_groups};
 }
 
 }  // namespace

@@ -20,11 +20,12 @@ def _fake_nothing(*args) -> None:
     return None
 
 
-def _fake_plan(numels, groups, capacity, world_size, alignment):
+def _fake_plan(numels, groups, capacity, world_size, alignment, alone=()):
     ctx = torch.library.get_ctx()
     num_buckets = ctx.new_dynamic_size()
     slots = torch.empty((len(numels), 2), dtype=torch.long)
-    return slots, torch.empty((num_buckets,), dtype=torch.long)
+    sizes = torch.empty((num_buckets,), dtype=torch.long)
+    return slots, sizes, torch.empty((num_buckets,), dtype=torch.long)
 
 
 _op = OpLoader(
@@ -62,28 +63,32 @@ def plan_buckets(
     capacity: int,
     world_size: int,
     alignment: int = 16,
+    alone: Sequence[bool] | None = None,
 ) -> BucketPlan:
     """Packs parameters (in the given order) into flat buckets of at most `capacity` elements.
 
-    A bucket never mixes parameter groups; a parameter larger than `capacity` gets a bucket of
-    its own; each bucket is padded to a multiple of ``world_size * alignment`` elements so that it
-    splits into equal, aligned shards, one per rank.
+    A bucket never mixes parameter groups; a parameter larger than `capacity`, or one whose
+    ``alone[i]`` is true (ZeRO-3's partitioned parameters), gets a bucket of its own; each bucket
+    is padded to a multiple of ``world_size * alignment`` elements so that it splits into equal,
+    aligned shards, one per rank. The plan is made once, by csrc/zero/bucket_plan.cpp, and handed
+    as is to the C++ reducer (``make_gradient_reducer``).
     """
     if not _op.ready:
         load_zero()
-    slots, sizes = torch.ops.deepspeed_cpp.zero_plan_buckets.default(
-        list(numels), list(groups), int(capacity), int(world_size), int(alignment)
+    slots, sizes, bucket_groups = torch.ops.deepspeed_cpp.zero_plan_buckets.default(
+        list(numels),
+        list(groups),
+        int(capacity),
+        int(world_size),
+        int(alignment),
+        [int(bool(flag)) for flag in alone] if alone is not None else [],
     )
-    param_bucket = slots[:, 0].tolist()
-    bucket_groups = [0] * sizes.numel()
-    for param, bucket in enumerate(param_bucket):
-        bucket_groups[bucket] = int(groups[param])
     return BucketPlan(
-        param_bucket,
+        slots[:, 0].tolist(),
         slots[:, 1].tolist(),
         list(numels),
         sizes.tolist(),
-        bucket_groups,
+        bucket_groups.tolist(),
         int(world_size),
     )
 
@@ -122,8 +127,6 @@ def make_gradient_reducer(
     """
     if not _op.ready:
         load_zero()
-    from ..comm.reducer_tap import logged_if_enabled
-
     reducer = torch.classes.deepspeed_cpp.GradientReducer(
         group.group_name,
         plan.param_bucket,
@@ -136,7 +139,7 @@ def make_gradient_reducer(
     )
     if rank_major is not None:
         reducer.lay_out_rank_major([int(n) for n in rank_major])
-    return logged_if_enabled(reducer, plan, group)  # counted only with comms_logger on
+    return reducer
 
 
 def make_fetch_schedule(

@@ -6,11 +6,88 @@
 from __future__ import annotations
 
 from ..module_inject import gather_full_state_dict, tensor_parallel_info
+from ..utils.logging import logger
+from .train_state import TrainState
 
 
 class EngineCheckpoints:
-    """Mixed into ``DeepSpeedEngine``: uses its ``module``, ``_zero_stage``, ``global_rank``,
-    ``dp_rank``, ``config`` and ``_failed_step``."""
+    """Mixed into ``DeepSpeedEngine``: uses its ``module``, ``_zero_stage``, ``optimizer``,
+    ``global_rank``, ``dp_rank``, ``config``, ``_failed_step``, its counters, schedule and loss
+    scaler."""
+
+    # --- what runtime/checkpoint sees of the engine ---------------------------------------------
+    def train_state(self) -> TrainState:
+        """How far training has come, as plain data (what a checkpoint saves besides the model
+        and the optimizer's shards)."""
+        zero, scheduler, scaler = self.optimizer, self.lr_scheduler, self.loss_scaler
+        return TrainState(
+            global_steps=self.global_steps,
+            global_samples=self.global_samples,
+            micro_steps=self.micro_steps,
+            skipped_steps=self.skipped_steps,
+            gradient_accumulation_steps=self.gradient_accumulation_steps(),
+            optimizer_skipped_steps=zero.skipped_steps if zero is not None else 0,
+            lr_scheduler=scheduler.state_dict() if scheduler is not None else None,
+            lr_scheduler_type=type(scheduler).__name__ if scheduler is not None else None,
+            loss_scaler=scaler.state_dict() if scaler is not None else None,
+        )
+
+    def restore_train_state(
+        self, state: TrainState, *, scheduler: bool = True, lrs_from_scheduler: bool = False
+    ) -> None:
+        """Takes a saved ``TrainState``: counters, the loss scaler's state and, with
+        ``scheduler``, the schedule's (``lrs_from_scheduler``: its learning rates also go into
+        the param groups, for a load without the optimizer's state, which carries them)."""
+        if self.optimizer is not None:
+            self.optimizer.skipped_steps = state.optimizer_skipped_steps
+        self.global_steps = state.global_steps
+        self.global_samples = state.global_samples
+        self.micro_steps = state.micro_steps
+        if state.gradient_accumulation_steps != self.gradient_accumulation_steps():
+            # Another world size keeps the global batch with another accumulation count: restart
+            # the count at the boundary of the step the checkpoint completed.
+            self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+        self.skipped_steps = state.skipped_steps
+        if self.loss_scaler is not None and state.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state.loss_scaler)
+        if not scheduler or self.lr_scheduler is None:
+            return
+        if state.lr_scheduler is None:
+            logger.warning("deepspeed_cpp: the checkpoint has no lr scheduler state to restore")
+            return
+        self.lr_scheduler.load_state_dict(state.lr_scheduler)
+        if lrs_from_scheduler and self.optimizer is not None:
+            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
+
+    def _checkpoint_subject(self):
+        """This engine as ``runtime/checkpoint`` sees it (``checkpoint/subject.py``)."""
+        from .checkpoint.subject import CheckpointSubject
+
+        return CheckpointSubject(
+            module=self.module,
+            zero=self.optimizer,
+            zero_stage=self.zero_optimization_stage(),
+            global_rank=self.global_rank,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            group=self.group,
+            mp_rank=self.mp_rank,
+            mp_world_size=self.mp_world_size,
+            device=self.device,
+            ds_config=self.config.raw,
+            expert_parallel=self._expert_parallel,
+            gathers_16bit_weights_on_save=self.zero_gather_16bit_weights_on_model_save(),
+            train_state=self.train_state(),
+            full_module_state_dict=lambda rank0_only: self.full_module_state_dict(
+                rank0_only=rank0_only
+            ),
+            whole_model_state_dict=lambda rank0_only: self.whole_model_state_dict(
+                rank0_only=rank0_only
+            ),
+            load_full_module_state=self.load_full_module_state,
+            restore_train_state=self.restore_train_state,
+        )
 
     def full_module_state_dict(self, *, rank0_only: bool = False) -> dict:
         """The module's state dict with every parameter whole (gathered under ZeRO-3) and
@@ -83,7 +160,13 @@ class EngineCheckpoints:
 
         self._failed_step.check("engine.save_checkpoint")
         return save_checkpoint(
-            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, allow_pickle
+            self._checkpoint_subject(),
+            save_dir,
+            tag,
+            client_state,
+            save_latest,
+            exclude_frozen_parameters,
+            allow_pickle,
         )
 
     def save_16bit_model(
@@ -97,7 +180,9 @@ class EngineCheckpoints:
         from .checkpoint.model_save import save_16bit_model
 
         self._failed_step.check("engine.save_16bit_model")
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+        return save_16bit_model(
+            self._checkpoint_subject(), save_dir, save_filename, exclude_frozen_parameters
+        )
 
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's older name for ``save_16bit_model``."""
@@ -133,7 +218,7 @@ class EngineCheckpoints:
         from .checkpoint import load_checkpoint
 
         loaded = load_checkpoint(
-            self,
+            self._checkpoint_subject(),
             load_dir,
             tag,
             load_module_strict=load_module_strict,

@@ -14,7 +14,8 @@ A checkpoint describes them with one ordinary ``ZeroLayout`` in which
 
 Resharding and consolidation then read it like any other checkpoint (``reshard.py``,
 ``utils/zero_to_fp32.py``). An engine without such layers has one set, and its layout is
-``ZeroLayout.from_optimizer``'s with global names.
+the single part's ``ZeroLayout.from_part`` with global names. This module sees the stage only
+through its plain-data ``layout_parts()`` (``runtime/zero/stage.py``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
 from ...moe.expert_names import expert_layers, global_name
-from ..zero.moe_stage import ExpertParallelZeroStage
 from .layout import optimizer_shard_file
-from .metadata import BucketRecord, ZeroLayout, names_by_parameter
+from .metadata import ZeroLayout, names_by_parameter
 
 
 def global_names_by_parameter(module) -> dict[int, list[str]]:
@@ -39,25 +39,17 @@ def global_names_by_parameter(module) -> dict[int, list[str]]:
     }
 
 
-def _set_layouts(zero, names_of) -> list[tuple[str, int, ZeroLayout]]:
-    """``(set key, first world rank of its group, layout in world ranks and user groups)`` of
-    every set this rank takes part in, in the stage's set order."""
-    if not isinstance(zero, ExpertParallelZeroStage):
-        return [("", 0, ZeroLayout.from_optimizer(zero, names_of, optimizer_shard_file))]
-    parts = []
-    for key, member, origins in zip(zero.keys, zero.sets, zero.origins):
-        ranks = dist.get_process_group_ranks(member.group)
-        files = [optimizer_shard_file(rank) for rank in ranks]
-        own = ZeroLayout.from_optimizer(member, names_of, files.__getitem__)
-        buckets = tuple(
-            BucketRecord(
-                b.size, origins[b.group], tuple(replace(s, rank=ranks[s.rank]) for s in b.slices)
-            )
-            for b in own.buckets
+def _part_layouts(parts, names_of, world_size: int) -> list[tuple[str, int, ZeroLayout]]:
+    """``(part key, first data-parallel rank of its group, its layout)`` of every part this rank
+    takes part in, in the stage's order."""
+    return [
+        (
+            part.key,
+            part.group_ranks[0],
+            ZeroLayout.from_part(part, names_of, optimizer_shard_file, world_size),
         )
-        params = tuple(replace(p, group=origins[p.group]) for p in own.params)
-        parts.append((key, ranks[0], ZeroLayout(own.stage, dist.get_world_size(), params, buckets)))
-    return parts
+        for part in parts
+    ]
 
 
 def _concatenated(parts: list[ZeroLayout]) -> tuple[ZeroLayout, list[int]]:
@@ -71,18 +63,26 @@ def _concatenated(parts: list[ZeroLayout]) -> tuple[ZeroLayout, list[int]]:
     return ZeroLayout(first.stage, first.world_size, tuple(params), tuple(buckets)), starts
 
 
-def local_layout(zero, names_of) -> ZeroLayout:
-    """The layout of this rank's sets only, its buckets in the order of ``zero.owned_ranges()``:
-    what a loading rank fills (no collective)."""
-    return _concatenated([layout for _, _, layout in _set_layouts(zero, names_of)])[0]
+def trainable_ids(parts) -> set[int]:
+    """``id`` of every parameter the stage trains (has fp32 masters for)."""
+    return {id(p) for part in parts for p in part.layout.params}
 
 
-def checkpoint_layout(zero, names_of, group) -> tuple[ZeroLayout, list[int]]:
-    """The layout of every set on every rank (collective over ``group`` with expert sets) and,
-    for each of this rank's buckets (``zero.owned_ranges()`` order), its index in it."""
-    mine = _set_layouts(zero, names_of)
-    if not isinstance(zero, ExpertParallelZeroStage):
-        layout = mine[0][2]
+def local_layout(parts, names_of, world_size: int) -> ZeroLayout:
+    """The layout of this rank's parts only, its buckets in the order of the stage's
+    ``owned_ranges()``: what a loading rank fills (no collective)."""
+    return _concatenated([layout for _, _, layout in _part_layouts(parts, names_of, world_size)])[0]
+
+
+def checkpoint_layout(parts, names_of, group, world_size: int) -> tuple[ZeroLayout, list[int]]:
+    """The layout of every part on every rank (collective over ``group`` when some part spans
+    only some of the data-parallel ranks: an expert set) and, for each of this rank's buckets
+    (``owned_ranges()`` order), its index in it."""
+    mine = _part_layouts(parts, names_of, world_size)
+    everyone = tuple(range(world_size))
+    if all(part.group_ranks == everyone for part in parts):
+        # Every rank holds the same parts: this rank's layout is the whole checkpoint's.
+        layout = _concatenated([layout for _, _, layout in mine])[0]
         return layout, list(range(len(layout.buckets)))
     gathered: list = [None] * dist.get_world_size(group)
     with named_collective("all_gather of the expert-parallel layouts in save_checkpoint"):
@@ -99,10 +99,16 @@ def checkpoint_layout(zero, names_of, group) -> tuple[ZeroLayout, list[int]]:
     return full, indices
 
 
-def bucket_writers(zero) -> list[bool]:
+def bucket_writers(parts) -> list[bool]:
     """Per bucket of this rank (``owned_ranges()`` order): whether this rank saves its slice
-    (at ZeRO-0 a set's buckets are identical on its group's ranks; the first one saves them)."""
-    members = zero.sets if isinstance(zero, ExpertParallelZeroStage) else [zero]
-    return [
-        member.stage > 0 or member.rank == 0 for member in members for _ in member.owned_ranges()
-    ]
+    (at ZeRO-0 a part's buckets are identical on its group's ranks; the first one saves them)."""
+    return [part.writes for part in parts for _ in part.layout.bucket_sizes]
+
+
+def swapped_buckets(parts) -> frozenset[int]:
+    """The buckets (``owned_ranges()`` order) whose optimizer state lives in NVMe swap files."""
+    found, start = set(), 0
+    for part in parts:
+        found.update(start + b for b in part.swapped_buckets)
+        start += len(part.layout.bucket_sizes)
+    return frozenset(found)

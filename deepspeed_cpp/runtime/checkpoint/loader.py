@@ -20,6 +20,7 @@ import torch
 
 from ...moe.expert_names import expert_layers, local_name, to_local
 from ...utils.logging import logger
+from ..train_state import TrainState
 from . import tensor_parallel_reshard as tp_reshard
 from .client_state import NEEDS_PICKLE_KEY, load_client_state
 from .deepspeed_format import is_deepspeed_checkpoint, read_deepspeed_checkpoint
@@ -37,7 +38,7 @@ from .expert_files import (
     read_expert_states,
     wanted_by,
 )
-from .expert_layout import global_names_by_parameter, local_layout
+from .expert_layout import global_names_by_parameter, local_layout, swapped_buckets
 from .layout import (
     CLIENT_STATE_FILE,
     MODULE_FILE,
@@ -179,22 +180,22 @@ class _Plan:
             self.reader.close()
 
 
-def _rng_states(engine, directory: Path, metadata: dict, reader: ShardReader) -> dict | None:
+def _rng_states(subject, directory: Path, metadata: dict, reader: ShardReader) -> dict | None:
     """This rank's saved RNG states, when the checkpoint was saved by as many ranks."""
-    if metadata["world_size"] == engine.dp_world_size:
-        return reader.file(optimizer_shard_file(engine.dp_rank))["rng"]
-    if engine.dp_rank == 0:
+    if metadata["world_size"] == subject.dp_world_size:
+        return reader.file(optimizer_shard_file(subject.dp_rank))["rng"]
+    if subject.dp_rank == 0:
         logger.info(
             "deepspeed_cpp: %s was saved by %d ranks, this run has %d: the random-number "
             "generator states are not restored",
             directory,
             metadata["world_size"],
-            engine.dp_world_size,
+            subject.dp_world_size,
         )
     return None
 
 
-def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None:
+def _read_and_check(subject, directory: Path, options: dict, plan: _Plan) -> None:
     metadata = read_checked_metadata(directory, options["allow_symlinks"])
     if metadata.get("pipeline") is not None:
         raise CheckpointMismatchError(
@@ -203,9 +204,9 @@ def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None
             "PipelineModule's engine, or consolidate it with zero_to_fp32 and load the weights "
             "into this model"
         )
-    check_model_parallel_metadata(metadata, engine.mp_rank, engine.mp_world_size, directory)
+    check_model_parallel_metadata(metadata, subject.mp_rank, subject.mp_world_size, directory)
     digests = file_digests(metadata)
-    layers = expert_layers(engine.module)
+    layers = expert_layers(subject.module)
     check_experts_match(metadata, layers)
     module_file = listed_file(directory, MODULE_FILE, digests, "module states")
     plan.module_payload = load_mapped(module_file, digests.get(MODULE_FILE), "module states")
@@ -218,9 +219,9 @@ def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None
             local_name(n, layers) for p in metadata["frozen_parameters"] for n in p["names"]
         }
     check_module_matches(
-        engine.module, to_local(plan.module_state, layers), options["strict"], allow_missing
+        subject.module, to_local(plan.module_state, layers), options["strict"], allow_missing
     )
-    zero = engine.optimizer
+    zero = subject.zero
     if options["module_only"]:
         return
     if zero is not None:
@@ -230,7 +231,9 @@ def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None
                 "pass load_module_only=True"
             )
         saved = ZeroLayout.from_json(metadata["zero_layout"])
-        current = local_layout(zero, global_names_by_parameter(engine.module))
+        current = local_layout(
+            zero.layout_parts(), global_names_by_parameter(subject.module), subject.dp_world_size
+        )
         if metadata.get(CONVERTED_FROM_KEY) and metadata.get("optimizer"):
             # DeepSpeed's groups (a MoE model's expert groups of their own) as the engine's.
             saved, groups = regroup_layout(
@@ -247,11 +250,13 @@ def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None
         plan.reader = reader
         kinds = metadata["optimizer"]["state_kinds"] if options["optimizer_states"] else {}
         plan.masters, plan.states = Resharder(reader, current, kinds).slices_for(
-            zero.owned_ranges(), with_state=options["optimizer_states"], mapped=_in_swap(zero)
+            zero.owned_ranges(),
+            with_state=options["optimizer_states"],
+            mapped=swapped_buckets(zero.layout_parts()),
         )
-        plan.rng = _rng_states(engine, directory, metadata, reader)
+        plan.rng = _rng_states(subject, directory, metadata, reader)
         if saved.stage != current.stage or saved.world_size != current.world_size:
-            if engine.dp_rank == 0:
+            if subject.dp_rank == 0:
                 logger.info(
                     "deepspeed_cpp: resharding %s from ZeRO stage %d on %d ranks to stage %d on "
                     "%d ranks",
@@ -262,7 +267,7 @@ def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None
                     current.world_size,
                 )
     else:
-        plan.rng = _rng_states(engine, directory, metadata, ShardReader(directory, None, digests))
+        plan.rng = _rng_states(subject, directory, metadata, ShardReader(directory, None, digests))
     plan.client_state = load_client_state(
         listed_file(directory, CLIENT_STATE_FILE, digests, "client state"),
         digests.get(CLIENT_STATE_FILE),
@@ -271,19 +276,19 @@ def _read_and_check(engine, directory: Path, options: dict, plan: _Plan) -> None
     )
 
 
-def _read_deepspeed(engine, directory: Path, options: dict, plan: _Plan) -> None:
+def _read_deepspeed(subject, directory: Path, options: dict, plan: _Plan) -> None:
     """``_read_and_check`` for a checkpoint DeepSpeed wrote (``deepspeed_format/``): its
     parameters are rebuilt whole, then cut for this engine like a resharded checkpoint."""
-    zero = engine.optimizer
+    zero = subject.zero
     wants_masters = zero is not None and not options["module_only"]
     saved = read_deepspeed_checkpoint(directory, options["allow_symlinks"], wants_masters)
-    gas = engine.gradient_accumulation_steps()
+    gas = subject.train_state.gradient_accumulation_steps
     # DeepSpeed saves no micro-step count: the checkpoint is at the boundary of its last step.
     saved.payload["micro_steps"] = saved.payload["global_steps"] * gas
     saved.payload["gradient_accumulation_steps"] = gas
     plan.module_payload = saved.payload
     plan.client_state = saved.client_state
-    layers = expert_layers(engine.module)
+    layers = expert_layers(subject.module)
     check_deepspeed_experts_match(saved.info.get("num_experts"), layers, directory)
     # Global expert names (as DeepSpeed's expert files have them): this rank's experts only.
     plan.module_state = {
@@ -291,7 +296,7 @@ def _read_deepspeed(engine, directory: Path, options: dict, plan: _Plan) -> None
         for name, value in saved.module_state.items()
         if local_name(name, layers) is not None
     }
-    check_module_matches(engine.module, to_local(plan.module_state, layers), options["strict"])
+    check_module_matches(subject.module, to_local(plan.module_state, layers), options["strict"])
     if not wants_masters:
         return
     if not saved.params:
@@ -299,7 +304,9 @@ def _read_deepspeed(engine, directory: Path, options: dict, plan: _Plan) -> None
             f"the DeepSpeed checkpoint {directory} has no ZeRO optimizer-states files (fp32 "
             "masters); pass load_module_only=True to load its weights"
         )
-    current = local_layout(zero, global_names_by_parameter(engine.module))
+    current = local_layout(
+        zero.layout_parts(), global_names_by_parameter(subject.module), subject.dp_world_size
+    )
     saved.payload["param_groups"] = regroup_to_engine(
         saved.params, saved.payload["param_groups"], current, str(directory)
     )
@@ -312,9 +319,11 @@ def _read_deepspeed(engine, directory: Path, options: dict, plan: _Plan) -> None
         kinds = {key: classify_state(value, saved.params[0].master) for key, value in state.items()}
     plan.reader = saved.reader()
     plan.masters, plan.states = Resharder(plan.reader, current, kinds).slices_for(
-        zero.owned_ranges(), with_state=options["optimizer_states"], mapped=_in_swap(zero)
+        zero.owned_ranges(),
+        with_state=options["optimizer_states"],
+        mapped=swapped_buckets(zero.layout_parts()),
     )
-    if engine.dp_rank == 0:
+    if subject.dp_rank == 0:
         logger.info(
             "deepspeed_cpp: loading DeepSpeed's checkpoint %s (ZeRO stage %d on %d ranks) into "
             "ZeRO stage %d on %d ranks",
@@ -326,28 +335,32 @@ def _read_deepspeed(engine, directory: Path, options: dict, plan: _Plan) -> None
         )
 
 
-def _read_tensor_parallel(engine, directories, options: dict, plan: _Plan) -> None:
+def _read_tensor_parallel(subject, directories, options: dict, plan: _Plan) -> None:
     """``_read_and_check`` for a checkpoint saved at another tensor-parallel size
     (``tensor_parallel_reshard.py``): its parts joined and re-cut for this TP rank."""
     parts = tp_reshard.read_parts(directories, options["allow_symlinks"])
-    recut = tp_reshard.Recut(parts, engine.module, engine.mp_rank, engine.mp_world_size)
+    recut = tp_reshard.Recut(parts, subject.module, subject.mp_rank, subject.mp_world_size)
     first = parts[0]
     plan.module_payload = first.payload
-    plan.module_state = tp_reshard.module_state(parts, engine.module, recut)
+    plan.module_state = tp_reshard.module_state(parts, subject.module, recut)
     allow_missing = ()
     if first.payload.get("frozen_parameters_excluded"):
         allow_missing = {n for p in first.metadata["frozen_parameters"] for n in p["names"]}
-    check_module_matches(engine.module, plan.module_state, options["strict"], allow_missing)
-    zero = engine.optimizer
+    check_module_matches(subject.module, plan.module_state, options["strict"], allow_missing)
+    zero = subject.zero
     if zero is not None and not options["module_only"]:
         if options["optimizer_states"]:
             _check_optimizer_matches(first.metadata, zero)
         kinds = first.metadata["optimizer"]["state_kinds"] if options["optimizer_states"] else {}
-        current = local_layout(zero, global_names_by_parameter(engine.module))
+        current = local_layout(
+            zero.layout_parts(), global_names_by_parameter(subject.module), subject.dp_world_size
+        )
         plan.reader = tp_reshard.whole_parameter_shards(parts, current, recut, kinds)
         check_layouts_match(plan.reader.layout, current)
         plan.masters, plan.states = Resharder(plan.reader, current, kinds).slices_for(
-            zero.owned_ranges(), with_state=options["optimizer_states"], mapped=_in_swap(zero)
+            zero.owned_ranges(),
+            with_state=options["optimizer_states"],
+            mapped=swapped_buckets(zero.layout_parts()),
         )
     plan.client_state = load_client_state(
         listed_file(first.directory, CLIENT_STATE_FILE, first.digests, "client state"),
@@ -355,30 +368,20 @@ def _read_tensor_parallel(engine, directories, options: dict, plan: _Plan) -> No
         bool(first.metadata.get(NEEDS_PICKLE_KEY, False)),
         options["allow_pickle"],
     )
-    if engine.global_rank == 0:
+    if subject.global_rank == 0:
         logger.info(
             "deepspeed_cpp: re-cutting %s from tensor-parallel size %d to %d (random-number "
             "generator states not restored)",
             first.directory,
             len(parts),
-            engine.mp_world_size,
+            subject.mp_world_size,
         )
 
 
-def _in_swap(zero) -> frozenset[int]:
-    """The buckets whose state lives in NVMe swap files (``state_outline`` not None)."""
-    home = getattr(zero, "home", None)  # the expert-parallel composite has one per set
-    if home is None:
-        return frozenset()
-    return frozenset(
-        b for b in range(len(zero.owned_ranges())) if home.state_outline(b) is not None
-    )
-
-
-def _apply(engine, plan: _Plan, options: dict) -> None:
+def _apply(subject, plan: _Plan, options: dict) -> None:
     payload = plan.module_payload
-    engine.load_full_module_state(plan.module_state)
-    zero = engine.optimizer
+    subject.load_full_module_state(plan.module_state)
+    zero = subject.zero
     if options["module_only"]:
         if zero is not None:
             zero.refresh_masters_from_params()
@@ -389,36 +392,20 @@ def _apply(engine, plan: _Plan, options: dict) -> None:
             for group, saved in zip(zero.param_groups, payload["param_groups"]):
                 # "name" of an expert group says its ep_size, which may have changed.
                 group.update({k: v for k, v in saved.items() if k not in ("params", "name")})
-        zero.skipped_steps = payload["optimizer_skipped_steps"]
-    engine.global_steps = payload["global_steps"]
-    engine.global_samples = payload["global_samples"]
-    engine.micro_steps = payload["micro_steps"]
-    if payload["gradient_accumulation_steps"] != engine.gradient_accumulation_steps():
-        # Another world size keeps the global batch with another accumulation count: restart
-        # the count at the boundary of the step the checkpoint completed.
-        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    engine.skipped_steps = payload["skipped_steps"]
-    if engine.loss_scaler is not None and payload["loss_scaler"] is not None:
-        engine.loss_scaler.load_state_dict(payload["loss_scaler"])
-    scheduler = engine.lr_scheduler
-    if options["scheduler"] and scheduler is not None:
-        if payload["lr_scheduler"] is None:
-            logger.warning("deepspeed_cpp: the checkpoint has no lr scheduler state to restore")
-        else:
-            scheduler.load_state_dict(payload["lr_scheduler"])
-            if zero is not None and not options["optimizer_states"]:
-                # The optimizer's own state dict carries the lrs; without it, take the
-                # schedule's.
-                for group, lr in zip(zero.param_groups, scheduler.get_last_lr()):
-                    group["lr"] = lr
+    # The optimizer's own state dict carries the lrs; without it, take the schedule's.
+    subject.restore_train_state(
+        TrainState.from_payload(payload),
+        scheduler=options["scheduler"],
+        lrs_from_scheduler=not options["optimizer_states"],
+    )
     if plan.rng is not None:
-        restore_rng_states(plan.rng, engine.device)
+        restore_rng_states(plan.rng, subject.device)
 
 
-def _directory_to_load(engine, load_dir, tag, allow_symlinks: bool) -> Path | None:
+def _directory_to_load(subject, load_dir, tag, allow_symlinks: bool) -> Path | None:
     """This model-parallel rank's ``<tag>`` folder (``latest``'s when ``tag`` is None; None
     when there is no ``latest``)."""
-    load_dir = model_parallel_dir(load_dir, engine.mp_rank, engine.mp_world_size, loading=True)
+    load_dir = model_parallel_dir(load_dir, subject.mp_rank, subject.mp_world_size, loading=True)
     if tag is None:
         tag = read_latest_tag(load_dir, allow_symlinks)
         if tag is None:
@@ -427,7 +414,7 @@ def _directory_to_load(engine, load_dir, tag, allow_symlinks: bool) -> Path | No
 
 
 def load_checkpoint(
-    engine,
+    subject,
     load_dir,
     tag=None,
     load_module_strict: bool = True,
@@ -437,7 +424,8 @@ def load_checkpoint(
     allow_pickle: bool = False,
     allow_symlinks: bool = False,
 ):
-    """Restores ``engine`` from ``load_dir/<tag>`` (``tag`` None: the one ``latest`` names).
+    """Restores the engine ``subject`` describes (``subject.py``) from ``load_dir/<tag>``
+    (``tag`` None: the one ``latest`` names).
 
     Returns ``(path, client_state)``, or ``(None, None)`` with a warning when ``tag`` is None
     and ``load_dir/latest`` does not exist (DeepSpeed's behaviour). Collective.
@@ -446,13 +434,13 @@ def load_checkpoint(
     ``latest`` must each be one directory name in ``load_dir``; a symbolic link (``latest``, the
     tag folder, a file in it) is followed only with ``allow_symlinks`` (see ``layout.py``).
     """
-    saved_tp_size = tp_reshard.saved_size_to_reshard(engine, load_dir)
+    saved_tp_size = tp_reshard.saved_size_to_reshard(subject, load_dir)
     directories = None
     if saved_tp_size is not None:
         directories = tp_reshard.part_directories(load_dir, saved_tp_size, tag, allow_symlinks)
         directory = directories[0] if directories else None
     else:
-        directory = _directory_to_load(engine, load_dir, tag, allow_symlinks)
+        directory = _directory_to_load(subject, load_dir, tag, allow_symlinks)
     if directory is None:
         logger.warning(
             "deepspeed_cpp: no checkpoint to load: %s has no latest file; pass tag=... to load "
@@ -462,7 +450,7 @@ def load_checkpoint(
         return None, None
     options = {
         "strict": load_module_strict,
-        "optimizer_states": load_optimizer_states and engine.optimizer is not None,
+        "optimizer_states": load_optimizer_states and subject.zero is not None,
         "scheduler": load_lr_scheduler_states,
         "module_only": load_module_only,
         "allow_pickle": allow_pickle,
@@ -473,30 +461,30 @@ def load_checkpoint(
     def read_and_check() -> None:
         plans.append(_Plan())
         if saved_tp_size is not None:
-            _read_tensor_parallel(engine, directories, options, plans[0])
+            _read_tensor_parallel(subject, directories, options, plans[0])
         elif is_deepspeed_checkpoint(directory):
-            if engine.mp_world_size > 1:
+            if subject.mp_world_size > 1:
                 raise ModelParallelMismatchError(
                     f"{directory} is a DeepSpeed checkpoint; reading DeepSpeed's model-parallel "
-                    f"layout (model-parallel size {engine.mp_world_size}) is not supported yet"
+                    f"layout (model-parallel size {subject.mp_world_size}) is not supported yet"
                 )
-            _read_deepspeed(engine, directory, options, plans[0])
+            _read_deepspeed(subject, directory, options, plans[0])
         else:
-            _read_and_check(engine, directory, options, plans[0])
+            _read_and_check(subject, directory, options, plans[0])
 
     try:
         agree_on(
             read_and_check,
-            group=engine.group,
+            group=subject.group,
             what=f"loading checkpoint {directory}",
             error_type=IncompleteCheckpointError,
             keep_local_error=True,
         )
         plan = plans[0]
-        _apply(engine, plan, options)
+        _apply(subject, plan, options)
     finally:
         if plans:
             plans[0].close()
-    if engine.dp_rank == 0:
+    if subject.dp_rank == 0:
         logger.info("deepspeed_cpp: loaded checkpoint %s", directory)
     return str(directory), plan.client_state

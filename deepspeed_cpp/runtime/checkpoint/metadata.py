@@ -113,12 +113,16 @@ class ZeroLayout:
 
     # --- building -----------------------------------------------------------------------------
     @classmethod
-    def from_optimizer(
-        cls, zero_optimizer, names_of: dict[int, list[str]], shard_file
+    def from_part(
+        cls, part, names_of: dict[int, list[str]], shard_file, world_size: int | None = None
     ) -> ZeroLayout:
-        """The layout of a live ``ZeroPartitionedOptimizer``; ``names_of`` maps ``id(param)`` to
-        its names in the module, ``shard_file(rank)`` names a rank's file."""
-        layout = zero_optimizer.layout()
+        """The layout of one ``LayoutPart`` of a live stage (``runtime/zero/stage.py``):
+        ``names_of`` maps ``id(param)`` to its names in the module, ``shard_file(rank)`` names a
+        data-parallel rank's file. Slices name the data-parallel ranks of the part's group and
+        param groups the user's; ``world_size``: the data-parallel world's (default: the part's
+        group's)."""
+        layout = part.layout
+        origins = part.param_group_origins
         params = []
         for index, param in enumerate(layout.params):
             names = names_of.get(id(param)) or [f"<optimizer parameter {index}>"]
@@ -128,22 +132,26 @@ class ZeroLayout:
                     names=tuple(names),
                     shape=tuple(getattr(param, "ds_shape", param.shape)),
                     dtype=dtype_name(param.dtype),
-                    group=layout.bucket_groups[bucket],
+                    group=origins[layout.bucket_groups[bucket]],
                     bucket=bucket,
                     offset=layout.param_offset[index],
                 )
             )
-        world = layout.world_size
+        ranks = part.group_ranks
         buckets = []
         for bucket, size in enumerate(layout.bucket_sizes):
             if layout.replicated:
-                # Every rank holds the whole bucket, identical; rank 0's copy is saved.
-                slices = (ShardSlice(0, shard_file(0), 0, size),)
+                # Every rank holds the whole bucket, identical; the group's first rank saves it.
+                slices = (ShardSlice(ranks[0], shard_file(ranks[0]), 0, size),)
             else:
-                shard = size // world
-                slices = tuple(ShardSlice(r, shard_file(r), r * shard, shard) for r in range(world))
-            buckets.append(BucketRecord(size, layout.bucket_groups[bucket], slices))
-        return cls(zero_optimizer.stage, world, tuple(params), tuple(buckets))
+                shard = size // layout.world_size
+                slices = tuple(
+                    ShardSlice(ranks[r], shard_file(ranks[r]), r * shard, shard)
+                    for r in range(layout.world_size)
+                )
+            buckets.append(BucketRecord(size, origins[layout.bucket_groups[bucket]], slices))
+        world = layout.world_size if world_size is None else world_size
+        return cls(part.stage, world, tuple(params), tuple(buckets))
 
     # --- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict:

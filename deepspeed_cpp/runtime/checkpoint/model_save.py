@@ -58,8 +58,8 @@ def compact(state_dict: dict) -> dict:
     return result
 
 
-def _drop_frozen(engine, state_dict: dict) -> None:
-    for name, param in engine.module.named_parameters(remove_duplicate=False):
+def _drop_frozen(subject, state_dict: dict) -> None:
+    for name, param in subject.module.named_parameters(remove_duplicate=False):
         if not param.requires_grad:
             state_dict.pop(name, None)
 
@@ -86,7 +86,7 @@ def _write(state_dict: dict, path: Path) -> int:
 
 
 def save_16bit_model(
-    engine,
+    subject,
     save_dir,
     save_filename: str = "pytorch_model.bin",
     exclude_frozen_parameters: bool = False,
@@ -94,18 +94,17 @@ def save_16bit_model(
     """Writes the whole model's state dict to ``save_dir/save_filename`` from rank 0 (see the
     module docstring); collective. Returns True when saved, False (every rank) when ZeRO-3 is
     not configured to gather the weights."""
-    # A model split by AutoTP is gathered from its slices (engine.whole_model_state_dict).
-    split_by_autotp = getattr(engine.module, "ds_autotp_parsed", False)
-    if getattr(engine, "mp_world_size", 1) > 1 and not split_by_autotp:
+    # A model split by AutoTP is gathered from its slices (subject.whole_model_state_dict).
+    split_by_autotp = getattr(subject.module, "ds_autotp_parsed", False)
+    if subject.mp_world_size > 1 and not split_by_autotp:
         raise NotImplementedError(
-            f"save_16bit_model: the model is split over {engine.mp_world_size} model-parallel "
+            f"save_16bit_model: the model is split over {subject.mp_world_size} model-parallel "
             "ranks (initialize(mpu=...)) and gathering the whole model from its parts is not "
             "supported yet; use save_checkpoint (one part per model-parallel rank)"
         )
     path = Path(save_dir) / save_filename
-    zero = engine.config.zero_optimization
-    if engine.zero_optimization_stage() == 3 and not zero.gather_16bit_weights_on_model_save:
-        if engine.global_rank == 0:
+    if subject.zero_stage == 3 and not subject.gathers_16bit_weights_on_save:
+        if subject.global_rank == 0:
             logger.warning(
                 "deepspeed_cpp: did not save the model %s: under ZeRO-3 each rank holds only "
                 "its shards and zero_optimization.stage3_gather_16bit_weights_on_model_save is "
@@ -118,19 +117,19 @@ def save_16bit_model(
 
     def gather() -> None:
         # Collective under ZeRO-3; the other ranks get {} and keep nothing.
-        state.update(engine.whole_model_state_dict(rank0_only=True))
+        state.update(subject.whole_model_state_dict(True))
 
     def write() -> int:
-        if engine.global_rank != 0:
+        if subject.global_rank != 0:
             return 0
-        state_dict = share_tied(engine.module, state)
+        state_dict = share_tied(subject.module, state)
         if exclude_frozen_parameters:
-            _drop_frozen(engine, state_dict)
+            _drop_frozen(subject, state_dict)
         return _write(compact(state_dict), path)
 
     what = f"save_16bit_model {path}"
-    agree_on(gather, group=engine.group, what=what, error_type=CheckpointSaveError)
-    sizes = agree_on(write, group=engine.group, what=what, error_type=CheckpointSaveError)
-    if engine.global_rank == 0:
+    agree_on(gather, group=subject.group, what=what, error_type=CheckpointSaveError)
+    sizes = agree_on(write, group=subject.group, what=what, error_type=CheckpointSaveError)
+    if subject.global_rank == 0:
         logger.info("deepspeed_cpp: saved the model to %s (%.1f MB)", path, sizes[0] / 1e6)
     return True

@@ -41,7 +41,12 @@ from .client_state import NEEDS_PICKLE_KEY, check_client_state
 from .digests import DIGEST_KEY, seal_metadata
 from .errors import CheckpointSaveError
 from .expert_files import expert_payloads, moe_metadata, without_experts
-from .expert_layout import bucket_writers, checkpoint_layout, global_names_by_parameter
+from .expert_layout import (
+    bucket_writers,
+    checkpoint_layout,
+    global_names_by_parameter,
+    trainable_ids,
+)
 from .finite_parameters import NonFiniteParametersError, refuse_nonfinite_parameters
 from .interrupted_saves import clear_interrupted_saves, discard_staging
 from .layout import (
@@ -72,62 +77,51 @@ before_rank_files: Callable[[Path, int], None] | None = None
 writes its files, so that a test can make one rank fail part-way through a save."""
 
 
-def _model_dtype(engine) -> str:
-    first = next(iter(engine.module.parameters()), None)
+def _model_dtype(subject) -> str:
+    first = next(iter(subject.module.parameters()), None)
     return dtype_name(first.dtype) if first is not None else "float32"
 
 
-def _trainable_ids(engine) -> set[int]:
-    zero = engine.optimizer
-    if zero is None:
-        return set()
-    members = getattr(zero, "sets", None) or [zero]  # the expert-parallel composite's sets
-    return {id(p) for member in members for p in member.layout().params}
+def _trainable_ids(subject) -> set[int]:
+    zero = subject.zero
+    return set() if zero is None else trainable_ids(zero.layout_parts())
 
 
-def _bucket_entries(engine, indices: list[int]) -> dict[int, dict]:
+def _bucket_entries(subject, indices: list[int]) -> dict[int, dict]:
     """This rank's master slices and their optimizer state, by bucket index in the checkpoint's
     layout (``indices``: that index of each of this rank's buckets)."""
-    zero = engine.optimizer
+    zero = subject.zero
     if zero is None:
         return {}
     entries = {}
     # NVMe-held tensors come as DeferredTensor entries, read while the shard file is written.
-    slices = zip(bucket_writers(zero), zero.stream_shard_state(), zero.owned_ranges(), indices)
+    writers = bucket_writers(zero.layout_parts())
+    slices = zip(writers, zero.stream_shard_state(), zero.owned_ranges(), indices)
     for writes, slice_, (start, size), bucket in slices:
         if writes:  # ZeRO-0 ranks hold identical copies; the first rank of the group saves them
             entries[bucket] = {"start": start, "size": size, **slice_}
     return entries
 
 
-def _module_payload(engine, state_dict: dict, exclude_frozen_parameters: bool) -> dict:
+def _module_payload(subject, state_dict: dict, exclude_frozen_parameters: bool) -> dict:
     if exclude_frozen_parameters:
-        trainable = _trainable_ids(engine)
-        for name, param in engine.module.named_parameters(remove_duplicate=False):
+        trainable = _trainable_ids(subject)
+        for name, param in subject.module.named_parameters(remove_duplicate=False):
             if id(param) not in trainable:
                 state_dict.pop(name, None)
-    zero = engine.optimizer
+    zero = subject.zero
     return {
         "module": state_dict,
         "frozen_parameters_excluded": bool(exclude_frozen_parameters),
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
-        "micro_steps": engine.micro_steps,
-        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "skipped_steps": engine.skipped_steps,
-        "optimizer_skipped_steps": zero.skipped_steps if zero is not None else 0,
-        "lr_scheduler": (
-            engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-        ),
-        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        **subject.train_state.payload(),
         "param_groups": (
             [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups]
             if zero is not None
             else None
         ),
-        "zero_stage": engine.zero_optimization_stage(),
-        "world_size": engine.dp_world_size,
-        "dtype": _model_dtype(engine),
+        "zero_stage": subject.zero_stage,
+        "world_size": subject.dp_world_size,
+        "dtype": _model_dtype(subject),
     }
 
 
@@ -142,28 +136,28 @@ def _file_entry(
 
 
 def _write_rank_files(
-    engine, staging: Path, client_state, exclude_frozen: bool, state_dict: dict, indices
+    subject, staging: Path, client_state, exclude_frozen: bool, state_dict: dict, indices
 ) -> list[dict]:
-    rank = engine.dp_rank  # within the data-parallel group: one part per model-parallel rank
+    rank = subject.dp_rank  # within the data-parallel group: one part per model-parallel rank
     if before_rank_files is not None:
         before_rank_files(staging, rank)
     shard_name = optimizer_shard_file(rank)
     shard = {
         "rank": rank,
-        "world_size": engine.dp_world_size,
-        "rng": capture_rng_states(engine.device),
-        "buckets": _bucket_entries(engine, indices),
+        "world_size": subject.dp_world_size,
+        "rng": capture_rng_states(subject.device),
+        "buckets": _bucket_entries(subject, indices),
     }
     written = [
         _file_entry(shard_name, f"shard of rank {rank}", rank, shard, staging, streamed=True)
     ]
-    layers = expert_layers(engine.module)
-    state_dict = to_global(share_tied(engine.module, state_dict), layers)
+    layers = expert_layers(subject.module)
+    state_dict = to_global(share_tied(subject.module, state_dict), layers)
     for name, role, experts in expert_payloads(state_dict, layers, rank):
         written.append(_file_entry(name, role, rank, compact(experts), staging))
     if rank == 0:
         dense = without_experts(state_dict, layers)
-        module = _module_payload(engine, dense, exclude_frozen)
+        module = _module_payload(subject, dense, exclude_frozen)
         written.append(_file_entry(MODULE_FILE, "module states", 0, module, staging))
         written.append(
             _file_entry(
@@ -173,8 +167,8 @@ def _write_rank_files(
     return written
 
 
-def _state_kinds(engine) -> dict[str, str]:
-    entry = engine.optimizer.first_state()
+def _state_kinds(subject) -> dict[str, str]:
+    entry = subject.zero.first_state()
     if entry is None:
         return {}  # no optimizer step yet: no state
     master = entry["master"]
@@ -182,20 +176,21 @@ def _state_kinds(engine) -> dict[str, str]:
 
 
 def _metadata(
-    engine, tag: str, files: list[dict], exclude_frozen: bool, pickled: bool, layout
+    subject, tag: str, files: list[dict], exclude_frozen: bool, pickled: bool, layout
 ) -> dict:
     from ... import __version__
 
-    zero = engine.optimizer
-    names = global_names_by_parameter(engine.module)
-    trainable = _trainable_ids(engine)
+    zero = subject.zero
+    state = subject.train_state
+    names = global_names_by_parameter(subject.module)
+    trainable = _trainable_ids(subject)
     frozen = [
         {
             "names": names[id(p)],
             "shape": list(getattr(p, "ds_shape", p.shape)),
             "dtype": dtype_name(p.dtype),
         }
-        for p in engine.module.parameters()
+        for p in subject.module.parameters()
         if id(p) not in trainable
     ]
     return {
@@ -204,17 +199,17 @@ def _metadata(
         "tag": tag,
         "deepspeed_cpp_version": __version__,
         "saved_at_unix": time.time(),
-        "zero_stage": engine.zero_optimization_stage(),
-        "world_size": engine.dp_world_size,
-        "dtype": _model_dtype(engine),
+        "zero_stage": subject.zero_stage,
+        "world_size": subject.dp_world_size,
+        "dtype": _model_dtype(subject),
         "counters": {
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps,
+            "global_steps": state.global_steps,
+            "global_samples": state.global_samples,
+            "micro_steps": state.micro_steps,
+            "skipped_steps": state.skipped_steps,
         },
         "zero_layout": layout.to_json() if layout is not None else None,
-        "moe": moe_metadata(expert_layers(engine.module)),
+        "moe": moe_metadata(expert_layers(subject.module)),
         "frozen_parameters": frozen,
         "frozen_parameters_excluded": bool(exclude_frozen),
         "optimizer": (
@@ -223,43 +218,45 @@ def _metadata(
                 "param_groups": plain(
                     [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups]
                 ),
-                "state_kinds": _state_kinds(engine),
+                "state_kinds": _state_kinds(subject),
             }
             if zero is not None
             else None
         ),
-        "lr_scheduler": type(engine.lr_scheduler).__name__ if engine.lr_scheduler else None,
+        "lr_scheduler": state.lr_scheduler_type,
         "files": files,
         NEEDS_PICKLE_KEY: pickled,
-        "ds_config": plain(engine.config.raw),
+        "ds_config": plain(subject.ds_config),
         **(
-            {"model_parallel": {"rank": engine.mp_rank, "world_size": engine.mp_world_size}}
-            if engine.mp_world_size > 1
+            {"model_parallel": {"rank": subject.mp_rank, "world_size": subject.mp_world_size}}
+            if subject.mp_world_size > 1
             else {}
         ),
         # AutoTP: how each sliced parameter is split, for zero_to_fp32 to merge the parts.
         **(
-            {"tensor_parallel_slices": tensor_parallel_slices(engine.module)}
-            if tensor_parallel_info(engine.module) is not None
+            {"tensor_parallel_slices": tensor_parallel_slices(subject.module)}
+            if tensor_parallel_info(subject.module) is not None
             else {}
         ),
     }
 
 
-def _gather_state(engine, module_state: dict, layouts: list) -> None:
+def _gather_state(subject, module_state: dict, layouts: list) -> None:
     """The collective part of a save: the module state (ZeRO-3 gathers it to rank 0; with
     expert-parallel layers each rank keeps its own, its experts go to files of their own) and
     the checkpoint's layout with this rank's bucket indices in it (``expert_layout.py``)."""
-    zero = engine.optimizer
-    if getattr(engine, "_expert_parallel", False):
-        module_state.update(engine.module.state_dict())  # stages 0-2: parameters whole
+    zero = subject.zero
+    if subject.expert_parallel:
+        module_state.update(subject.module.state_dict())  # stages 0-2: parameters whole
     else:
-        module_state.update(engine.full_module_state_dict(rank0_only=True))
+        module_state.update(subject.full_module_state_dict(True))
     if zero is None:
         layouts.extend([None, []])
         return
-    names = global_names_by_parameter(engine.module)
-    layouts.extend(checkpoint_layout(zero, names, engine.group))
+    names = global_names_by_parameter(subject.module)
+    layouts.extend(
+        checkpoint_layout(zero.layout_parts(), names, subject.group, subject.dp_world_size)
+    )
 
 
 def _prepare(save_dir: Path, staging: Path, client_state, allow_pickle: bool, lock) -> bool:
@@ -290,10 +287,10 @@ def write_recovery_script_or_warn(save_dir: Path) -> None:
 
 
 def _publish(
-    engine, tag, save_dir, staging, files, save_latest, exclude_frozen, pickled, previous, layout
+    subject, tag, save_dir, staging, files, save_latest, exclude_frozen, pickled, previous, layout
 ):
     latest = f"{save_dir / LATEST_FILE} still names {previous!r}"
-    metadata = seal_metadata(_metadata(engine, tag, files, exclude_frozen, pickled, layout))
+    metadata = seal_metadata(_metadata(subject, tag, files, exclude_frozen, pickled, layout))
     try:
         write_text_atomically(staging / METADATA_FILE, to_json_text(metadata))
         left_behind = publish_directory(
@@ -326,7 +323,7 @@ def _publish(
 
 
 def save_checkpoint(
-    engine,
+    subject,
     save_dir,
     tag=None,
     client_state: dict | None = None,
@@ -334,12 +331,13 @@ def save_checkpoint(
     exclude_frozen_parameters: bool = False,
     allow_pickle: bool = False,
 ) -> bool:
-    """Saves ``engine`` under ``save_dir/<tag>`` (see the module docstring); collective.
+    """Saves the engine that ``subject`` describes (``subject.py``) under ``save_dir/<tag>``
+    (see the module docstring); collective.
 
     ``client_state`` may hold tensors and plain data; other objects only with ``allow_pickle``
     (then loading needs ``allow_pickle`` too, see ``client_state.py``)."""
-    rank, group = engine.dp_rank, engine.group
-    tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+    rank, group = subject.dp_rank, subject.group
+    tag = check_tag(f"global_step{subject.train_state.global_steps}" if tag is None else tag)
     # Over the whole world: every model-parallel part is saved under the same tag.
     tags = [None] * dist.get_world_size()
     with named_collective("all_gather of the tag at the start of save_checkpoint"):
@@ -348,7 +346,7 @@ def save_checkpoint(
         raise ValueError(
             f"save_checkpoint: every rank must save the same tag; the ranks gave {tags}"
         )
-    save_dir = model_parallel_dir(save_dir, engine.mp_rank, engine.mp_world_size, loading=False)
+    save_dir = model_parallel_dir(save_dir, subject.mp_rank, subject.mp_world_size, loading=False)
     staging = save_dir / f"{tag}{STAGING_SUFFIX}"
     try:
         previous = read_latest_tag(save_dir)
@@ -372,20 +370,20 @@ def save_checkpoint(
         module_state: dict = {}
         layouts: list = []
         agree_on(
-            lambda: _gather_state(engine, module_state, layouts),
+            lambda: _gather_state(subject, module_state, layouts),
             group=group,
             what=f"checkpoint '{tag}': gathering the module state to rank 0 ({unchanged})",
             error_type=CheckpointSaveError,
         )
         agree_on(
-            lambda: refuse_nonfinite_parameters(engine.module, module_state),
+            lambda: refuse_nonfinite_parameters(subject.module, module_state),
             group=group,
             what=f"checkpoint '{tag}': checking that the parameters are finite ({unchanged})",
             error_type=NonFiniteParametersError,
         )
         written = agree_on(
             lambda: _write_rank_files(
-                engine,
+                subject,
                 staging,
                 client_state or {},
                 exclude_frozen_parameters,
@@ -400,7 +398,7 @@ def save_checkpoint(
         agree_on(
             lambda: (
                 _publish(
-                    engine,
+                    subject,
                     tag,
                     save_dir,
                     staging,

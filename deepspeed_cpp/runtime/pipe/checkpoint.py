@@ -147,11 +147,10 @@ def _stage_record(engine) -> dict:
         for index, _ in _saved_layers(module)
     }
     layout = None
-    if engine.optimizer is not None and hasattr(engine.optimizer, "layout"):
-        layout = ZeroLayout.from_optimizer(
-            engine.optimizer,
-            names_by_parameter(module),
-            lambda replica: optimizer_file(replica, stage),
+    if engine.optimizer is not None and hasattr(engine.optimizer, "layout_parts"):
+        (part,) = engine.optimizer.layout_parts()  # a pipeline stage has no expert sets
+        layout = ZeroLayout.from_part(
+            part, names_by_parameter(module), lambda replica: optimizer_file(replica, stage)
         ).to_json()
     return {"stage": stage, "layer_prefixes": prefixes, "zero_layout": layout}
 

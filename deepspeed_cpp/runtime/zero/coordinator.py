@@ -5,8 +5,10 @@ Fetch units: every module with partitioned parameters of its own (or registered 
 ``register_external_parameter``) is one unit, except small ones (norms, bias-only modules: fewer
 than ``stage3_unit_min_numel`` elements), whose parameters join their parent's unit: gathered
 and reduced with it, because below ~64 KiB a collective costs its launch latency, not its bytes,
-on every backend; a parameter shared by two modules (tied weights) belongs to both, and is held
-whole while either holds it. A module marked as a leaf
+on every backend; and a module whose whole subtree holds at most 4x that many elements is one
+unit with all its children (a small transformer layer: one unit, as FSDP2 wraps it, not its
+attention and the rest as two). A parameter shared by two modules (tied weights) belongs to
+both, and is held whole while either holds it. A module marked as a leaf
 (``deepspeed_cpp.utils.set_z3_leaf_modules``, read at construction) is one unit with its whole
 subtree: its descendants get no unit and no hooks, so a Mixture-of-Experts block whose experts
 run in a data-dependent order (or not at all) is gathered whole, the same way on every rank.
@@ -373,10 +375,11 @@ def _units_from_module_tree(module: torch.nn.Module, inside_leaf: set[int], min_
     Bottom-up, each module collects its own partitioned parameters (and the external ones
     registered on it) plus those of its children too small to be units (fewer than
     ``min_numel`` elements: ``stage3_unit_min_numel``), up to ``_MERGED_PER_MIN_NUMEL`` times
-    ``min_numel`` in all. A module whose collection is large enough is a unit, and so are the
-    root, every leaf module (``set_z3_leaf_modules``: its whole subtree, never merged upward) and
-    a small module that found no room above it. ``inside_leaf`` receives the ids of the modules
-    inside leaves (no unit, no hooks)."""
+    ``min_numel`` in all; a module whose whole subtree is within that cap takes in all its
+    children, whatever their size. A module whose collection is large enough is a unit, and so
+    are the root, every leaf module (``set_z3_leaf_modules``: its whole subtree, never merged
+    upward) and a small module that found no room above it. ``inside_leaf`` receives the ids of
+    the modules inside leaves (no unit, no hooks)."""
     order: list[tuple[str, torch.nn.Module, bool]] = []
     parent: dict[int, torch.nn.Module] = {}
     for name, submodule in module.named_modules():
@@ -391,6 +394,7 @@ def _units_from_module_tree(module: torch.nn.Module, inside_leaf: set[int], min_
     collected: dict[int, dict[int, torch.nn.Parameter]] = {}
     numel: dict[int, int] = {}
     cap = _MERGED_PER_MIN_NUMEL * min_numel
+    whole = _subtree_numels(order)
     units: dict[int, bool] = {}  # id(module) -> whether it is a leaf
     for _name, submodule, leaf in reversed(order):
         params = collected.setdefault(id(submodule), {})
@@ -408,12 +412,17 @@ def _units_from_module_tree(module: torch.nn.Module, inside_leaf: set[int], min_
         if above is not None and not leaf and isinstance(submodule, _NO_FORWARD):
             merge = True
         else:
+            # Small modules join the module above while it has room; a module whose whole
+            # subtree fits in the cap takes in every child (an encoder layer is one unit, as
+            # FSDP2 wraps it, not its attention and the rest as two).
             merge = (
                 above is not None
                 and not leaf
-                and size < min_numel
                 and not isinstance(above, _NO_FORWARD)
-                and numel.get(id(above), 0) + size <= cap
+                and (
+                    (size < min_numel and numel.get(id(above), 0) + size <= cap)
+                    or (cap > 0 and whole[id(above)] <= cap)
+                )
             )
         if not merge:
             units[id(submodule)] = leaf
@@ -425,6 +434,22 @@ def _units_from_module_tree(module: torch.nn.Module, inside_leaf: set[int], min_
     for name, submodule, leaf in order:
         if id(submodule) in units:
             yield name, submodule, list(collected[id(submodule)].values()), leaf
+
+
+def _subtree_numels(order) -> dict[int, int]:
+    """``id(module)`` -> the partitioned elements of its whole subtree (each parameter once)."""
+    totals = {}
+    for _name, submodule, _leaf in order:
+        seen: dict[int, torch.nn.Parameter] = {}
+        for member in submodule.modules():
+            for param in member.parameters(recurse=False):
+                if pp.is_partitioned(param):
+                    seen.setdefault(id(param), param)
+            for param in member.__dict__.get("_ds_external_params", {}).values():
+                if pp.is_partitioned(param):
+                    seen.setdefault(id(param), param)
+        totals[id(submodule)] = sum(p.ds_numel for p in seen.values())
+    return totals
 
 
 def _destroyed_guard(name: str):

@@ -43,6 +43,7 @@ from ...moe.expert_names import expert_layers, gather_experts_to_rank0, to_local
 from ...utils import groups
 from .offload.optimizer_offload import OptimizerOffload
 from .partitioned_optimizer import ZeroPartitionedOptimizer
+from .stage import LayoutPart
 from .stage_setup import init_stage_fields, optimizer_over_masters
 
 DENSE = ""  # the set key of dense parameters (expert sets are keyed by their group name)
@@ -150,13 +151,7 @@ class ExpertParallelZeroStage:
         )
         self.offloaded = offload is not None
         for member in self.sets:
-            member.optimizer = self.optimizer
-            # What the set decided with the stand-in is decided again with the real optimizer.
-            member._step_per_bucket = bool(
-                getattr(self.optimizer, "steps_tensors_independently", False)
-            )
-            member._check_offload(offload)
-            member.home.attach(member.masters, self.optimizer)
+            member.use_optimizer(self.optimizer, offload)
 
     # --- training -------------------------------------------------------------------------------
     @property
@@ -178,9 +173,7 @@ class ExpertParallelZeroStage:
     def step(self) -> bool:
         """Overflow check, unscale, clip by the global norm, one optimizer step, gathers; False
         when skipped (an fp16 overflow, or a global gradient norm that is not finite)."""
-        for member in self.sets:
-            member._apply_pending_zero()
-        grads = [grad for member in self.sets for grad in member.shard_grads]
+        grads = [grad for member in self.sets for grad in member.step_gradients()]
         device = grads[0].device
         overflow = torch.zeros((), dtype=torch.float64, device=device)
         squares = torch.zeros((), dtype=torch.float64, device=device)
@@ -222,9 +215,7 @@ class ExpertParallelZeroStage:
         else:
             self.optimizer.step()
             for member in self.sets:
-                member._finish_gathers(
-                    [member._launch_gather(b, m) for b, m in zip(member.buckets, member.masters)]
-                )
+                member.gather_params()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         self.zero_grad()
@@ -233,29 +224,24 @@ class ExpertParallelZeroStage:
     def _step_offloaded_sets(self) -> None:
         """The host step of every set's (already unscaled and clipped) shard gradients, then
         each set's gathers over its group, the sets in the same order on every rank."""
-        if all(member._step_per_bucket for member in self.sets):
+        if all(member.steps_per_bucket for member in self.sets):
             # Our CPU optimizers step every master on its own and skip those without a
             # gradient, so each set can step its sub-groups in turn with the one optimizer
             # (NVMe brings each in); only the set's own masters hold gradients meanwhile.
             for member in self.sets:
-                member._step_offloaded()
+                member.step_on_host()
             return
         # Other optimizers (a user's may count steps per group) step once over every set's
         # masters, all resident in host memory (NVMe is refused for them).
         for member in self.sets:
-            member._copy_grads_to_host()
-            for index, master in enumerate(member.masters):
-                master.grad = member.home.grad_buffer(index)
+            member.hand_host_grads_to_masters()
         try:
             self.optimizer.step()
         finally:
             for member in self.sets:
-                for master in member.masters:
-                    master.grad = None
+                member.drop_master_grads()
         for member in self.sets:
-            member._finish_gathers(
-                [member._gather_from_master(b) for b in range(len(member.buckets))]
-            )
+            member.gather_params_from_host()
 
     def zero_grad(self) -> None:
         for member in self.sets:
@@ -307,6 +293,19 @@ class ExpertParallelZeroStage:
             member.destroy()
 
     # --- checkpoints: the sets' buckets one after another, in set order ---------------------------
+    def layout_parts(self) -> list[LayoutPart]:
+        """One part per set, its slices named by data-parallel rank and its param groups by the
+        user's param group each came from."""
+        parts = []
+        for key, member, origins in zip(self.keys, self.sets, self.origins):
+            (part,) = member.layout_parts(key=key, origins=tuple(origins))
+            ranks = tuple(
+                dist.get_group_rank(self.group, world_rank)
+                for world_rank in dist.get_process_group_ranks(member.group)
+            )
+            parts.append(dataclasses.replace(part, group_ranks=ranks))
+        return parts
+
     def owned_ranges(self) -> list[tuple[int, int]]:
         return [entry for member in self.sets for entry in member.owned_ranges()]
 

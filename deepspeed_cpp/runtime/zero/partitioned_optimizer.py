@@ -34,21 +34,21 @@ import torch
 import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
+from ...comm.reducer_tap import logged_if_enabled
 from ...ops.zero import (
     BucketPlan,
     flatten_into,
     make_gradient_reducer,
     plan_buckets,
-    unflatten_from,
 )
 from ...utils.timer import REDUCE_SCATTER_SUBMIT_TIMER, REDUCE_SCATTER_WAIT_TIMER, timed
 from .norm_ranges import counted_ranges, norm_of_ranges
 from .offload.optimizer_offload import OptimizerOffload
 from .offload.stepping import OffloadedStepping
 from .param_fragments import ParamFragments
+from .param_gathers import MasterGathers
 from .shard_checkpoint_state import ShardCheckpointState
-from .shard_gather import backend_for, launch_all_gather
-from .stage import PartitionLayout
+from .shard_gather import backend_for
 from .stage_setup import init_stage_fields, optimizer_over_masters
 
 
@@ -68,7 +68,9 @@ class _Bucket:
     view_pointers: tuple[int, ...] = ()
 
 
-class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFragments):
+class ZeroPartitionedOptimizer(
+    OffloadedStepping, MasterGathers, ShardCheckpointState, ParamFragments
+):
     """Owns the plan, fp32 master shards, shard gradients and the reducer for one engine."""
 
     def __init__(
@@ -246,6 +248,7 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         reducer = make_gradient_reducer(
             self.group, self.plan, scatter=scatter, scatter_method=scatter_method, device=device
         )
+        reducer = logged_if_enabled(reducer, self.plan, self.group)  # only with comms_logger on
         reducer.accumulate_into(self.shard_grads, scale)
         return reducer
 
@@ -429,6 +432,11 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         for param in self.params:
             param.grad = None
 
+    def step_gradients(self) -> list[torch.Tensor]:
+        """This step's shard gradients (zeros where nothing was reduced since ``zero_grad``)."""
+        self._apply_pending_zero()
+        return self.shard_grads
+
     def _apply_pending_zero(self) -> None:
         # Only a step with no reduction since zero_grad() reads shard gradients still pending.
         if self._shard_grads_zero_pending:
@@ -496,47 +504,6 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
                     master.grad = grad
         self._finish_gathers(pending)
 
-    def write_params_from_masters(self) -> None:
-        """Writes the fp32 master slices into every rank's parameters (after a load)."""
-        self.apply_pending_update()
-        pending = []
-        with torch.no_grad():
-            for members in self.home.sub_groups:
-                with self.home.resident(members, write_back=False):
-                    pending.extend(self._gather_from_master(b) for b in members)
-            self._finish_gathers(pending)
-
-    @staticmethod
-    def _finish_gathers(pending) -> None:
-        for index, (bucket, full, works, in_place) in enumerate(pending):
-            with named_collective(
-                lambda index=index: f"all_gather of parameter bucket {index} of {len(pending)}"
-            ):
-                for work in works:
-                    work.wait()
-            if not in_place:
-                unflatten_from(full, [p.data for p in bucket.params], bucket.offsets)
-
-    def _launch_gather(self, bucket: _Bucket, master: torch.Tensor):
-        """Starts writing ``master`` (this rank's updated slice of ``bucket``) and the other
-        ranks' slices into the bucket's flat parameters, or into a temporary flat tensor that is
-        copied into the parameters when they no longer view theirs."""
-        in_place = self._params_still_view_flat(bucket)
-        full = (
-            bucket.flat
-            if in_place
-            else torch.empty(bucket.size, dtype=bucket.gather_dtype, device=master.device)
-        )
-        if self.stage == 0:  # every rank owns whole buckets: nothing to gather
-            if full.data_ptr() != master.data_ptr():
-                full.copy_(master.detach())
-            works = []
-        else:
-            works = launch_all_gather(
-                full, master.detach(), self.group, by_broadcast=self._gather_by_broadcast
-            )
-        return bucket, full, works, in_place
-
     # --- what code holding "the optimizer" expects ------------------------------------------
     @property
     def param_groups(self) -> list[dict]:
@@ -570,18 +537,6 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             "" if self.home.kind == "none" else f", optimizer state offloaded to {self.home.kind}"
         )
         return f"gradients reduced by {self.reducer.collective()}{where}"
-
-    def layout(self) -> PartitionLayout:
-        plan = self.plan
-        return PartitionLayout(
-            params=tuple(self.params),
-            param_bucket=tuple(plan.param_bucket),
-            param_offset=tuple(plan.param_offset),
-            bucket_sizes=tuple(plan.bucket_sizes),
-            bucket_groups=tuple(plan.bucket_groups),
-            world_size=self.world_size,
-            replicated=self.stage == 0,
-        )
 
     def full_state_dict(self, module: torch.nn.Module, *, rank0_only: bool) -> dict:
         """Stages 0-2 keep every parameter whole: the module's own state dict."""

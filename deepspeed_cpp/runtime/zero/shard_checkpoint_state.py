@@ -10,10 +10,45 @@ import contextlib
 import torch
 
 from .offload.deferred_tensor import DeferredTensor, PendingValues
+from .stage import LayoutPart, PartitionLayout
 
 
 class ShardCheckpointState:
     """The checkpoint side of ``ZeroPartitionedOptimizer`` (see the module docstring)."""
+
+    def layout(self) -> PartitionLayout:
+        plan = self.plan
+        return PartitionLayout(
+            params=tuple(self.params),
+            param_bucket=tuple(plan.param_bucket),
+            param_offset=tuple(plan.param_offset),
+            bucket_sizes=tuple(plan.bucket_sizes),
+            bucket_groups=tuple(plan.bucket_groups),
+            world_size=self.world_size,
+            replicated=self.stage == 0,
+        )
+
+    def layout_parts(
+        self, key: str = "", origins: tuple[int, ...] | None = None
+    ) -> list[LayoutPart]:
+        """This stage as one ``LayoutPart`` (``key`` and ``origins``: how the expert-parallel
+        stage, which owns this one as a set, names it and maps its param groups)."""
+        layout = self.layout()
+        groups = len(self.optimizer.param_groups) if origins is None else len(origins)
+        return [
+            LayoutPart(
+                key=key,
+                stage=self.stage,
+                layout=layout,
+                # The stage's group is the data-parallel group: rank r saves file r.
+                group_ranks=tuple(range(self.world_size)),
+                param_group_origins=tuple(range(groups)) if origins is None else tuple(origins),
+                writes=self.stage > 0 or self.rank == 0,
+                swapped_buckets=frozenset(
+                    b for b in range(len(self.buckets)) if self.home.state_outline(b) is not None
+                ),
+            )
+        ]
 
     def owned_ranges(self) -> list[tuple[int, int]]:
         """``(start, size)`` of the slice of every bucket this rank owns, in bucket order."""

@@ -2,8 +2,9 @@
 
 Every stage (0-2: ``ZeroPartitionedOptimizer``; 3: ``ZeroStage3``) implements ``ZeroStage``; the
 engine and ``runtime/checkpoint`` use nothing else of it. ``PartitionLayout`` is the plain-data
-description of where every trainable parameter lives in the flat fp32 master buckets, from which
-checkpoint metadata is written and resharded.
+description of where every trainable parameter lives in the flat fp32 master buckets, and
+``LayoutPart`` places it in a process group; from these checkpoint metadata is written and
+resharded (checkpoints see no stage class).
 """
 
 from __future__ import annotations
@@ -27,6 +28,27 @@ class PartitionLayout:
     bucket_groups: tuple[int, ...]
     world_size: int
     replicated: bool
+
+
+@dataclass(frozen=True)
+class LayoutPart:
+    """One set of buckets sharded over one process group, as a checkpoint records it: a stage
+    has one part; the expert-parallel stage one per set (dense, then per expert group name).
+
+    ``group_ranks``: the world rank of each rank of the part's group, in group order (its
+    slices are saved in those ranks' files). ``param_group_origins[g]``: the index of the
+    user's param group that the part's param group ``g`` came from. ``writes``: whether this
+    rank saves its slices (at ZeRO-0 every rank of the group holds the same buckets; its first
+    rank saves them). ``swapped_buckets``: the part's buckets (indices into ``layout``) whose
+    optimizer state lives in NVMe swap files, read one sub-group at a time."""
+
+    key: str
+    stage: int
+    layout: PartitionLayout
+    group_ranks: tuple[int, ...]
+    param_group_origins: tuple[int, ...]
+    writes: bool
+    swapped_buckets: frozenset[int]
 
 
 class ZeroStage(Protocol):
@@ -64,7 +86,9 @@ class ZeroStage(Protocol):
         """One line for the engine's start-up log (how gradients are reduced)."""
 
     # --- checkpoints ----------------------------------------------------------------------------
-    def layout(self) -> PartitionLayout: ...
+    def layout_parts(self) -> list[LayoutPart]:
+        """What checkpoints know of the stage's layout: its parts, whose buckets follow one
+        another in the order of ``owned_ranges``, ``shard_state`` and ``load_shard_state``."""
 
     def owned_ranges(self) -> list[tuple[int, int]]:
         """``(start, size)`` of each bucket's slice this rank owns."""

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
+from ...comm.reducer_tap import logged_if_enabled
 from ...ops.zero import BucketPlan, make_gradient_reducer, plan_buckets
 from ...utils.timer import OPTIMIZER_STEP_TIMER, timed
 from . import partition_parameters as pp
@@ -85,20 +86,20 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
         partitioned.sort(key=lambda item: -position.get(id(item[1]), -1))
         if not partitioned and not persistent:
             raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
-        plans = [
-            plan_buckets(
-                [p.ds_numel if pp.is_zero_param(p) else p.numel() for _, p in members],
-                [g for g, _ in members],
-                capacity=capacity,
-                world_size=self.world_size,
-                alignment=pp.SHARD_ALIGNMENT,
-            )
-            for members, capacity in ((partitioned, 1), (persistent, max(1, reduce_bucket_size)))
-            if members
-        ]
-        params = [p for _, p in partitioned + persistent]
+        members = partitioned + persistent
+        # One plan: a partitioned parameter alone in its bucket (its shard is the bucket's), the
+        # persistent ones packed up to reduce_bucket_size after them.
+        plan = plan_buckets(
+            [p.ds_numel if pp.is_zero_param(p) else p.numel() for _, p in members],
+            [g for g, _ in members],
+            capacity=max(1, reduce_bucket_size),
+            world_size=self.world_size,
+            alignment=pp.SHARD_ALIGNMENT,
+            alone=[True] * len(partitioned) + [False] * len(persistent),
+        )
+        params = [p for _, p in members]
         self._reduce_capacity = max(1, int(reduce_bucket_size))
-        return params, _concatenate(plans)
+        return params, plan
 
     # --- one reduction per unit -------------------------------------------------------------------
     def _make_shard_grads(self, device) -> list[torch.Tensor]:
@@ -178,6 +179,7 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
             device=device,
             rank_major=rank_major,
         )
+        reducer = logged_if_enabled(reducer, reduction, self.group)  # only with comms_logger on
         reducer.accumulate_into(self._run_grads, scale)
         # Once the first k runs are reduced, the buckets before the first bucket of any later
         # run are final (a suffix minimum over the runs' first buckets).
@@ -234,17 +236,6 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
         ):
             pp.store_shard(param, master.detach())
         return bucket, None, [], True
-
-
-def _concatenate(plans: list[BucketPlan]) -> BucketPlan:
-    param_bucket, param_offset, param_numel, sizes, groups = [], [], [], [], []
-    for plan in plans:
-        param_bucket.extend(b + len(sizes) for b in plan.param_bucket)
-        param_offset.extend(plan.param_offset)
-        param_numel.extend(plan.param_numel)
-        sizes.extend(plan.bucket_sizes)
-        groups.extend(plan.bucket_groups)
-    return BucketPlan(param_bucket, param_offset, param_numel, sizes, groups, plans[0].world_size)
 
 
 class ZeroStage3:

@@ -239,6 +239,45 @@ class OffloadedStepping:
             for group in self.optimizer.param_groups
         ]
 
+    # --- driven by a stage composed of several sets (``moe_stage.py``) ---------------------------
+    def use_optimizer(self, optimizer, offload: OptimizerOffload | None) -> None:
+        """Steps the masters with ``optimizer`` from now on: one made over several sets' masters
+        by the stage that composes them. What was decided with the optimizer this set was built
+        with (stepping bucket by bucket, the offload checks, the home's state slots) is decided
+        again with it."""
+        self.optimizer = optimizer
+        self._step_per_bucket = bool(getattr(optimizer, "steps_tensors_independently", False))
+        self._check_offload(offload)
+        self.home.attach(self.masters, optimizer)
+
+    @property
+    def steps_per_bucket(self) -> bool:
+        """Whether the optimizer steps each master on its own (ours), so that sub-groups, and
+        sets, can be stepped one after another with it."""
+        return self._step_per_bucket
+
+    def step_on_host(self) -> None:
+        """The offloaded step of this set's (unscaled, clipped) shard gradients, sub-group by
+        sub-group, and the gathers of its parameters."""
+        self._step_offloaded()
+
+    def hand_host_grads_to_masters(self) -> None:
+        """Copies the shard gradients to the host home and makes them the masters' ``grad``, for
+        one optimizer step over several sets' masters (all resident: the host home); then
+        ``gather_params_from_host``."""
+        self._copy_grads_to_host()
+        for index, master in enumerate(self.masters):
+            master.grad = self.home.grad_buffer(index)
+
+    def drop_master_grads(self) -> None:
+        """Undoes ``hand_host_grads_to_masters`` once the step ran (or failed)."""
+        for master in self.masters:
+            master.grad = None
+
+    def gather_params_from_host(self) -> None:
+        """Writes every host master into every rank's parameters (after that step)."""
+        self._finish_gathers([self._gather_from_master(b) for b in range(len(self.buckets))])
+
     def _copy_grads_to_host(self) -> None:
         """Every shard gradient into its host buffer (the host home: all resident)."""
         for index, grad in enumerate(self.shard_grads):
