@@ -59,13 +59,13 @@ def _saved_parts(load_dir: Path) -> list[str]:
     return sorted(p.name for p in load_dir.glob("mp_rank_[0-9][0-9]") if p.is_dir())
 
 
-def saved_size_to_reshard(engine, load_dir) -> int | None:
+def saved_size_to_reshard(subject, load_dir) -> int | None:
     """The TP size ``load_dir`` was saved at when the engine must re-cut it (an AutoTP engine,
     or one without model parallelism, at another size); None when it loads as saved."""
-    info = tensor_parallel_info(engine.module)
-    if info is None and engine.mp_world_size > 1:
+    info = tensor_parallel_info(subject.module)
+    if info is None and subject.mp_world_size > 1:
         return None  # a caller's own mpu: its parts are not resharded (layout.py refuses)
-    current = engine.mp_world_size
+    current = subject.mp_world_size
     base = Path(load_dir)
     parts = _saved_parts(base)
     if parts and not (base / LATEST_FILE).exists():
