@@ -53,6 +53,7 @@ from bench_zero import (
     zero_config,
 )
 from gloo_ranks import run_on_ranks
+from zero3_table import MODELS, print_table, table_rows
 
 OURS2 = "deepspeed_cpp ZeRO-2"
 OURS3 = "deepspeed_cpp ZeRO-3"
@@ -64,7 +65,7 @@ TARGETS = {OURS2: "<= 1.15", FSDP2: "<= 0.80", DS3: ""}
 def stage3_keys(args) -> dict:
     return {
         "stage3_prefetch_bucket_size": int(args.prefetch),
-        "stage3_param_persistence_threshold": 100_000,
+        "stage3_param_persistence_threshold": int(args.persistence),
         "stage3_max_live_parameters": 1_000_000_000,
         "stage3_max_reuse_distance": int(args.max_reuse_distance),
     }
@@ -99,17 +100,6 @@ def build(name: str, args):
     if name == FSDP2:
         return build_fsdp2(args)
     return build_deepspeed(args)
-
-
-def describe_deepspeed(engine) -> str:
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    return (f"DeepSpeed {deepspeed.__version__}: accelerator {accelerator.device_name()}, "
-            f"collectives on {accelerator.communication_backend_name()} (torch.distributed "
-            f"{dist.get_backend()}), {type(engine.optimizer).__name__} over "
-            f"{type(engine.optimizer.optimizer).__name__}")  # fmt: skip
 
 
 class GatherTimer:
@@ -178,15 +168,15 @@ def with_gather_timing(phases, timer: GatherTimer, record: list):
 def timing_worker(rank: int, args):
     torch.set_num_threads(args.threads)
     steppers, notes, handles = {}, [], {}
-    for name in NAMES:
+    # DeepSpeed only ever runs in processes of its own (the table, the memory rounds): never
+    # beside our package in one interpreter.
+    for name in (n for n in NAMES if n != DS3):
         try:
             steppers[name], handles[name] = build(name, args)
             run_step(steppers[name], torch.randint(0, VOCAB, (args.micro_batch, SEQ)))
         except Exception as error:  # noqa: BLE001 - a reference that cannot run here is reported
             steppers.pop(name, None)
             notes.append(not_run_note(name, error))
-    if DS3 in steppers:
-        notes.append(describe_deepspeed(handles[DS3]))
     if OURS3 not in steppers:
         raise RuntimeError("; ".join(notes))
     timer, record = GatherTimer(), []
@@ -324,8 +314,28 @@ def main() -> None:
     parser.add_argument("--deepspeed-path", default="", help="prepended to sys.path for DeepSpeed")
     parser.add_argument("--rss-rounds", type=int, default=3)
     parser.add_argument("--memory-steps", type=int, default=2)
+    parser.add_argument("--parts", nargs="+", choices=("table", "detail"),
+                        default=["table", "detail"],
+                        help="table: each implementation in its own processes on both models "
+                        "(collectives, bytes, step, peak RSS); detail: the interleaved step "
+                        "times, memory rounds and gather overlap of the transformer")  # fmt: skip
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per launch (table)")
+    parser.add_argument("--persistence", type=float, default=100_000,
+                        help="stage3_param_persistence_threshold, transformer")  # fmt: skip
+    parser.add_argument("--deep-persistence", type=float, default=0,
+                        help="stage3_param_persistence_threshold, deep model")  # fmt: skip
     args = parser.parse_args()
     started = time.perf_counter()
+    if "table" in args.parts:
+        impls = [OURS2, OURS3, FSDP2, DS3] if args.deepspeed_path else [OURS2, OURS3, FSDP2]
+        rows, notes = table_rows(args, impls)
+        if not args.deepspeed_path:
+            notes.append(f"{DS3} not run: no --deepspeed-path given")
+        print_table(rows, notes, args)
+        if "detail" not in args.parts:
+            print(f"(run took {time.perf_counter() - started:.0f} s)")
+            return
     reports = run_on_ranks(args.procs, timing_worker, args)
     rss, tracked, memory_notes = memory_runs(args)
     medians, notes, _, _, _, _ = reports[0]
