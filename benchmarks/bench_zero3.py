@@ -1,6 +1,12 @@
 """ZeRO-3: deepspeed_cpp's stage 3 against its stage 2, DDP, FSDP2 and DeepSpeed's stage 3.
 
-The same ~50M-parameter transformer as ``bench_zero.py``, N processes on gloo (CPU). Three parts:
+Two parts (``--parts``). ``table`` (zero3_table.py): each implementation in processes of its
+own (DeepSpeed 0.19.8 from ``--deepspeed-path`` with ``DS_ACCELERATOR=cpu``, never imported beside
+our package) on the ~50M-parameter transformer and on the latency-bound 48 x (Linear 256 +
+LayerNorm) model: collectives per step (process groups' sequence numbers), bytes sent per step
+(``/proc/self/io`` wchar: gloo's TCP sends), step time and peak RSS per rank, with the issue-27
+ratios. ``detail``: the same ~50M-parameter transformer as ``bench_zero.py``, N processes on gloo
+(CPU), DeepSpeed in the memory rounds only (its own processes), in three parts:
 
 1. Step time: every implementation in the same processes, one step of each per round (median
    after a warm-up), split into forward, backward and update (this rank's own clock), and the
@@ -15,14 +21,16 @@ The same ~50M-parameter transformer as ``bench_zero.py``, N processes on gloo (C
    buffers, activations). deepspeed_cpp's own accounting (shards, gradients, moments, the
    coordinator's peak of gathered parameters, the reducer's peak) is printed beside it.
 
-    python benchmarks/bench_zero3.py [--deepspeed-path /work/ds_target] [--rounds 6]
-        [--rss-rounds 3] [--prefetch 5e6]
+    python benchmarks/bench_zero3.py [--deepspeed-path /work/ds_target] [--parts table detail]
+        [--models transformer deep] [--steps 3] [--rounds 6] [--rss-rounds 3] [--prefetch 5e6]
 
 DeepSpeed runs when it can be imported (with ``--deepspeed-path`` prepended to ``sys.path`` in
 its rank processes only) with ``DS_ACCELERATOR=cpu``; otherwise the tables say why and go on.
 Both ZeRO-3s get the same ``zero_optimization`` keys (reduce bucket ``--bucket``, prefetch bucket
-``--prefetch``, reuse distance ``--max-reuse-distance`` elements; persistence threshold and live
-limit at DeepSpeed's defaults).
+``--prefetch``, reuse distance ``--max-reuse-distance`` elements, persistence threshold
+``--persistence`` (DeepSpeed's default 1e5) on the transformer and ``--deep-persistence`` (0: every
+parameter partitioned; at 1e5 the deep model's would all stay whole) on the deep model, live limit
+at DeepSpeed's default).
 """
 
 from __future__ import annotations

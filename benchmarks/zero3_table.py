@@ -189,13 +189,19 @@ def print_table(rows: list, notes: list, args) -> None:
     for model_name, impl, row in rows:
         print(f"{model_name:12} {impl:30} {row['collectives']:11d} {row['sent'] / 2**20:9.2f} "
               f"{row['step'] * 1e3:8.1f} {row['peak_rss'] / 2**20:12.1f}")  # fmt: skip
-    print(f"\n{'ratio (step time, same run)':58} {'transformer':>11} {'deep':>8}")
     ours3 = next((i for _, i, _ in rows if i.startswith("deepspeed_cpp ZeRO-3")), None)
+    targets = {"deepspeed_cpp ZeRO-2": "<= 1.05", "FSDP2": "<= 1.00"}  # issue 27, step time
+    print(f"\n{'ratio (same run)':58} {'transformer':>11} {'deep':>8} {'target':>8}")
     for reference in dict.fromkeys(i for _, i, _ in rows):
         if ours3 is None or reference == ours3:
             continue
-        cells = []
-        for model_name in MODELS:
-            a, b = by_key.get((model_name, ours3)), by_key.get((model_name, reference))
-            cells.append(f"{a['step'] / b['step']:.2f}" if a and b else "-")
-        print(f"{ours3 + ' / ' + reference:58} {cells[0]:>11} {cells[1]:>8}")
+        for what in ("step", "collectives"):
+            cells = []
+            for model_name in MODELS:
+                a, b = by_key.get((model_name, ours3)), by_key.get((model_name, reference))
+                cells.append(f"{a[what] / b[what]:.2f}" if a and b and b[what] else "-")
+            target = next((t for k, t in targets.items() if reference.startswith(k)), "")
+            if what == "collectives":
+                target = "<= 1.00" if reference.startswith("FSDP2") else ""
+            label = f"{what}: {ours3} / {reference}"
+            print(f"{label:58} {cells[0]:>11} {cells[1]:>8} {target:>8}")
