@@ -191,7 +191,7 @@ def print_table(rows: list, notes: list, args) -> None:
               f"{row['step'] * 1e3:8.1f} {row['peak_rss'] / 2**20:12.1f}")  # fmt: skip
     ours3 = next((i for _, i, _ in rows if i.startswith("deepspeed_cpp ZeRO-3")), None)
     targets = {"deepspeed_cpp ZeRO-2": "<= 1.05", "FSDP2": "<= 1.00"}  # issue 27, step time
-    print(f"\n{'ratio (same run)':58} {'transformer':>11} {'deep':>8} {'target':>8}")
+    print(f"\n{'ratio (same run)':64} {'transformer':>11} {'deep':>8} {'target':>8}")
     for reference in dict.fromkeys(i for _, i, _ in rows):
         if ours3 is None or reference == ours3:
             continue
@@ -204,4 +204,4 @@ def print_table(rows: list, notes: list, args) -> None:
             if what == "collectives":
                 target = "<= 1.00" if reference.startswith("FSDP2") else ""
             label = f"{what}: {ours3} / {reference}"
-            print(f"{label:58} {cells[0]:>11} {cells[1]:>8} {target:>8}")
+            print(f"{label:64} {cells[0]:>11} {cells[1]:>8} {target:>8}")
