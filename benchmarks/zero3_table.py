@@ -18,6 +18,24 @@ Per step, every rank counts:
 DeepSpeed runs from ``--deepspeed-path`` (prepended to ``sys.path`` in its own rank processes
 only, ``DS_ACCELERATOR=cpu``), never imported into the parent or into another implementation's
 processes.
+
+Measured 2026-11-27 on the 2-core dev machine shared with other jobs (load average 5-10 during
+the run, so the step times are rough; collectives and bytes do not depend on load), main at
+0fa470a, ``python benchmarks/bench_zero3.py --parts table --deepspeed-path /work/ds_target``:
+
+    model        implementation         collectives  MiB sent  step ms  RSS peak MiB
+    transformer  deepspeed_cpp ZeRO-2            40    305.72   1961.4        1456.8
+    transformer  deepspeed_cpp ZeRO-3            97    305.74   1116.1        1674.7
+    transformer  FSDP2 fully_shard                26    396.62   1967.8        1962.9
+    transformer  DeepSpeed 0.19.8 ZeRO-3         88    305.74   5073.8        2167.5
+    deep         deepspeed_cpp ZeRO-2             4     18.23     79.8         748.9
+    deep         deepspeed_cpp ZeRO-3           101     18.26    399.4         763.1
+    deep         FSDP2 fully_shard               146     24.35    545.2         752.3
+    deep         DeepSpeed 0.19.8 ZeRO-3          3     18.23    326.4         895.0
+
+DeepSpeed's 3 collectives on the deep model (not broken down by kind here) fit its buckets: the
+prefetch and reduce buckets (5e6 elements each) hold the whole 3.2M-element model, and it fetches
+a bucket's parameters with one coalesced all-gather.
 """
 
 from __future__ import annotations
