@@ -1,6 +1,12 @@
 """ZeRO-3: deepspeed_cpp's stage 3 against its stage 2, DDP, FSDP2 and DeepSpeed's stage 3.
 
-The same ~50M-parameter transformer as ``bench_zero.py``, N processes on gloo (CPU). Three parts:
+Two parts (``--parts``). ``table`` (zero3_table.py): each implementation in processes of its
+own (DeepSpeed 0.19.8 from ``--deepspeed-path`` with ``DS_ACCELERATOR=cpu``, never imported beside
+our package) on the ~50M-parameter transformer and on the latency-bound 48 x (Linear 256 +
+LayerNorm) model: collectives per step (process groups' sequence numbers), bytes sent per step
+(``/proc/self/io`` wchar: gloo's TCP sends), step time and peak RSS per rank, with the issue-27
+ratios. ``detail``: the same ~50M-parameter transformer as ``bench_zero.py``, N processes on gloo
+(CPU), DeepSpeed in the memory rounds only (its own processes), in three parts:
 
 1. Step time: every implementation in the same processes, one step of each per round (median
    after a warm-up), split into forward, backward and update (this rank's own clock), and the
@@ -15,14 +21,16 @@ The same ~50M-parameter transformer as ``bench_zero.py``, N processes on gloo (C
    buffers, activations). deepspeed_cpp's own accounting (shards, gradients, moments, the
    coordinator's peak of gathered parameters, the reducer's peak) is printed beside it.
 
-    python benchmarks/bench_zero3.py [--deepspeed-path /work/ds_target] [--rounds 6]
-        [--rss-rounds 3] [--prefetch 5e6]
+    python benchmarks/bench_zero3.py [--deepspeed-path /work/ds_target] [--parts table detail]
+        [--models transformer deep] [--steps 3] [--rounds 6] [--rss-rounds 3] [--prefetch 5e6]
 
 DeepSpeed runs when it can be imported (with ``--deepspeed-path`` prepended to ``sys.path`` in
 its rank processes only) with ``DS_ACCELERATOR=cpu``; otherwise the tables say why and go on.
 Both ZeRO-3s get the same ``zero_optimization`` keys (reduce bucket ``--bucket``, prefetch bucket
-``--prefetch``, reuse distance ``--max-reuse-distance`` elements; persistence threshold and live
-limit at DeepSpeed's defaults).
+``--prefetch``, reuse distance ``--max-reuse-distance`` elements, persistence threshold
+``--persistence`` (DeepSpeed's default 1e5) on the transformer and ``--deep-persistence`` (0: every
+parameter partitioned; at 1e5 the deep model's would all stay whole) on the deep model, live limit
+at DeepSpeed's default).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from bench_zero import (
     zero_config,
 )
 from gloo_ranks import run_on_ranks
+from zero3_table import MODELS, print_table, table_rows
 
 OURS2 = "deepspeed_cpp ZeRO-2"
 OURS3 = "deepspeed_cpp ZeRO-3"
@@ -64,7 +73,7 @@ TARGETS = {OURS2: "<= 1.15", FSDP2: "<= 0.80", DS3: ""}
 def stage3_keys(args) -> dict:
     return {
         "stage3_prefetch_bucket_size": int(args.prefetch),
-        "stage3_param_persistence_threshold": 100_000,
+        "stage3_param_persistence_threshold": int(args.persistence),
         "stage3_max_live_parameters": 1_000_000_000,
         "stage3_max_reuse_distance": int(args.max_reuse_distance),
     }
@@ -99,17 +108,6 @@ def build(name: str, args):
     if name == FSDP2:
         return build_fsdp2(args)
     return build_deepspeed(args)
-
-
-def describe_deepspeed(engine) -> str:
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    return (f"DeepSpeed {deepspeed.__version__}: accelerator {accelerator.device_name()}, "
-            f"collectives on {accelerator.communication_backend_name()} (torch.distributed "
-            f"{dist.get_backend()}), {type(engine.optimizer).__name__} over "
-            f"{type(engine.optimizer.optimizer).__name__}")  # fmt: skip
 
 
 class GatherTimer:
@@ -178,15 +176,15 @@ def with_gather_timing(phases, timer: GatherTimer, record: list):
 def timing_worker(rank: int, args):
     torch.set_num_threads(args.threads)
     steppers, notes, handles = {}, [], {}
-    for name in NAMES:
+    # DeepSpeed only ever runs in processes of its own (the table, the memory rounds): never
+    # beside our package in one interpreter.
+    for name in (n for n in NAMES if n != DS3):
         try:
             steppers[name], handles[name] = build(name, args)
             run_step(steppers[name], torch.randint(0, VOCAB, (args.micro_batch, SEQ)))
         except Exception as error:  # noqa: BLE001 - a reference that cannot run here is reported
             steppers.pop(name, None)
             notes.append(not_run_note(name, error))
-    if DS3 in steppers:
-        notes.append(describe_deepspeed(handles[DS3]))
     if OURS3 not in steppers:
         raise RuntimeError("; ".join(notes))
     timer, record = GatherTimer(), []
@@ -324,8 +322,28 @@ def main() -> None:
     parser.add_argument("--deepspeed-path", default="", help="prepended to sys.path for DeepSpeed")
     parser.add_argument("--rss-rounds", type=int, default=3)
     parser.add_argument("--memory-steps", type=int, default=2)
+    parser.add_argument("--parts", nargs="+", choices=("table", "detail"),
+                        default=["table", "detail"],
+                        help="table: each implementation in its own processes on both models "
+                        "(collectives, bytes, step, peak RSS); detail: the interleaved step "
+                        "times, memory rounds and gather overlap of the transformer")  # fmt: skip
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per launch (table)")
+    parser.add_argument("--persistence", type=float, default=100_000,
+                        help="stage3_param_persistence_threshold, transformer")  # fmt: skip
+    parser.add_argument("--deep-persistence", type=float, default=0,
+                        help="stage3_param_persistence_threshold, deep model")  # fmt: skip
     args = parser.parse_args()
     started = time.perf_counter()
+    if "table" in args.parts:
+        impls = [OURS2, OURS3, FSDP2, DS3] if args.deepspeed_path else [OURS2, OURS3, FSDP2]
+        rows, notes = table_rows(args, impls)
+        if not args.deepspeed_path:
+            notes.append(f"{DS3} not run: no --deepspeed-path given")
+        print_table(rows, notes, args)
+        if "detail" not in args.parts:
+            print(f"(run took {time.perf_counter() - started:.0f} s)")
+            return
     reports = run_on_ranks(args.procs, timing_worker, args)
     rss, tracked, memory_notes = memory_runs(args)
     medians, notes, _, _, _, _ = reports[0]

@@ -86,15 +86,6 @@ def test_engine_trains_ep_size_1_experts_in_their_own_groups(pool2, stage):
     assert digests[0] == digests[1]  # every gradient, expert ones included, was averaged
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    from dist_pool import DistributedPool
-
-    pool = DistributedPool(4)
-    yield pool
-    pool.close()
-
-
 @pytest.mark.parametrize(
     "stage, ep_size, k, clip, optimizer_kind",
     [

@@ -44,15 +44,36 @@ def saved(tmp_path_factory):
     return folder, state
 
 
-def _python(*args: str, cwd, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-        env=launch_env(**{"PYTHONPATH": str(REPO_ROOT), **env}),
+def _start(*args: str, cwd, **env) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=launch_env(**{"PYTHONPATH": str(REPO_ROOT), **env}),
     )  # fmt: skip
+
+
+def _finish(started: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = started.communicate(timeout=300)
+    finally:
+        if started.poll() is None:
+            started.kill()
+            started.wait()
+    return subprocess.CompletedProcess(started.args, started.returncode, out, err)
+
+
+def _python(*args: str, cwd, **env) -> subprocess.CompletedProcess:
+    return _finish(_start(*args, cwd=cwd, **env))
 
 
 def _command(*args: str, cwd) -> subprocess.CompletedProcess:
     return _python("-m", "deepspeed_cpp.utils.zero_to_fp32", *args, cwd=cwd)
+
+
+def _commands_at_once(*commands: tuple[str, ...], cwd) -> list[subprocess.CompletedProcess]:
+    """Independent command lines started together, finished in order: each is mostly an
+    interpreter importing torch, one core each, so two cores run two at a time."""
+    started = [_start("-m", "deepspeed_cpp.utils.zero_to_fp32", *c, cwd=cwd) for c in commands]
+    return [_finish(process) for process in started]
 
 
 def _ok(done: subprocess.CompletedProcess) -> str:
@@ -105,27 +126,31 @@ def test_save_writes_the_script_beside_latest_and_it_runs_from_the_folder(saved,
     assert "zero_to_fp32.py" not in {entry["name"] for entry in meta["files"]}
     assert write_recovery_script(folder) is False  # unchanged: not rewritten by the next save
 
+    # Five independent runs, each with its own output (or none), started together.
+    directory_form = _start("zero_to_fp32.py", ".", "fp32", cwd=folder)
+    file_form = _start("zero_to_fp32.py", ".", "pytorch_model.bin", cwd=folder)
+    aliased = _start(
+        "-m", "deepspeed_cpp.compat", str(script), str(folder), "aliased", "--safe_serialization",
+        cwd=tmp_path,
+    )  # fmt: skip
+    help_text = _start("zero_to_fp32.py", "-h", cwd=folder)
+    without_package = _start("-S", str(script), ".", "out", cwd=folder, PYTHONPATH="")
     # The guide's command, from inside checkpoint-N, into an output directory (DeepSpeed 0.19).
-    out = _ok(_python("zero_to_fp32.py", ".", "fp32", cwd=folder))
+    out = _ok(_finish(directory_form))
     assert "wrote" in out
     loaded, index = _read_directory(folder / "fp32", safe=False)
     assert index is None
     _assert_same(loaded, state, "script, directory form")
     assert loaded["head2.weight"].data_ptr() == loaded["head.weight"].data_ptr()  # tie kept
     # The guide's older spelling, one file; and the script with the alias, from elsewhere.
-    _ok(_python("zero_to_fp32.py", ".", "pytorch_model.bin", cwd=folder))
+    _ok(_finish(file_form))
     _assert_same(torch.load(folder / "pytorch_model.bin", weights_only=True), state, "file")
-    _ok(
-        _python(
-            "-m", "deepspeed_cpp.compat", str(script), str(folder), "aliased",
-            "--safe_serialization", cwd=tmp_path,
-        )
-    )  # fmt: skip
+    _ok(_finish(aliased))
     _assert_same(_read_directory(tmp_path / "aliased", safe=True)[0], state, "alias, safetensors")
-    usage = _ok(_python("zero_to_fp32.py", "-h", cwd=folder))
+    usage = _ok(_finish(help_text))
     assert usage.startswith("usage: zero_to_fp32.py") and "--max_shard_size" in usage
     # A Python that cannot import deepspeed_cpp: one line saying what to install.
-    bare = _python("-S", str(script), ".", "out", cwd=folder, PYTHONPATH="")
+    bare = _finish(without_package)
     assert bare.returncode == 1
     lines = bare.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot import deepspeed_cpp" in lines[0], bare.stderr
@@ -161,37 +186,45 @@ def test_directory_form_shards_with_deepspeeds_file_names(saved, tmp_path, safe)
 
 def test_file_form_existing_directory_options_and_errors(saved, tmp_path):
     folder, state = saved
-    # An existing directory is an output directory (it used to die with IsADirectoryError).
     (tmp_path / "existing.bin").mkdir()
-    _ok(_command(str(folder), str(tmp_path / "existing.bin"), cwd=tmp_path))
+    (tmp_path / "weights").write_bytes(b"old")
+    # Each command writes its own output (or nothing): all run at once.
+    frozen_options = _start(
+        "-m", "deepspeed_cpp.compat", "-m", "deepspeed.utils.zero_to_fp32", str(folder),
+        "trainable", "-t", "global_step2", "--exclude_frozen_parameters", "-d", cwd=tmp_path,
+    )  # fmt: skip
+    existing_dir, safetensors_file, existing_file, *errors = _commands_at_once(
+        (str(folder), str(tmp_path / "existing.bin")),
+        (str(folder), "model.safetensors", "--safe_serialization"),
+        (str(folder), "weights"),
+        (str(folder), "x.bin", "--max_shard_size", "1GB"),
+        (str(folder), "d", "--max_shard_size", "5XB"),
+        (str(tmp_path / "nowhere"), "d"),
+        (str(folder), "d", "-t", "global_step9"),
+        cwd=tmp_path,
+    )
+    # An existing directory is an output directory (it used to die with IsADirectoryError).
+    _ok(existing_dir)
     _assert_same(_read_directory(tmp_path / "existing.bin", False)[0], state, "existing dir")
     # -t, --exclude_frozen_parameters, -d, through `python -m deepspeed_cpp.compat -m deepspeed...`
-    out = _ok(
-        _python(
-            "-m", "deepspeed_cpp.compat", "-m", "deepspeed.utils.zero_to_fp32", str(folder),
-            "trainable", "-t", "global_step2", "--exclude_frozen_parameters", "-d", cwd=tmp_path,
-        )
-    )  # fmt: skip
+    out = _ok(_finish(frozen_options))
     trainable = {n: t for n, t in state.items() if n not in FROZEN}
     _assert_same(_read_directory(tmp_path / "trainable", False)[0], trainable, "trainable")
     assert "zero_to_fp32: mid.weight -> pytorch_model.bin" in out
     # The one-file form: a new path with a weight-file suffix, or an existing file.
-    _ok(_command(str(folder), "model.safetensors", "--safe_serialization", cwd=tmp_path))
+    _ok(safetensors_file)
     from safetensors.torch import load_file
 
     _assert_same(load_file(tmp_path / "model.safetensors"), state, "one safetensors file")
-    (tmp_path / "weights").write_bytes(b"old")
-    _ok(_command(str(folder), "weights", cwd=tmp_path))
+    _ok(existing_file)
     _assert_same(torch.load(tmp_path / "weights", weights_only=True), state, "existing file")
 
-    error = _one_line_error(_command(str(folder), "x.bin", "--max_shard_size", "1GB", cwd=tmp_path))
-    assert "max_shard_size applies to an output directory" in error and "x.bin" in error
-    error = _one_line_error(_command(str(folder), "d", "--max_shard_size", "5XB", cwd=tmp_path))
-    assert "'5XB' is not a size" in error
-    error = _one_line_error(_command(str(tmp_path / "nowhere"), "d", cwd=tmp_path))
-    assert "nowhere/latest does not exist and no tag was given" in error
-    error = _one_line_error(_command(str(folder), "d", "-t", "global_step9", cwd=tmp_path))
-    assert "global_step9" in error
+    shard_of_a_file, bad_size, no_latest, no_tag = (_one_line_error(e) for e in errors)
+    assert "max_shard_size applies to an output directory" in shard_of_a_file
+    assert "x.bin" in shard_of_a_file
+    assert "'5XB' is not a size" in bad_size
+    assert "nowhere/latest does not exist and no tag was given" in no_latest
+    assert "global_step9" in no_tag
     assert not (tmp_path / "x.bin").exists() and not (tmp_path / "d").exists()
 
 
