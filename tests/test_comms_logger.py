@@ -20,6 +20,7 @@ def _one_step(stage: int, extra: dict):
 
     rank = dist.get_rank()
     config = {
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},

@@ -354,7 +354,11 @@ def client_optimizer_job(stage: int, seed: int):
     ]  # fmt: skip
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    config = {"train_batch_size": 2 * MICRO_BATCH, "zero_optimization": {"stage": stage}}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_batch_size": 2 * MICRO_BATCH,
+        "zero_optimization": {"stage": stage},
+    }
     engine, returned_optimizer, _, returned_scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
     )
@@ -513,3 +517,26 @@ def test_reference_itself_is_sensitive():
     five, _ = _reference(7, 5, 1, 2, 0.0)
     six, _ = _reference(7, 6, 1, 2, 0.0)
     assert _max_relative_difference(copy.deepcopy(six), five) > 1e-3
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_config_without_gradient_clipping_clips_at_deepspeeds_default(pool2, stage):
+    """DeepSpeed 0.19.8's default ``gradient_clipping`` is 1.0 (``runtime/constants.py``; its
+    engine, run on this machine with a config without the key, clips: an SGD step of lr 1 moved
+    the weights by exactly 1.0 in norm at stages 0, 2 and 3). Ours follows: no key trains like
+    the single-process reference clipped at 1.0, and measurably unlike the unclipped one."""
+    from deepspeed_cpp.runtime.config import DeepSpeedConfig
+    from deepspeed_cpp.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    assert GRADIENT_CLIPPING_DEFAULT == 1.0
+    config = _config(stage, "fp32", 1, 0.0)
+    del config["gradient_clipping"]
+    assert DeepSpeedConfig.parse(config).gradient_clipping == 1.0
+    seed = int(torch.randint(0, 2**30, (1,)))
+    steps = 3
+    ours = pool2.run(train_job, config, seed, steps)[0]["snapshots"][-1]["params"]
+    clipped, norms = _reference(seed, steps, 1, 2, 1.0, stage=stage)
+    unclipped, _ = _reference(seed, steps, 1, 2, 0.0, stage=stage)
+    assert min(float(n) for n in norms) > 1.5  # every step's norm was really clipped
+    assert _max_relative_difference(ours, clipped) <= 1e-6
+    assert _max_relative_difference(copy.deepcopy(ours), unclipped) > 1e-4

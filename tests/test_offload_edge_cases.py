@@ -93,7 +93,7 @@ def _failed_adoption_job(parent):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     def config(buffer_size):
-        return {"train_micro_batch_size_per_gpu": 4,
+        return {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 4,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                       "offload_optimizer": {"device": "cpu"},
@@ -127,7 +127,7 @@ def _eight_layers_with_nvme_parameters(parent, **zero):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(8)])
-    cfg = {"train_micro_batch_size_per_gpu": 4,
+    cfg = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 4,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {
                "stage": 3, "stage3_param_persistence_threshold": 0,
@@ -321,7 +321,11 @@ def _inference_offload_param_job():
 
     zero = {"stage": 3, "offload_param": {"device": "cpu"},
             "stage3_param_persistence_threshold": 0}  # fmt: skip
-    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "zero_optimization": zero}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "zero_optimization": zero,
+    }
     reference = make_model(SEED)
     tokens = global_batches(SEED, 1, 1, dist.get_world_size())[0][0][0]
     with torch.no_grad():

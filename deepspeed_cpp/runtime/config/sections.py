@@ -85,7 +85,8 @@ class OffloadOptimizerConfig(_OffloadConfig):
     writes overlap the rest of backward); the updated parameters are still all-gathered in
     ``engine.step()``. Not with gradient clipping, fp16 loss scaling, the delayed parameter
     update, ``ratio`` < 1 or expert-parallel MoE: those need every gradient (or the whole
-    step) before any update. Unset: on for ``device: "nvme"`` wherever none of those is in use (the
+    step) before any update (clipping is on unless ``gradient_clipping`` is 0: its default
+    is 1.0). Unset: on for ``device: "nvme"`` wherever none of those is in use (the
     swap I/O is what there is to hide; on a host with the "device" on its own cores a CPU
     step would only compete with backward), off otherwise; ``true`` refuses the combinations
     by name, ``false`` turns it off."""
