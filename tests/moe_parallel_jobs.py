@@ -301,6 +301,8 @@ def engine_offload_matches_in_memory(
             "train_batch_size": 6 * world,
             "train_micro_batch_size_per_gpu": 6,
             "gradient_clipping": clip,
+            # torch's AdamW stepping the host masters (DeepSpeed's default refuses it).
+            "zero_force_ds_cpu_optimizer": False,
             "zero_optimization": {
                 "stage": stage,
                 "reduce_bucket_size": 200,

@@ -104,6 +104,10 @@ class DeepSpeedConfig(ConfigSection):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     zero_allow_untested_optimizer: boolean() = False
     """DeepSpeed's permission to run ZeRO with an optimizer it did not build."""
+    zero_force_ds_cpu_optimizer: boolean() = True
+    """With ``offload_optimizer``, refuse an optimizer passed to ``initialize()`` that is not one
+    of the CPU optimizers (DeepSpeedCPUAdam, -Adagrad, -Lion), as DeepSpeed does (a torch
+    optimizer stepping the host's shards is slow); false allows it."""
     dataloader_drop_last: boolean() = False
     """Drop the last incomplete batch of the engine's data loader."""
     aio: AioConfig = Field(default_factory=AioConfig)
