@@ -130,7 +130,10 @@ def train_job(
             engine.step()
         snapshots.append(
             {"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
-             "loss_scale": engine.get_loss_scale(), "overflow": engine.optimizer.overflow}
+             "loss_scale": engine.get_loss_scale(), "overflow": engine.optimizer.overflow,
+             "scale_view": (engine.optimizer.dynamic_loss_scale,
+                            engine.optimizer.loss_scale_config.cur_scale,
+                            engine.optimizer.loss_scale_config.cur_iter)}
         )  # fmt: skip
     return {
         "snapshots": snapshots,
@@ -333,6 +336,10 @@ def test_fp16_overflow_skips_exactly_one_step_on_all_ranks(pool2):
         # DeepSpeed's optimizer.overflow (accelerate reports the skipped step from it).
         overflows = [snapshot["overflow"] for snapshot in result["snapshots"]]
         assert overflows == [step == overflow_step for step in range(steps)]
+        # DeepSpeed's optimizer.dynamic_loss_scale and loss_scale_config (scale, steps seen).
+        views = [snapshot["scale_view"] for snapshot in result["snapshots"]]
+        scales = [snapshot["loss_scale"] for snapshot in result["snapshots"]]
+        assert views == [(True, scale, step + 1) for step, scale in enumerate(scales)]
         after = result["snapshots"][overflow_step + 1]
         assert any(not torch.equal(after["params"][n], t) for n, t in during["params"].items())
     assert (
