@@ -653,7 +653,7 @@ def test_keys_from_deepspeeds_documentation_are_never_unknown():
             "OneBitAdam optimizer is not supported yet",
         ),
         (_with_batch(optimizer={"type": "adagrad"}), "Adagrad optimizer is not supported yet"),
-        (_with_batch(optimizer={"type": "Lion"}), "Lion optimizer is not supported yet"),
+        (_with_batch(optimizer={"type": "Lamb"}), "Lamb optimizer is not supported yet"),
         (_with_batch(optimizer={"type": "RMSprop"}), "torch.optim.RMSprop from the config is not"),
         (
             _with_batch(scheduler={"type": "CosineAnnealingLR"}),

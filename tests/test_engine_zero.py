@@ -547,3 +547,47 @@ def test_a_config_without_gradient_clipping_clips_at_deepspeeds_default(pool2, s
     assert min(float(n) for n in norms) > 1.5  # every step's norm was really clipped
     assert _max_relative_difference(ours, clipped) <= 1e-6
     assert _max_relative_difference(copy.deepcopy(ours), unclipped) > 1e-4
+
+
+def lion_job(seed: int) -> dict:
+    """The config's "Lion" (DeepSpeedCPULion), in memory and offloaded, against the same
+    optimizer passed to initialize()."""
+    import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.ops.lion import DeepSpeedCPULion
+
+    hyper = {"lr": 1e-2, "betas": [0.9, 0.97], "weight_decay": 0.05}
+    results = {}
+    for kind in ("config", "offload", "client"):
+        model = _make_model(seed)
+        config = _config(2, "fp32", 1, 0.0)
+        config["optimizer"] = {"type": "Lion", "params": hyper}
+        optimizer = None
+        if kind == "offload":
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if kind == "client":
+            del config["optimizer"]
+            optimizer = DeepSpeedCPULion(model.parameters(), **hyper)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        rank = dist.get_rank()
+        for micro_batches in _global_batches(seed, 3, 1, dist.get_world_size()):
+            for x, y in micro_batches:
+                mine = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
+                engine.backward(torch.nn.functional.mse_loss(engine(x[mine]), y[mine]))
+                engine.step()
+        results[kind] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        results[kind + "_class"] = type(engine.optimizer.optimizer).__name__
+        engine.destroy()
+    return results
+
+
+def test_config_lion_is_deepspeed_cpu_lion(pool2):
+    seed = int(torch.randint(0, 2**30, (1,)))
+    for result in pool2.run(lion_job, seed):
+        assert result["config_class"] == result["client_class"] == "DeepSpeedCPULion"
+        for name, value in result["client"].items():
+            assert torch.equal(result["config"][name], value), name
+            assert torch.equal(result["offload"][name], value), name
+        initial = _make_model(seed)
+        moved = [not torch.equal(p, result["config"][n]) for n, p in initial.named_parameters()
+                 if p.requires_grad]  # fmt: skip
+        assert any(moved)
