@@ -138,6 +138,9 @@ def ds_config(spec: dict) -> dict:
         zero["offload_optimizer"]["step_during_backward"] = False
     config = {
         "train_micro_batch_size_per_gpu": spec["micro_batch"],
+        # Off for both libraries (their default is 1.0): clipping would keep ours from stepping
+        # during backward, the overlap these rows measure.
+        "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         "zero_optimization": zero,
         "steps_per_print": 10**9,

@@ -75,7 +75,11 @@ def unwrap_for_generation(seed: int) -> dict:
     reference = [p.detach().clone() for p in model.parameters()]
     # Threshold 0: no parameter is kept whole (persistent) for being small.
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": zero,
+    }
     engine, _, _, _ = deepspeed.initialize(model=model, config=config)
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed + 1))
     with unwrap_model_for_generation(engine) as unwrapped:

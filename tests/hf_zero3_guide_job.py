@@ -30,6 +30,7 @@ MODEL_DIR = os.environ["MODEL_DIR"]
 REPORT_DIR = Path(os.environ["REPORT_DIR"])
 
 ds_config = {
+    "gradient_clipping": 0.0,
     "train_micro_batch_size_per_gpu": 1,
     # Every parameter partitioned (the default keeps parameters under 100k elements whole, which
     # would be all of a tiny model's).

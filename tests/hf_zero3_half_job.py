@@ -31,6 +31,7 @@ saved = load_file(str(Path(MODEL_DIR) / "model.safetensors"))
 report = {"deepspeed_module": deepspeed.__name__, "transformers": transformers.__version__}
 for key, dtype in PRECISIONS.items():
     ds_config = {
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": 1,
         key: {"enabled": True},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},

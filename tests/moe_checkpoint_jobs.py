@@ -45,6 +45,7 @@ def _engine(ep_size: int, stage: int, seed: int, num_experts: int = 4, offload: 
         {"params": list(model.parameters()), "name": "parameters"}
     )
     config = {
+        "gradient_clipping": 0.0,
         "train_batch_size": 6 * dist.get_world_size(),
         "train_micro_batch_size_per_gpu": 6,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},

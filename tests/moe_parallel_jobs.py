@@ -124,6 +124,7 @@ class _MoENet(nn.Module):
 
 def _engine_config(stage: int) -> dict:
     return {
+        "gradient_clipping": 0.0,
         "train_batch_size": 8,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
         "zero_optimization": {"stage": stage},
@@ -300,6 +301,8 @@ def engine_offload_matches_in_memory(
             "train_batch_size": 6 * world,
             "train_micro_batch_size_per_gpu": 6,
             "gradient_clipping": clip,
+            # torch's AdamW stepping the host masters (DeepSpeed's default refuses it).
+            "zero_force_ds_cpu_optimizer": False,
             "zero_optimization": {
                 "stage": stage,
                 "reduce_bucket_size": 200,
@@ -365,7 +368,7 @@ def offload_refusals(folder: str) -> list[str]:
     ]  # fmt: skip
     messages = []
     for zero, params in cases:
-        config = {"train_batch_size": 2 * dist.get_world_size(),
+        config = {"gradient_clipping": 0.0, "train_batch_size": 2 * dist.get_world_size(),
                   "optimizer": {"type": "Adam", "params": params},
                   "zero_optimization": zero}  # fmt: skip
         try:

@@ -36,6 +36,7 @@ def _config(stage: int, dtype: str, offload: bool) -> dict:
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     config = {
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": GAS,
         "steps_per_print": 1000,

@@ -114,8 +114,11 @@ def test_cpu_device_count_is_the_local_process_count(monkeypatch):
 def test_cpu_dtypes():
     cpu = CPUAccelerator()
     assert cpu.is_bf16_supported() is True
-    assert cpu.is_fp16_supported() is False
-    assert cpu.supported_dtypes() == [torch.float32, torch.bfloat16]
+    # DeepSpeed's CPU accelerator: fp16 where oneDNN has fp16 kernels for this CPU.
+    fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    assert cpu.is_fp16_supported() is fp16
+    expected = [torch.float32, torch.bfloat16] + ([torch.float16] if fp16 else [])
+    assert cpu.supported_dtypes() == expected
 
 
 def test_cpu_rng_matches_torch_and_round_trips():

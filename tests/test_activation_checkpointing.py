@@ -275,6 +275,7 @@ def engine_job(stage: int, seed: int, steps: int):
         torch.manual_seed(seed)
         model = Net(use_checkpoint)
         config = {
+            "gradient_clipping": 0.0,
             "train_micro_batch_size_per_gpu": MICRO,
             "steps_per_print": 1000,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},

@@ -9,6 +9,7 @@ import torch
 
 def _config(stage: int, gas: int = 1) -> dict:
     return {
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": gas,
         "steps_per_print": 1000,

@@ -295,7 +295,11 @@ def module_only_job(directory: str, seed: int):
     zero = {"stage": 3, "stage3_param_persistence_threshold": PERSIST}
     inference, *_ = deepspeed.initialize(
         model=make_model(seed + 3),
-        config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero},
+        config={
+            "gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": zero,
+        },
     )
     inference.load_checkpoint(directory)
     return weights(source), steps, loaded, weights(engine), weights(inference)
@@ -468,7 +472,7 @@ def test_gather_16bit_weights_key_is_read():
     from deepspeed_cpp.runtime.config import DeepSpeedConfig
     from deepspeed_cpp.runtime.config.key_policy import ignored_key_paths
 
-    raw = {"train_batch_size": 2, "zero_optimization": {
+    raw = {"gradient_clipping": 0.0, "train_batch_size": 2, "zero_optimization": {
         "stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}  # fmt: skip
     zero = DeepSpeedConfig.load(raw, world_size=1).zero_optimization
     assert zero.gather_16bit_weights_on_model_save is True

@@ -20,6 +20,7 @@ def _one_step(stage: int, extra: dict):
 
     rank = dist.get_rank()
     config = {
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -84,11 +85,12 @@ def test_zero3_step(pool2):
         assert summary == {
             # Each fetch unit gathered once, with one all-gather of its parameters' shards
             # (kept from forward through backward: the default max_reuse_distance never
-            # releases early); the message is the gathered buffer: Linear 1 (1216 + 32) and
-            # Linear 2 (608 + 32) elements of fp32. Then the coordinator's agreement: three
-            # int64 (unit, uses, digest) per rank where a use launched gathers (the two units
-            # in forward) and once at the end of the pass.
-            "all_gather_into_tensor": {1248 * 4: 1, 640 * 4: 1, 3 * 8 * 2: 3},
+            # releases early); the message is one rank's part, as DeepSpeed logs it (its
+            # ``tensor`` argument): half of Linear 1 (1216 + 32) and of Linear 2 (608 + 32)
+            # elements of fp32. Then the coordinator's agreement: three int64 (unit, uses,
+            # digest) from each rank where a use launched gathers (the two units in forward)
+            # and once at the end of the pass.
+            "all_gather_into_tensor": {624 * 4: 1, 320 * 4: 1, 3 * 8: 3},
             # The C++ reducer: one bucket per fetch unit, the same elements as its gather (fp32,
             # whole, all-reduced), then the global gradient norm (one float64).
             "all_reduce": {1248 * 4: 1, 640 * 4: 1, 8: 1},
@@ -114,8 +116,12 @@ def test_table_and_bandwidths():
     # DeepSpeed's calc_bw_log: all_reduce algbw = 2*size/t, busbw = size/t * 2(n-1)/n.
     algbw, busbw = bandwidths("all_reduce", 10**6, 1.0, 4)
     assert algbw == pytest.approx(16.0) and busbw == pytest.approx(12.0)
+    # All-gather: the size is one rank's part, the bandwidths count the gathered whole
+    # (DeepSpeed: size *= n); a reduce-scatter of that whole moves the same bytes.
     algbw, busbw = bandwidths("all_gather_into_tensor", 10**6, 2.0, 2)
-    assert algbw == pytest.approx(4.0) and busbw == pytest.approx(2.0)
+    assert algbw == pytest.approx(8.0) and busbw == pytest.approx(4.0)
+    assert bandwidths("all_gather", 10**6, 2.0, 2) == (algbw, busbw)
+    assert bandwidths("reduce_scatter_tensor", 2 * 10**6, 2.0, 2) == (algbw, busbw)
     assert convert_size(0) == "0B" and convert_size(1536) == "1.5 KB"
     logger = CommsLogger()
     logger.enabled = True

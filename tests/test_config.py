@@ -378,12 +378,14 @@ def test_cpu_offload_true_becomes_offload_optimizer_and_finalizes():
 @pytest.mark.parametrize(
     "offload, extra, expected",
     [
-        ({"device": "nvme", "nvme_path": "/x"}, {}, None),  # unset: wherever the engine can
+        # unset: wherever the engine can (clipping off: its default, 1.0, excludes it)
+        ({"device": "nvme", "nvme_path": "/x"}, {"gradient_clipping": 0}, None),
+        ({"device": "nvme", "nvme_path": "/x"}, {}, False),
         ({"device": "nvme", "nvme_path": "/x"}, {"gradient_clipping": 1.0}, False),
         ({"device": "nvme", "nvme_path": "/x"}, {"fp16": {"enabled": True}}, False),
         ({"device": "nvme", "nvme_path": "/x", "ratio": 0.5}, {}, False),
         ({"device": "cpu"}, {}, False),
-        ({"device": "cpu", "step_during_backward": True}, {}, True),
+        ({"device": "cpu", "step_during_backward": True}, {"gradient_clipping": 0}, True),
         ({"device": "nvme", "nvme_path": "/x", "step_during_backward": False}, {}, False),
     ],
 )
@@ -394,6 +396,14 @@ def test_step_during_backward_defaults_to_on_for_nvme_where_nothing_excludes_it(
         _with_batch(zero_optimization={"stage": 2, "offload_optimizer": offload}, **extra)
     )
     assert config.step_during_backward_setting() is expected
+
+
+def test_step_during_backward_true_names_the_default_clipping_it_conflicts_with():
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "step_during_backward": True}}
+    with pytest.raises(DeepSpeedConfigError) as error:
+        DeepSpeedConfig.load(_with_batch(zero_optimization=zero))
+    assert "gradient_clipping = 1.0, the default (clipping needs the global" in str(error.value)
+    assert "gradient_clipping = 0 turns it off" in str(error.value)
 
 
 def test_adamw_ignores_adam_w_mode_false_with_a_warning(ds_log):
@@ -643,7 +653,7 @@ def test_keys_from_deepspeeds_documentation_are_never_unknown():
             "OneBitAdam optimizer is not supported yet",
         ),
         (_with_batch(optimizer={"type": "adagrad"}), "Adagrad optimizer is not supported yet"),
-        (_with_batch(optimizer={"type": "Lion"}), "Lion optimizer is not supported yet"),
+        (_with_batch(optimizer={"type": "Lamb"}), "Lamb optimizer is not supported yet"),
         (_with_batch(optimizer={"type": "RMSprop"}), "torch.optim.RMSprop from the config is not"),
         (
             _with_batch(scheduler={"type": "CosineAnnealingLR"}),

@@ -31,6 +31,7 @@ def test_training_matches_torch_optimizer_in_float64(adamw_mode):
     torch_float32 = copy.deepcopy(ours)
     hp = dict(lr=1e-2, betas=(0.9, 0.98), eps=1e-7, weight_decay=0.05)
     optimizer = DeepSpeedCPUAdam(ours.parameters(), adamw_mode=adamw_mode, **hp)
+    assert optimizer.adam_w_mode is adamw_mode  # DeepSpeed's attribute name
     torch_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     reference_optimizer = torch_cls(reference.parameters(), foreach=False, **hp)
     torch_float32_optimizer = torch_cls(torch_float32.parameters(), foreach=False, **hp)

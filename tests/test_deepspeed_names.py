@@ -6,6 +6,7 @@ the engines real ranks build; the config classes are the ones the config parses 
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -114,6 +115,48 @@ def test_zero_config_classes_are_the_parsed_sections():
     assert DeepSpeedZeroConfig(stage=2).offload_optimizer is None
     with pytest.raises(ValueError, match="nvme_path"):
         DeepSpeedZeroOffloadOptimizerConfig(device=OffloadDeviceEnum.nvme)
+
+
+def test_zero_config_built_directly_translates_deprecated_keys_as_the_config_does(caplog):
+    """``DeepSpeedZeroConfig(**section)`` gives what the same section inside a whole config
+    gives: deprecated keys moved to their new names (with a warning), refusals named."""
+    from deepspeed_cpp.runtime.config import DeepSpeedConfig
+    from deepspeed_cpp.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed_cpp.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
+
+    for section in (
+        {"stage": 3, "cpu_offload_param": True, "cpu_offload": True},
+        {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True},
+        {"stage": 2, "round_robin_gradients": True, "reduce_bucket_size": 77},
+    ):
+        direct = DeepSpeedZeroConfig(**section)
+        whole = DeepSpeedConfig.parse({"train_batch_size": 1, "zero_optimization": section})
+        assert direct == whole.zero_optimization, section
+    direct = DeepSpeedZeroConfig(cpu_offload_param=True, cpu_offload=True)
+    assert isinstance(direct.offload_param, DeepSpeedZeroOffloadParamConfig)
+    assert isinstance(direct.offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig)
+    assert direct.offload_optimizer.device == "cpu" and direct.offload_param.device == "cpu"
+    assert DeepSpeedZeroConfig(stage3_gather_fp16_weights_on_model_save=True).model_dump()[
+        "gather_16bit_weights_on_model_save"
+    ]
+    logger = logging.getLogger("deepspeed_cpp")  # it does not propagate to the root logger
+    logger.addHandler(caplog.handler)
+    try:
+        DeepSpeedZeroConfig(cpu_offload=True)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "'zero_optimization.cpu_offload' is deprecated in DeepSpeed" in caplog.text
+    with pytest.raises(ValueError, match="zero_optimization.legacy_stage1 = true: not supported"):
+        DeepSpeedZeroConfig(legacy_stage1=True)
+    with pytest.raises(ValueError, match="cpu_offlad"):
+        DeepSpeedZeroConfig(cpu_offlad=True)
+    # DeepSpeed's derived read-only flags.
+    assert DeepSpeedZeroConfig(stage=1).pipeline_loading_checkpoint is False
+    assert DeepSpeedZeroOffloadOptimizerConfig().pipeline is False
+    assert DeepSpeedZeroOffloadOptimizerConfig(pipeline_write=True).pipeline is True
 
 
 def test_lr_schedule_constants_build_their_schedules():

@@ -130,7 +130,10 @@ def train_job(
             engine.step()
         snapshots.append(
             {"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
-             "loss_scale": engine.get_loss_scale(), "overflow": engine.optimizer.overflow}
+             "loss_scale": engine.get_loss_scale(), "overflow": engine.optimizer.overflow,
+             "scale_view": (engine.optimizer.dynamic_loss_scale,
+                            engine.optimizer.loss_scale_config.cur_scale,
+                            engine.optimizer.loss_scale_config.cur_iter)}
         )  # fmt: skip
     return {
         "snapshots": snapshots,
@@ -333,6 +336,10 @@ def test_fp16_overflow_skips_exactly_one_step_on_all_ranks(pool2):
         # DeepSpeed's optimizer.overflow (accelerate reports the skipped step from it).
         overflows = [snapshot["overflow"] for snapshot in result["snapshots"]]
         assert overflows == [step == overflow_step for step in range(steps)]
+        # DeepSpeed's optimizer.dynamic_loss_scale and loss_scale_config (scale, steps seen).
+        views = [snapshot["scale_view"] for snapshot in result["snapshots"]]
+        scales = [snapshot["loss_scale"] for snapshot in result["snapshots"]]
+        assert views == [(True, scale, step + 1) for step, scale in enumerate(scales)]
         after = result["snapshots"][overflow_step + 1]
         assert any(not torch.equal(after["params"][n], t) for n, t in during["params"].items())
     assert (
@@ -354,7 +361,11 @@ def client_optimizer_job(stage: int, seed: int):
     ]  # fmt: skip
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    config = {"train_batch_size": 2 * MICRO_BATCH, "zero_optimization": {"stage": stage}}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_batch_size": 2 * MICRO_BATCH,
+        "zero_optimization": {"stage": stage},
+    }
     engine, returned_optimizer, _, returned_scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
     )
@@ -513,3 +524,70 @@ def test_reference_itself_is_sensitive():
     five, _ = _reference(7, 5, 1, 2, 0.0)
     six, _ = _reference(7, 6, 1, 2, 0.0)
     assert _max_relative_difference(copy.deepcopy(six), five) > 1e-3
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_config_without_gradient_clipping_clips_at_deepspeeds_default(pool2, stage):
+    """DeepSpeed 0.19.8's default ``gradient_clipping`` is 1.0 (``runtime/constants.py``; its
+    engine, run on this machine with a config without the key, clips: an SGD step of lr 1 moved
+    the weights by exactly 1.0 in norm at stages 0, 2 and 3). Ours follows: no key trains like
+    the single-process reference clipped at 1.0, and measurably unlike the unclipped one."""
+    from deepspeed_cpp.runtime.config import DeepSpeedConfig
+    from deepspeed_cpp.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    assert GRADIENT_CLIPPING_DEFAULT == 1.0
+    config = _config(stage, "fp32", 1, 0.0)
+    del config["gradient_clipping"]
+    assert DeepSpeedConfig.parse(config).gradient_clipping == 1.0
+    seed = int(torch.randint(0, 2**30, (1,)))
+    steps = 3
+    ours = pool2.run(train_job, config, seed, steps)[0]["snapshots"][-1]["params"]
+    clipped, norms = _reference(seed, steps, 1, 2, 1.0, stage=stage)
+    unclipped, _ = _reference(seed, steps, 1, 2, 0.0, stage=stage)
+    assert min(float(n) for n in norms) > 1.5  # every step's norm was really clipped
+    assert _max_relative_difference(ours, clipped) <= 1e-6
+    assert _max_relative_difference(copy.deepcopy(ours), unclipped) > 1e-4
+
+
+def lion_job(seed: int) -> dict:
+    """The config's "Lion" (DeepSpeedCPULion), in memory and offloaded, against the same
+    optimizer passed to initialize()."""
+    import deepspeed_cpp as deepspeed
+    from deepspeed_cpp.ops.lion import DeepSpeedCPULion
+
+    hyper = {"lr": 1e-2, "betas": [0.9, 0.97], "weight_decay": 0.05}
+    results = {}
+    for kind in ("config", "offload", "client"):
+        model = _make_model(seed)
+        config = _config(2, "fp32", 1, 0.0)
+        config["optimizer"] = {"type": "Lion", "params": hyper}
+        optimizer = None
+        if kind == "offload":
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if kind == "client":
+            del config["optimizer"]
+            optimizer = DeepSpeedCPULion(model.parameters(), **hyper)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        rank = dist.get_rank()
+        for micro_batches in _global_batches(seed, 3, 1, dist.get_world_size()):
+            for x, y in micro_batches:
+                mine = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
+                engine.backward(torch.nn.functional.mse_loss(engine(x[mine]), y[mine]))
+                engine.step()
+        results[kind] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        results[kind + "_class"] = type(engine.optimizer.optimizer).__name__
+        engine.destroy()
+    return results
+
+
+def test_config_lion_is_deepspeed_cpu_lion(pool2):
+    seed = int(torch.randint(0, 2**30, (1,)))
+    for result in pool2.run(lion_job, seed):
+        assert result["config_class"] == result["client_class"] == "DeepSpeedCPULion"
+        for name, value in result["client"].items():
+            assert torch.equal(result["config"][name], value), name
+            assert torch.equal(result["offload"][name], value), name
+        initial = _make_model(seed)
+        moved = [not torch.equal(p, result["config"][n]) for n, p in initial.named_parameters()
+                 if p.requires_grad]  # fmt: skip
+        assert any(moved)

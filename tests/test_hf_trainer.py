@@ -66,7 +66,8 @@ def _assert_same_training(ours: dict, reference: dict, tolerance: float) -> None
 def test_zero_stage_losses_equal_one_process_reference(pool2, tmp_path, reference, stage, offload):
     config = _auto_config(stage)
     if offload:
-        # The Trainer's torch AdamW, stepped on the host on the offloaded fp32 masters.
+        # The Trainer's AdamW, swapped for DeepSpeedCPUAdam over the same param groups (as
+        # accelerate does: zero_force_ds_cpu_optimizer), stepped on the offloaded fp32 masters.
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     results = pool2.run(
         run_trainer, {"output_dir": str(tmp_path), "micro": MICRO, "deepspeed": config}
@@ -74,7 +75,8 @@ def test_zero_stage_losses_equal_one_process_reference(pool2, tmp_path, referenc
     ours = results[0]
     assert [r["world_size"] for r in results] == [WORLD, WORLD]
     assert ours["zero_stage"] == stage
-    assert ours["engine_optimizer"] == "AdamW", "HF's optimizer (no 'optimizer' in the config)"
+    expected = "DeepSpeedCPUAdam" if offload else "AdamW"
+    assert ours["engine_optimizer"] == expected, "HF's optimizer (no 'optimizer' in the config)"
     assert results[1]["losses"] == ours["losses"], "every rank logs the same global loss"
     _assert_same_training(ours, reference, tolerance=1e-5)
 

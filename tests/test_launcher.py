@@ -432,6 +432,7 @@ ZERO2_TRAIN = textwrap.dedent(
     model = torch.nn.Sequential(torch.nn.Linear(13, 29), torch.nn.Tanh(), torch.nn.Linear(29, 7))
     config = {
         "train_micro_batch_size_per_gpu": 5,
+        "gradient_clipping": 0.0,  # the reference below does not clip
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.0}},
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 100},

@@ -34,6 +34,7 @@ def _train_with_monitors(root: str, stage: int, fp16: bool, monitors: dict | Non
             "csv_monitor": {"enabled": True, "output_path": out, "job_name": "csv_job"},
         }
     config = {
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
         "steps_per_print": 1,
@@ -177,6 +178,7 @@ def _train_with_timers(root: str, stage: int):
     handler = Collect()
     logging.getLogger("deepspeed_cpp").addHandler(handler)
     config = {
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
         "steps_per_print": 2,

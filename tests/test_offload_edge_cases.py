@@ -1,7 +1,8 @@
 """Offload corner cases found in review: a load while a delayed step is pending, a partial
 offload with an optimizer that cannot step part of its tensors, a parameter offload that fails
 half-way, NVMe read-ahead when parameters are released between forward and backward, and an
-NVMe swap write past the file size limit (RLIMIT_FSIZE) in the middle of a step."""
+NVMe swap write past the file size limit (RLIMIT_FSIZE) in the middle of a step; and
+DeepSpeed's ``zero_force_ds_cpu_optimizer`` (a client optimizer with optimizer offload)."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def _failed_adoption_job(parent):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     def config(buffer_size):
-        return {"train_micro_batch_size_per_gpu": 4,
+        return {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 4,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                       "offload_optimizer": {"device": "cpu"},
@@ -127,7 +128,7 @@ def _eight_layers_with_nvme_parameters(parent, **zero):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(8)])
-    cfg = {"train_micro_batch_size_per_gpu": 4,
+    cfg = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 4,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {
                "stage": 3, "stage3_param_persistence_threshold": 0,
@@ -321,7 +322,11 @@ def _inference_offload_param_job():
 
     zero = {"stage": 3, "offload_param": {"device": "cpu"},
             "stage3_param_persistence_threshold": 0}  # fmt: skip
-    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "zero_optimization": zero}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "zero_optimization": zero,
+    }
     reference = make_model(SEED)
     tokens = global_batches(SEED, 1, 1, dist.get_world_size())[0][0][0]
     with torch.no_grad():
@@ -353,3 +358,71 @@ def test_offload_param_without_an_optimizer_runs_inference(pool2):
         assert refused is not None and 'offload_param.device = "cpu" needs offload_optimizer' in (
             refused
         )
+
+
+def _client_optimizer_with_offload_job(force):
+    import deepspeed_cpp
+    from deepspeed_cpp.ops.adam import DeepSpeedCPUAdam
+    from deepspeed_cpp.runtime.zero.utils import ZeRORuntimeException
+
+    found = {}
+    for stage in (2, 3):
+        cfg = _config(stage, "fp32", {"device": "cpu"})
+        del cfg["optimizer"]
+        if force is not None:
+            cfg["zero_force_ds_cpu_optimizer"] = force
+        for kind in ("torch", "callable", "cpu_adam"):
+            model = make_model(SEED)
+            if kind == "torch":
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            elif kind == "callable":
+                optimizer = lambda groups: torch.optim.AdamW(groups, lr=1e-2)  # noqa: E731
+            else:
+                optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-2)
+            try:
+                engine, *_ = deepspeed_cpp.initialize(model=model, optimizer=optimizer, config=cfg)
+                _run_steps(engine, global_batches(SEED, 1, 2, dist.get_world_size()), 0)
+                engine.destroy()
+                found[stage, kind] = "trained"
+            except ZeRORuntimeException as error:
+                found[stage, kind] = str(error)
+    return found
+
+
+@pytest.mark.parametrize("force", [None, False])
+def test_zero_force_ds_cpu_optimizer_refuses_a_torch_optimizer_with_offload(pool2, force):
+    """DeepSpeed's ``zero_force_ds_cpu_optimizer`` (default true): with optimizer offload, an
+    optimizer passed to initialize() must be a CPU one (checked on what a callable builds)."""
+    for found in pool2.run(_client_optimizer_with_offload_job, force):
+        for stage in (2, 3):
+            assert found[stage, "cpu_adam"] == "trained"
+            for kind in ("torch", "callable"):
+                if force is False:
+                    assert found[stage, kind] == "trained"
+                else:
+                    message = found[stage, kind]
+                    assert "(AdamW) that is not a CPU optimizer" in message, message
+                    assert '"zero_force_ds_cpu_optimizer": false' in message, message
+
+
+def test_hf_integration_swaps_a_torch_optimizer_for_a_cpu_one_with_offload():
+    """As accelerate does for DeepSpeed: the Trainer's optimizer becomes DeepSpeedCPUAdam (or
+    -Adagrad) over the same param groups, lr and weight decay, when the engine would refuse it."""
+    from deepspeed_cpp.integrations.hf.accelerator import cpu_optimizer_for_offload
+    from deepspeed_cpp.optim import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam
+
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))]
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    adamw = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, betas=(0.8, 0.9))
+    swapped = cpu_optimizer_for_offload(adamw, offload)
+    assert isinstance(swapped, DeepSpeedCPUAdam) and swapped.defaults["adamw_mode"] is True
+    group = swapped.param_groups[0]
+    assert group["params"] == params and group["lr"] == 3e-3 and group["weight_decay"] == 0.1
+    assert group["betas"] == (0.8, 0.9)
+    adam = cpu_optimizer_for_offload(torch.optim.Adam(params, lr=1e-3), offload)
+    assert isinstance(adam, DeepSpeedCPUAdam) and adam.defaults["adamw_mode"] is False
+    adagrad = cpu_optimizer_for_offload(torch.optim.Adagrad(params, lr=0.1), offload)
+    assert isinstance(adagrad, DeepSpeedCPUAdagrad)
+    assert cpu_optimizer_for_offload(adamw, {"zero_optimization": {"stage": 2}}) is adamw
+    allowed = {**offload, "zero_force_ds_cpu_optimizer": False}
+    assert cpu_optimizer_for_offload(adamw, allowed) is adamw

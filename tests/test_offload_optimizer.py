@@ -268,7 +268,8 @@ def _budget_job(parent):
         zero = {"stage": 2, "reduce_bucket_size": 20_000, "sub_group_size": 10_000}
         if offload is not None:
             zero["offload_optimizer"] = offload
-        cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
+        cfg = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 4,
+               "zero_optimization": zero,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # fmt: skip
         engine, *_ = deepspeed_cpp.initialize(model=model, config=cfg)
         generator = torch.Generator().manual_seed(dist.get_rank())

@@ -154,7 +154,7 @@ def _engine_with(offload):
     zero = {"stage": 2, "reduce_bucket_size": 32_768, "sub_group_size": 32_768}
     if offload is not None:
         zero["offload_optimizer"] = offload
-    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
+    cfg = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # fmt: skip
     engine, *_ = deepspeed_cpp.initialize(model=model, config=cfg)
     return engine

@@ -84,7 +84,7 @@ def test_refusals(pool2):
 
 
 def test_config_keys():
-    base = {"train_batch_size": 8, "tensor_parallel": {"autotp_size": 2}}
+    base = {"gradient_clipping": 0.0, "train_batch_size": 8, "tensor_parallel": {"autotp_size": 2}}
     assert DeepSpeedConfig.read(base).tensor_parallel.autotp_size == 2
     accepted = {**base, "tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": False,
                                             "tp": {"tp_size": 2}, "dtype": "fp32"}}  # fmt: skip

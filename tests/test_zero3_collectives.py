@@ -24,6 +24,7 @@ def count_job(layers: int, steps: int, width: int = 32, feedforward: int = 64):
         torch.nn.Linear(width, 4),
     )
     config = {
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},

@@ -40,6 +40,7 @@ def train_job(stage: int, seed: int, steps: int, checkpointing: str = "none"):
     torch.manual_seed(seed)
     model = AttentionNet(checkpointing)
     config = {
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
         # A unit per module (small ones would join their parent's: out_proj the attention's).

@@ -36,6 +36,7 @@ def branch_job(mode: str, steps: int):
 
     torch.manual_seed(0)
     config = {
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         # A unit per module: merged into the root's unit, the branches would gather alike.

@@ -240,6 +240,7 @@ def tp2_dp2_trains_like_one_process(seed: int, folder: str) -> dict:
     engine, *_ = deepspeed_cpp.initialize(model=model, config=config)
     mpu = engine.mpu
     layout = {
+        "gradient_clipping": 0.0,
         "tp_ranks": dist.get_process_group_ranks(mpu.get_model_parallel_group()),
         "dp_ranks": dist.get_process_group_ranks(mpu.get_data_parallel_group()),
         "dp_world": engine.dp_world_size,

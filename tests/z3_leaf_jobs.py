@@ -64,6 +64,7 @@ def leaf_block_trains(mark_by: str) -> dict:
     marked = set_z3_leaf_modules(model, [Experts if mark_by == "class" else "Experts"])
     assert marked == [model.moe] and get_z3_leaf_modules(model) == [model.moe]
     config = {
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "steps_per_print": 1000,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},

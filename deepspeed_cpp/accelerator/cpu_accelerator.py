@@ -137,9 +137,13 @@ class CPUAccelerator(DeepSpeedAccelerator):
         return True
 
     def is_fp16_supported(self) -> bool:
-        # fp16 arithmetic on the CPU is mostly emulated and slower than fp32; as in DeepSpeed's
-        # CPU accelerator, scripts that ask are steered to bf16.
-        return False
+        # DeepSpeed's CPU accelerator says yes where oneDNN has fp16 kernels for this CPU
+        # (AVX512-FP16/AMX-FP16, or torch's own answer for it); scripts and DeepSpeed's tests
+        # that pick their precision from this question must pick the same one here.
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        except (AttributeError, RuntimeError):  # a torch built without oneDNN
+            return False
 
     # ---- tensors -------------------------------------------------------------------------
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:

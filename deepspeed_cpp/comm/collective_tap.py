@@ -26,9 +26,9 @@ _SIZE_ARGUMENT = {
     "all_reduce": "tensor",
     "broadcast": "tensor",
     "reduce": "tensor",
-    "all_gather": "tensor_list",
-    "all_gather_into_tensor": "output_tensor",
-    "all_gather_single": "output_tensor",  # torch 2.14's name of the same collective
+    "all_gather": "tensor",  # one rank's part, as DeepSpeed logs it
+    "all_gather_into_tensor": "input_tensor",
+    "all_gather_single": "input_tensor",  # torch 2.14's name of the same collective
     "reduce_scatter": "input_list",
     "reduce_scatter_tensor": "input",
     "all_to_all_single": "input",

@@ -4,13 +4,13 @@ with its message size, latency and algorithmic / bus bandwidth, summed per op an
 Off by default, and then free: nothing is wrapped (``collective_tap.py`` swaps torch's functions
 only while it is on; the C++ reducer is wrapped only if it is on when the engine builds it).
 
-Message size is the whole buffer the collective moves: the tensor of an all-reduce or broadcast,
-the gathered output of an all-gather, the reduced input of a reduce-scatter. DeepSpeed logs the
-collective's ``tensor`` argument and multiplies it by the world size in the bandwidths: for an
-all-gather that is the per-rank part (its size column is 1/world_size of ours, its bandwidths
-equal ours); for a reduce-scatter it is the whole input (the same size as ours, but bandwidths
-world_size times ours, which overstates them). Bandwidths are otherwise DeepSpeed's formulas
-(``calc_bw_log``), in Gbps from the size in bytes and the latency in ms.
+Message size is DeepSpeed's: the collective's ``tensor`` argument, so the tensor of an all-reduce
+or broadcast, the per-rank part an all-gather contributes (its input, 1/world_size of the
+gathered output), the whole input of a reduce-scatter. The bandwidths are DeepSpeed's formulas
+(``calc_bw_log``, in Gbps from the size in bytes and the latency in ms), which count an
+all-gather's whole gathered buffer (size x world size); for a reduce-scatter, whose logged size
+is already the whole input, DeepSpeed multiplies by the world size again and so overstates its
+bandwidths world_size times: here they are taken from the whole input once.
 """
 
 from __future__ import annotations
@@ -21,12 +21,8 @@ from dataclasses import dataclass, field
 
 from ..utils.logging import logger
 
-_GATHER_SCATTER = {
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-}
+_GATHER = {"all_gather", "all_gather_into_tensor"}  # size: one rank's part
+_SCATTER = {"reduce_scatter", "reduce_scatter_tensor"}  # size: the whole input
 _ALL_REDUCE = {"all_reduce", "all_reduce_coalesced", "inference_all_reduce"}
 _POINT_TO_ALL = {"broadcast", "reduce", "gather", "scatter", "send", "recv", "barrier"}
 
@@ -36,8 +32,8 @@ def bandwidths(op: str, size: int, latency_ms: float, world_size: int) -> tuple[
     if latency_ms <= 0:
         return 0.0, 0.0
     n = world_size
-    per_ms = size / latency_ms
-    if op == "all_to_all_single" or op in _GATHER_SCATTER:
+    per_ms = size * (n if op in _GATHER else 1) / latency_ms
+    if op == "all_to_all_single" or op in _GATHER or op in _SCATTER:
         algbw, busbw = per_ms, per_ms * (n - 1) / n
     elif op in _ALL_REDUCE:
         algbw, busbw = 2 * per_ms, per_ms * 2 * (n - 1) / n

@@ -70,6 +70,11 @@ class DeepSpeedCPUAdam(CPUOptimizerBase):
             )
         load_cpu_adam()
 
+    @property
+    def adam_w_mode(self) -> bool:
+        """DeepSpeed's attribute name for the optimizer's default ``adamw_mode``."""
+        return self.defaults["adamw_mode"]
+
     def _native_step(self, group, step, params, grads, states, params_lowp) -> None:
         beta1, beta2 = group["betas"]
         exp_avgs, exp_avg_sqs = states

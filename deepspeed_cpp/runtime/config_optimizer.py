@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from ..ops.fused_adam import fused_adam_available
-from ..optim import DeepSpeedCPUAdam, FusedAdam
+from ..optim import DeepSpeedCPUAdam, DeepSpeedCPULion, FusedAdam
 from ..utils.logging import logger
 
 
@@ -50,12 +50,22 @@ def config_optimizer_factory(
         torch_class = torch.optim.AdamW if adamw_mode else torch.optim.Adam
         fused = device.type == "cuda"
         return lambda groups: torch_class(groups, fused=fused or None, **hyper)
+    if kind == "lion":
+        hyper = dict(lr=params.pop("lr", 1e-3), betas=tuple(params.pop("betas", (0.9, 0.999))),
+                     weight_decay=params.pop("weight_decay", 0.0))  # fmt: skip
+        if device.type != "cpu":
+            raise ValueError(
+                f"optimizer.type 'Lion' on {device.type} is not supported yet (DeepSpeed's "
+                "FusedLion has no counterpart here); it runs on the CPU, or with "
+                "zero_optimization.offload_optimizer"
+            )
+        return lambda groups: DeepSpeedCPULion(groups, **hyper)
     if kind == "sgd":
         hyper = {k: params[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov")
                  if k in params}  # fmt: skip
         return lambda groups: torch.optim.SGD(groups, **hyper)
     raise ValueError(
-        f"optimizer.type '{optimizer_type}' is not supported yet; supported: Adam, AdamW, SGD"
+        f"optimizer.type '{optimizer_type}' is not supported yet; supported: Adam, AdamW, Lion, SGD"
     )
 
 

@@ -23,6 +23,7 @@ from .engine_refusals import (
     refuse_zero3_with_model_parallelism,
     release_previous_engine,
 )
+from .engine_state_moves import EngineStateMoves
 from .failed_step import FailedStepGuard
 from .half_inputs import cast_floating_to_half, cast_parameters
 from .initial_weights import broadcast_initial_weights
@@ -37,7 +38,7 @@ from .zero.moe_stage import needs_expert_sets
 from .zero.offload.host_heap import give_back_free_heap
 
 
-class DeepSpeedEngine(EngineCheckpoints, torch.nn.Module):
+class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, torch.nn.Module):
     """Wraps the user's module; ``backward`` and ``step`` run ZeRO stage 0, 1, 2 or 3.
 
     ``step()`` is called after every micro-batch, as with DeepSpeed: it steps the optimizer only

@@ -12,10 +12,13 @@ from ..runtime.zero.partition_parameters import (
     register_external_parameter,
     unregister_external_parameter,
 )
+from ..runtime.zero.tiling import TiledLinear, TiledLinearReturnBias
 
 __all__ = [
     "GatheredParameters",
     "Init",
+    "TiledLinear",
+    "TiledLinearReturnBias",
     "ZeroParamStatus",
     "register_external_parameter",
     "unregister_external_parameter",

@@ -115,6 +115,25 @@ class EngineScheduler:
             self.engine.lr_scheduler.load_state_dict(state_dict)
 
 
+def cpu_optimizer_for_offload(optimizer: torch.optim.Optimizer, config: dict):
+    """With optimizer offload and ``zero_force_ds_cpu_optimizer`` (on by default), the engine
+    accepts only a CPU optimizer; accelerate swaps the Trainer's torch optimizer for one over the
+    same param groups (Adagrad -> DeepSpeedCPUAdagrad, anything else -> DeepSpeedCPUAdam, in
+    AdamW mode for AdamW, with the optimizer's lr and weight decay). So does this."""
+    from ...optim import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam
+
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    if offload.get("device", "none") == "none" or not config.get(
+        "zero_force_ds_cpu_optimizer", True
+    ):
+        return optimizer
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in ("lr", "weight_decay")}
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return DeepSpeedCPUAdagrad(optimizer.param_groups, **defaults)
+    adamw = isinstance(optimizer, torch.optim.AdamW)
+    return DeepSpeedCPUAdam(optimizer.param_groups, adamw_mode=adamw, **defaults)
+
+
 class EngineAccelerator(Accelerator):
     """``accelerate.Accelerator`` whose ``prepare`` wraps the model in deepspeed_cpp's engine.
 
@@ -194,6 +213,7 @@ class EngineAccelerator(Accelerator):
             # A torch optimizer under ZeRO: DeepSpeed asks for this permission; the Hugging Face
             # integration grants it, as the guide says.
             config.setdefault("zero_allow_untested_optimizer", True)
+            client_optimizer = cpu_optimizer_for_offload(client_optimizer, config)
         trainable = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = deepspeed_cpp.initialize(
             model=model,

@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import Field, PrivateAttr, ValidationError
 
 from ...utils.logging import logger
+from ..constants import GRADIENT_CLIPPING_DEFAULT
 from .auto_values import (
     AUTO_AS_VALUE,
     fill_auto_values,
@@ -93,8 +94,9 @@ class DeepSpeedConfig(ConfigSection):
     comet: CometConfig = Field(default_factory=CometConfig)
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
-    gradient_clipping: number(minimum=0.0) = 0.0
-    """Clip the global gradient norm to this; 0 disables clipping."""
+    gradient_clipping: number(minimum=0.0) = GRADIENT_CLIPPING_DEFAULT
+    """Clip the global gradient norm to this; 0 disables clipping. The default is DeepSpeed
+    0.19.8's, 1.0: a config without the key clips, as it does under DeepSpeed."""
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = Field(default_factory=FP16Config)
@@ -102,6 +104,10 @@ class DeepSpeedConfig(ConfigSection):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     zero_allow_untested_optimizer: boolean() = False
     """DeepSpeed's permission to run ZeRO with an optimizer it did not build."""
+    zero_force_ds_cpu_optimizer: boolean() = True
+    """With ``offload_optimizer``, refuse an optimizer passed to ``initialize()`` that is not one
+    of the CPU optimizers (DeepSpeedCPUAdam, -Adagrad, -Lion), as DeepSpeed does (a torch
+    optimizer stepping the host's shards is slow); false allows it."""
     dataloader_drop_last: boolean() = False
     """Drop the last incomplete batch of the engine's data loader."""
     aio: AioConfig = Field(default_factory=AioConfig)
@@ -434,9 +440,10 @@ def _step_during_backward_problems(config) -> list[str]:
     key = "zero_optimization.offload_optimizer.step_during_backward = true"
     conflicts = []
     if not is_auto(config.gradient_clipping) and config.gradient_clipping > 0:
+        default = "" if "gradient_clipping" in config.model_fields_set else ", the default"
         conflicts.append(
-            f"gradient_clipping = {config.gradient_clipping} (clipping needs the global norm of "
-            f"every gradient first)"
+            f"gradient_clipping = {config.gradient_clipping}{default} (clipping needs the global "
+            f"norm of every gradient first; gradient_clipping = 0 turns it off)"
         )
     if config.fp16.enabled is True:
         conflicts.append("fp16.enabled = true (the overflow check needs every gradient first)")

@@ -102,6 +102,7 @@ FIELDS: dict[str, FieldUse] = {
     "tensor_parallel.preset_model": _read("runtime/tensor_parallel/setup.py"),
     "dataloader_drop_last": _read(_ENGINE),
     "nonfinite_gradients": _read(_ENGINE),
+    "zero_force_ds_cpu_optimizer": _read("runtime/zero/build.py"),
     "zero_allow_untested_optimizer": FieldUse(
         Use.FIXED, value=True, reason="ZeRO runs any optimizer passed to initialize()"
     ),

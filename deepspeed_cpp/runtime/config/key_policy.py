@@ -161,11 +161,6 @@ POLICIES: tuple[KeyPolicy, ...] = (
     ),
     _harmless_at("graph_harvesting", (False,), "CUDA graphs are not captured"),
     _harmless_at("disable_python_gc", (False,), "Python's garbage collector is left alone"),
-    _ignored(
-        "zero_force_ds_cpu_optimizer",
-        "with optimizer offload the config's Adam/AdamW always steps in DeepSpeedCPUAdam, and "
-        "an optimizer passed to initialize() is used as given",
-    ),
     _deprecated(
         "allgather_size",
         "it is only read with the boolean form of 'zero_optimization'; use "

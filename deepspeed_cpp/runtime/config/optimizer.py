@@ -1,7 +1,7 @@
 """The ``optimizer`` section: its type, and its ``params`` checked against that type.
 
 DeepSpeed matches the names of its own optimizers case-insensitively and hands any other name
-to ``torch.optim``. deepspeed_cpp builds Adam, AdamW and SGD from the config; the rest are
+to ``torch.optim``. deepspeed_cpp builds Adam, AdamW, Lion and SGD from the config; the rest are
 refused as "not supported yet" (a torch optimizer can still be passed to ``initialize``).
 
 DeepSpeed's "Adam" has ``adam_w_mode`` (default true): "Adam" with weight decay is AdamW unless
@@ -22,8 +22,8 @@ from .key_policy import policies_under
 from .values import ConfigSection, adam_betas, boolean, is_auto, number
 
 # Canonical (lower-case) name -> DeepSpeed's spelling.
-SUPPORTED_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
-_DEEPSPEED_NOT_YET = "Adagrad Lion Lamb OneBitAdam ZeroOneAdam OneBitLamb MuAdam MuAdamW MuSGD Muon"
+SUPPORTED_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "lion": "Lion", "sgd": "SGD"}
+_DEEPSPEED_NOT_YET = "Adagrad Lamb OneBitAdam ZeroOneAdam OneBitLamb MuAdam MuAdamW MuSGD Muon"
 _DEEPSPEED_OPTIMIZERS_NOT_YET = {name.lower(): name for name in _DEEPSPEED_NOT_YET.split()}
 _TORCH_OPTIMIZERS = {
     name.lower(): name
@@ -76,6 +76,14 @@ class AdamParams(ConfigSection):
     """Use torch's Adam/AdamW instead of deepspeed_cpp's kernels."""
 
 
+class LionParams(ConfigSection):
+    """``params`` of "Lion" (DeepSpeed's DeepSpeedCPULion/FusedLion arguments)."""
+
+    lr: number(minimum=0.0) = 1e-3
+    betas: adam_betas() = (0.9, 0.999)
+    weight_decay: number(minimum=0.0) = 0.0
+
+
 class SGDParams(ConfigSection):
     """``params`` of "SGD" (torch.optim.SGD's arguments)."""
 
@@ -99,6 +107,7 @@ class SGDParams(ConfigSection):
 PARAMS_BY_TYPE: dict[str, type[ConfigSection]] = {
     "adam": AdamParams,
     "adamw": AdamParams,
+    "lion": LionParams,
     "sgd": SGDParams,
 }
 

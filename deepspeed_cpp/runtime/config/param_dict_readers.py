@@ -4,6 +4,8 @@ building an engine; the engine itself reads the validated ``DeepSpeedConfig``.""
 
 from __future__ import annotations
 
+from ..constants import GRADIENT_CLIPPING_DEFAULT
+
 ADAM_OPTIMIZER = "adam"
 ADAMW_OPTIMIZER = "adamw"
 LAMB_OPTIMIZER = "lamb"
@@ -12,7 +14,7 @@ LION_OPTIMIZER = "lion"
 
 
 def get_gradient_clipping(param_dict: dict) -> float:
-    return param_dict.get("gradient_clipping", 0.0)
+    return param_dict.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
 
 
 def get_gradient_accumulation_steps(param_dict: dict):

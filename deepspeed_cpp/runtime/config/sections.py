@@ -12,6 +12,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ...utils.logging import logger
+from .key_policy import apply_key_policies, policies_under
 from .values import AUTO, ConfigSection, boolean, choice, integer, is_auto, number, text
 
 
@@ -85,13 +87,19 @@ class OffloadOptimizerConfig(_OffloadConfig):
     writes overlap the rest of backward); the updated parameters are still all-gathered in
     ``engine.step()``. Not with gradient clipping, fp16 loss scaling, the delayed parameter
     update, ``ratio`` < 1 or expert-parallel MoE: those need every gradient (or the whole
-    step) before any update. Unset: on for ``device: "nvme"`` wherever none of those is in use (the
+    step) before any update (clipping is on unless ``gradient_clipping`` is 0: its default
+    is 1.0). Unset: on for ``device: "nvme"`` wherever none of those is in use (the
     swap I/O is what there is to hide; on a host with the "device" on its own cores a CPU
     step would only compete with backward), off otherwise; ``true`` refuses the combinations
     by name, ``false`` turns it off."""
     super_offload: boolean() = False
     convert_grad_on_cpu: boolean() = True
     cpuadam_cores_perc: number(0.0, 1.0) = 0.8
+
+    @property
+    def pipeline(self) -> bool:
+        """DeepSpeed's derived flag: NVMe reads or writes overlap the step."""
+        return self.pipeline_read or self.pipeline_write
 
 
 class OffloadParamConfig(_OffloadConfig):
@@ -145,6 +153,28 @@ class ZeroConfig(ConfigSection):
     gather_16bit_weights_on_model_save: boolean() = Field(
         False, alias="stage3_gather_16bit_weights_on_model_save"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_the_config_translates(cls, data):
+        """``DeepSpeedZeroConfig(**section)`` built directly takes the section's deprecated and
+        ignored keys as the whole config does (``cpu_offload`` becomes ``offload_optimizer``,
+        with the same warnings and refusals); inside a full config they are already gone."""
+        if not isinstance(data, dict) or not set(data) & policies_under("zero_optimization"):
+            return data
+        work = {"zero_optimization": dict(data)}
+        outcome = apply_key_policies(work)
+        if outcome.problems:
+            raise ValueError("; ".join(outcome.problems))
+        for warning in outcome.warnings:
+            logger.warning(warning)
+        return work["zero_optimization"]
+
+    @property
+    def pipeline_loading_checkpoint(self) -> bool:
+        """DeepSpeed's flag for its pipeline engine loading a ZeRO checkpoint into modules; the
+        pipeline engine here loads through the ordinary checkpoint path, so never set."""
+        return False
 
     @model_validator(mode="after")
     def _default_overlap_comm(self):

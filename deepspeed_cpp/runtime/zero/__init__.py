@@ -7,6 +7,10 @@ def __getattr__(name: str):
         from .partition_parameters import ZeroParamStatus
 
         return ZeroParamStatus
+    if name in ("TiledLinear", "TiledLinearReturnBias"):
+        from . import tiling
+
+        return getattr(tiling, name)
     if name == "unwrap_model_for_generation":
         from .generation import unwrap_model_for_generation
 

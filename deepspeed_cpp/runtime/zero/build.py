@@ -19,6 +19,7 @@ from ..config_optimizer import client_optimizer_wins, config_optimizer_factory
 from .moe_stage import ExpertParallelZeroStage
 from .offload.optimizer_offload import OptimizerOffload, ParamOffload
 from .partitioned_optimizer import ZeroPartitionedOptimizer
+from .utils import ZeRORuntimeException
 
 
 def build_stage(
@@ -46,6 +47,8 @@ def build_stage(
         config_optimizer = client_optimizer_wins(config_optimizer, dist.get_rank())
     zero = config.zero_optimization
     offload = OptimizerOffload.from_config(zero, config.aio, config.step_during_backward_setting())
+    if offload is not None and config.zero_force_ds_cpu_optimizer:
+        optimizer = _only_cpu_optimizers(optimizer)
     # Offloaded master shards are stepped on the host: the config optimizer is a CPU one.
     optimizer_device = device if offload is None else torch.device("cpu")
     common = dict(
@@ -119,6 +122,30 @@ def _build_stage3(
         param_offload=param_offload,
         **common,
     )
+
+
+def _refuse_unless_cpu_optimizer(optimizer):
+    from ...optim import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam, DeepSpeedCPULion
+
+    if not isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion)):
+        raise ZeRORuntimeException(
+            f"zero_optimization.offload_optimizer with an optimizer passed to initialize() "
+            f"({type(optimizer).__name__}) that is not a CPU optimizer: it would step the "
+            f"host's shards slowly. Use deepspeed.ops.adam.DeepSpeedCPUAdam (or -Adagrad, "
+            f"-Lion), the config's 'optimizer' section, or set \"zero_force_ds_cpu_optimizer\": "
+            f"false to run it anyway (DeepSpeed refuses it the same way)"
+        )
+    return optimizer
+
+
+def _only_cpu_optimizers(optimizer):
+    """DeepSpeed's ``zero_force_ds_cpu_optimizer`` (on by default): with optimizer offload, a
+    client optimizer must be a CPU one; a callable is checked on what it builds."""
+    if optimizer is None:
+        return None
+    if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+        return lambda groups: _refuse_unless_cpu_optimizer(optimizer(groups))
+    return _refuse_unless_cpu_optimizer(optimizer)
 
 
 def _device_part_optimizer(config_optimizer, offload, device):

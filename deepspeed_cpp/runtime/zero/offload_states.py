@@ -2,9 +2,8 @@
 tensors to another device and back (``offload_optimizer_states`` / ``reload_optimizer_states``,
 the Adam variants keeping a reusable buffer per state) and ``get_state_devices``.
 
-Not provided: the engine's ``offload_states()`` / ``reload_states()`` (moving ZeRO-3's flat
-buffers off the GPU between phases of an RLHF loop); deepspeed_cpp's ZeRO keeps its master
-shards where ``offload_optimizer`` puts them.
+The engine's ``offload_states()`` / ``reload_states()`` are in ``runtime/engine_state_moves.py``
+(on a CPU engine every state is on the host already; GPU buffers are not moved yet).
 """
 
 from __future__ import annotations

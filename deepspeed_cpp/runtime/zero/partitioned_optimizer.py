@@ -42,6 +42,7 @@ from ...ops.zero import (
     plan_buckets,
 )
 from ...utils.timer import REDUCE_SCATTER_SUBMIT_TIMER, REDUCE_SCATTER_WAIT_TIMER, timed
+from .loss_scale_state import LossScaleState
 from .norm_ranges import counted_ranges, norm_of_ranges
 from .offload.optimizer_offload import OptimizerOffload
 from .offload.stepping import OffloadedStepping
@@ -69,7 +70,7 @@ class _Bucket:
 
 
 class ZeroPartitionedOptimizer(
-    OffloadedStepping, MasterGathers, ShardCheckpointState, ParamFragments
+    OffloadedStepping, MasterGathers, ShardCheckpointState, ParamFragments, LossScaleState
 ):
     """Owns the plan, fp32 master shards, shard gradients and the reducer for one engine."""
 
