@@ -42,6 +42,7 @@ from ...ops.zero import (
     unflatten_from,
 )
 from ...utils.timer import REDUCE_SCATTER_SUBMIT_TIMER, REDUCE_SCATTER_WAIT_TIMER, timed
+from .chunked_step import can_step_in_chunks, step_in_chunks
 from .norm_ranges import counted_ranges, norm_of_ranges
 from .offload.optimizer_offload import OptimizerOffload
 from .offload.stepping import OffloadedStepping
@@ -479,7 +480,10 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
             self._step_offloaded()
             return
         if not (self._step_per_bucket and self.stage != 0 and len(self.masters) > 1):
-            self.optimizer.step()
+            if can_step_in_chunks(self.optimizer):  # torch's Adam: cache-sized pieces
+                step_in_chunks(self.optimizer)
+            else:
+                self.optimizer.step()
             pending = [self._launch_gather(b, m) for b, m in zip(self.buckets, self.masters)]
         else:
             pending = []
