@@ -43,6 +43,7 @@ from ...ops.zero import (
 )
 from ...utils.timer import REDUCE_SCATTER_SUBMIT_TIMER, REDUCE_SCATTER_WAIT_TIMER, timed
 from .chunked_step import can_step_in_chunks, step_in_chunks
+from .in_place_grads import InPlaceGradients, grads_can_stay_in_place
 from .norm_ranges import counted_ranges, norm_of_ranges
 from .offload.optimizer_offload import OptimizerOffload
 from .offload.stepping import OffloadedStepping
@@ -147,11 +148,18 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         self._backward_steps = self._make_backward_steps(offload)
         self.home.attach(self.masters, self.optimizer)
 
+        scale = 1.0 / (grad_divisor or self.world_size)
         self.reducer = self._make_reducer(
             scatter=not owned_whole,
             scatter_method="auto" if reduce_scatter else "all_reduce",
             device=device,
-            scale=1.0 / (grad_divisor or self.world_size),
+            scale=scale,
+        )
+        # One replica at stage 0: the parameters' .grad are views of the flat gradients.
+        self._in_place_grads = (
+            InPlaceGradients(self.buckets, self.shard_grads)
+            if grads_can_stay_in_place(self, scale)
+            else None
         )
         self._gather_by_broadcast = backend_for(group, device) == "gloo"
         # Shard gradients are zeroed lazily: the first reduction after zero_grad() writes them
@@ -344,6 +352,14 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
     # --- backward -----------------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
         """Stages 2/3 reduce every micro-step; 0/1 accumulate locally until the boundary."""
+        if self._in_place_grads is not None:  # autograd accumulates into the flat gradients
+            self._boundary_backward, self._gradients_ready = boundary, False
+            if self._shard_grads_zero_pending:
+                self._apply_pending_zero()
+                self._in_place_grads.install()
+            else:
+                self._in_place_grads.adopt()
+            return
         self._reduce_during_backward = self.stage >= 2 or boundary
         self._boundary_backward = boundary
         self._gradients_ready = False
@@ -354,6 +370,10 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
 
     def end_backward(self) -> None:
         """Reduces what the hooks have not, and accumulates this rank's shard of the gradients."""
+        if self._in_place_grads is not None:
+            self._in_place_grads.adopt()
+            self._gradients_ready = self._boundary_backward
+            return
         if self._backward_steps is not None:
             self._backward_steps.end_backward()  # the rest is stepped at the step
         if not self._reduce_during_backward:
