@@ -226,6 +226,9 @@ def bad_input_errors() -> dict[str, str]:
             lambda: PipelineModule(layer_specs(False), num_stages=2, partition_method="random")
         ),
         "layerspec_not_module": _error_of(lambda: LayerSpec(len, 3)),
+        "partition_profile": _error_of(
+            lambda: PipelineModule(layer_specs(False), num_stages=2, partition_method="profile")
+        ),
     }
     config = _config(2, 1, 0.0, 0)
     errors["zero2"] = _error_of(

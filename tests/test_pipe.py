@@ -100,6 +100,8 @@ def test_bad_input_is_named(pool2):
         assert "1 layers but 2 stages" in errors["more_stages_than_layers"]
         assert "'Conv'" in errors["partition_no_match"]
         assert "'random' is not one of" in errors["partition_unknown"]
+        assert errors["partition_profile"].startswith("UnsupportedPartitionMethod: ")
+        assert "partition_method='profile'" in errors["partition_profile"]
         assert "nn.Module subclass" in errors["layerspec_not_module"]
         assert "zero_optimization.stage 2" in errors["zero2"]
         assert "pipeline.stages is 4 but the PipelineModule has 2 stages" in errors["config_stages"]

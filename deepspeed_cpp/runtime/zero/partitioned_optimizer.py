@@ -593,6 +593,8 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
         where = (
             "" if self.home.kind == "none" else f", optimizer state offloaded to {self.home.kind}"
         )
+        if self._in_place_grads is not None:
+            return "gradients accumulated in place (one replica: nothing to reduce)"
         return f"gradients reduced by {self.reducer.collective()}{where}"
 
     def layout(self) -> PartitionLayout:
