@@ -352,6 +352,10 @@ class ZeroPartitionedOptimizer(OffloadedStepping, ShardCheckpointState, ParamFra
     # --- backward -----------------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
         """Stages 2/3 reduce every micro-step; 0/1 accumulate locally until the boundary."""
+        if self._in_place_grads is not None and not all(
+            map(self._params_still_view_flat, self.buckets)
+        ):
+            self._in_place_grads = None  # data replaced (module.half()...): reduce as usual
         if self._in_place_grads is not None:  # autograd accumulates into the flat gradients
             self._boundary_backward, self._gradients_ready = boundary, False
             if self._shard_grads_zero_pending:
