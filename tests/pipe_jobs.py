@@ -414,7 +414,7 @@ def load_error(seed: int, directory: str) -> str:
 HALF = {"bf16": (torch.bfloat16, 7, 1.0), "fp16": (torch.float16, 10, 2.0**8)}
 
 
-def bf16_equals_one_process(
+def half_precision_equals_one_process(
     seed: int, steps: int, micro_batches: int, directory: str, precision: str = "bf16"
 ) -> dict:
     """2 stages, bf16 (ZeRO-1) or fp16 (ZeRO-0, a static-start loss scale of 2^8), Adam: beside

@@ -168,7 +168,8 @@ def test_checkpoint_resumes_bitwise_and_loads_at_one_stage(pool2, tmp_path):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_half_precision_matches_one_process(pool2, tmp_path, precision):
     seed = random.randrange(2**31)
-    for result in pool2.run(jobs.bf16_equals_one_process, seed, 3, 3, str(tmp_path), precision):
+    job = jobs.half_precision_equals_one_process
+    for result in pool2.run(job, seed, 3, 3, str(tmp_path), precision):
         # zero_to_fp32 of the pipeline checkpoint: every stage's fp32 masters (the reference's,
         # to float32 rounding of the same Adam step).
         assert result["fp32_names"] and result["fp32_dtypes"] == ["torch.float32"], result
@@ -208,7 +209,7 @@ def test_one_replica_fast_path_is_bitwise_one_process(pool2):
 
 
 def test_three_stages_train_like_one_process(pool3):
-    # Tied weights on stages 0 and 2 (their tie group skips stage 1), clipping acting.
+    # Tied weights on stages 0 and 2 (their tie group skips stage 1), clipping at 0.05.
     seed = random.randrange(2**31)
     results = pool3.run(jobs.train_equals_one_process, seed, 3, 4, True, 0.05, 0, 3)
     for result in results:
