@@ -7,7 +7,9 @@ machine. Here one process holds both: a 1-stage ``PipelineModule`` of ``--layers
 whose forward and backward run by hand on the same micro-batches, the two alternating per batch
 so that load falls on both alike. What the engine adds to a pass (its parameters living in the
 optimizer's flat buffers, per-parameter gradient hooks, the loss scaling and buffer handling
-around the backward) shows as the ratio.
+around the backward) shows as the ratio; the optimizer step (ours: ``OptimizerStep``, torch's
+Adam over the flat fp32 master with the norm and gathers around it; torch: the same Adam over
+the separate parameters) too, and our ``ReduceGrads`` (nothing to reduce with one replica).
 
     python benchmarks/bench_pipe_passes.py [--layers 12] [--width 1024] [--steps 6]
 
@@ -84,14 +86,17 @@ def main() -> None:
          torch.randn(micro, width, generator=generator))
         for _ in range(args.micro_batches)
     ]  # fmt: skip
-    forward, backward = [], []
+    plain_optimizer = torch.optim.Adam(plain.parameters(), lr=1e-4)
+    forward, backward, reduce, step = [], [], [], []
     engine._exec_forward_pass = _timed(engine._exec_forward_pass, forward)
     engine._exec_backward_pass = _timed(engine._exec_backward_pass, backward)
-    plain_forward, plain_backward = [], []
+    engine._exec_reduce_grads = _timed(engine._exec_reduce_grads, reduce)
+    engine._exec_optimizer_step = _timed(engine._exec_optimizer_step, step)
+    plain_forward, plain_backward, plain_step = [], [], []
     for _ in range(2 + args.steps):
-        forward.append(0.0), backward.append(0.0)
+        forward.append(0.0), backward.append(0.0), reduce.append(0.0), step.append(0.0)
         engine.train_batch(iter(batches))
-        plain_forward.append(0.0), plain_backward.append(0.0)
+        plain_forward.append(0.0), plain_backward.append(0.0), plain_step.append(0.0)
         for x, y in batches:
             began = time.perf_counter()
             out = plain(x)
@@ -99,6 +104,9 @@ def main() -> None:
             (torch.nn.functional.mse_loss(out, y) / args.micro_batches).backward()
             plain_forward[-1] += middle - began
             plain_backward[-1] += time.perf_counter() - middle
+        began = time.perf_counter()
+        plain_optimizer.step()  # per parameter, as DeepSpeed's engine steps a client optimizer
+        plain_step[-1] += time.perf_counter() - began
         plain.zero_grad(set_to_none=False)
 
     def median(values: list) -> float:
@@ -110,9 +118,12 @@ def main() -> None:
     )
     print(f"{'pass':<10}{'torch':>10}{'ours':>10}{'ours/torch':>12}")
     for name, ref, ours in (("forward", plain_forward, forward),
-                            ("backward", plain_backward, backward)):  # fmt: skip
+                            ("backward", plain_backward, backward),
+                            ("step", plain_step, step)):  # fmt: skip
         print(f"{name:<10}{median(ref):>10.4f}{median(ours):>10.4f}"
               f"{median(ours) / median(ref):>11.2f}x")  # fmt: skip
+    # torch has nothing to reduce with one replica; ours should have nothing to do either.
+    print(f"{'reduce':<10}{'-':>10}{median(reduce):>10.4f}")
 
 
 if __name__ == "__main__":

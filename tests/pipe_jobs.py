@@ -109,6 +109,8 @@ def _config(micro_batches: int, replicas: int, clip: float, zero_stage: int, pre
     }
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
+    elif precision == "fp16":  # the scale stays 2^8: no overflow in these few steps
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
     return config
 
 
@@ -224,6 +226,9 @@ def bad_input_errors() -> dict[str, str]:
             lambda: PipelineModule(layer_specs(False), num_stages=2, partition_method="random")
         ),
         "layerspec_not_module": _error_of(lambda: LayerSpec(len, 3)),
+        "partition_profile": _error_of(
+            lambda: PipelineModule(layer_specs(False), num_stages=2, partition_method="profile")
+        ),
     }
     config = _config(2, 1, 0.0, 0)
     errors["zero2"] = _error_of(
@@ -303,9 +308,10 @@ def checkpointing_changes_nothing(seed: int, steps: int) -> dict:
 
 def checkpoint_resume(seed: int, directory: str, stages_after: int) -> dict:
     """Trains 2 stages 2 steps, saves, trains 2 more; then a fresh engine of ``stages_after``
-    stages loads the checkpoint. At 2 stages it trains the same 2 steps again: the weights must
-    be bitwise those of the uninterrupted run. At 1 stage (2 replicas) its weights must equal
-    the saved ones (within 1e-6) and its eval loss the 2-stage one's."""
+    stages loads the checkpoint and trains the same 2 steps again. At 2 stages the weights must
+    be bitwise those of the uninterrupted run. At 1 stage (2 replicas; the optimizer state
+    re-cut) its loaded weights must equal the saved ones, its eval loss the 2-stage one's and
+    its weights after the 2 steps the uninterrupted run's (within 1e-6)."""
     import deepspeed_cpp as deepspeed
     from deepspeed_cpp.pipe import PipelineModule
 
@@ -318,7 +324,9 @@ def checkpoint_resume(seed: int, directory: str, stages_after: int) -> dict:
             model=pipe,
             optimizer=torch.optim.Adam(pipe.parameters(), lr=1e-2),
             lr_scheduler=_schedule,
-            config=_config(2, 2 // stages, 0.05, 0),
+            # The same global batch of 2 micro-batches: 2 stages x 1 replica x 2 micro-batches
+            # or 1 stage x 2 replicas x 1 micro-batch each.
+            config=_config(stages, 2 // stages, 0.05, 0),
         )
         return pipe, engine
 
@@ -368,10 +376,23 @@ def checkpoint_resume(seed: int, directory: str, stages_after: int) -> dict:
         resumed = state(pipe2)
         result["resumed_bitwise"] = all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
     else:
-        # 1 stage holds every layer under the same names; compare those this rank saved.
+        # 1 stage holds every layer under the same names; compare those this rank saved. Each
+        # replica takes its micro-batch of the same global batches.
         result["loaded_diff"] = max((loaded[k] - v).abs().max().item() for k, v in saved.items())
-        eval_one = engine2.eval_batch(iter(eval_data)).item()
+        share = slice(engine2.dp_rank, engine2.dp_rank + 1)
+        eval_one = engine2.eval_batch(iter(eval_data[share])).item()
         result["eval_diff"] = abs(eval_one - saved_eval)
+        # Adam's moments and step carried over (a fresh Adam's first steps move each weight by
+        # about the learning rate, far from the uninterrupted run).
+        result["adam_steps"] = sorted(
+            {int(s["step"]) for s in engine2.optimizer.state.values() if "step" in s}
+        )
+        for step in range(2, 4):
+            engine2.train_batch(iter(batches[step][0][share]))
+        resumed = state(pipe2)
+        result["resumed_diff"] = max(
+            (resumed[k] - v).abs().max().item() for k, v in uninterrupted.items()
+        )
     return result
 
 
@@ -389,23 +410,31 @@ def load_error(seed: int, directory: str) -> str:
     return _error_of(lambda: engine.load_checkpoint(directory))
 
 
-def bf16_equals_one_process(seed: int, steps: int, micro_batches: int, directory: str) -> dict:
-    """2 stages, bf16, ZeRO-1, Adam: beside the same bf16 model in one process whose gradients
-    are summed in float32 over the micro-batches and stepped on float32 masters (as the engine
-    does). Returns the largest differences relative to bf16's unit in the last place, and how
+# Half precisions: (dtype, mantissa bits, the engine's loss scale).
+HALF = {"bf16": (torch.bfloat16, 7, 1.0), "fp16": (torch.float16, 10, 2.0**8)}
+
+
+def half_precision_equals_one_process(
+    seed: int, steps: int, micro_batches: int, directory: str, precision: str = "bf16"
+) -> dict:
+    """2 stages, bf16 (ZeRO-1) or fp16 (ZeRO-0, a static-start loss scale of 2^8), Adam: beside
+    the same half-precision model in one process whose (scaled) gradients are summed in float32
+    over the micro-batches, unscaled and stepped on float32 masters (as the engine does).
+    Returns the largest differences relative to the dtype's unit in the last place, and how
     zero_to_fp32 of a checkpoint saved at the end compares with the reference's fp32 masters."""
     import deepspeed_cpp as deepspeed
     from deepspeed_cpp.pipe import PipelineModule
 
+    dtype, mantissa, loss_scale = HALF[precision]
     base_seed = seed % 10_000
     pipe = PipelineModule(layer_specs(False), num_stages=2, loss_fn=loss_fn,
                           partition_method="uniform", seed_layers=True,
                           base_seed=base_seed)  # fmt: skip
-    config = _config(micro_batches, 1, 0.0, 1, precision="bf16")
+    config = _config(micro_batches, 1, 0.0, 1 if precision == "bf16" else 0, precision)
     engine, *_ = deepspeed.initialize(
         model=pipe, optimizer=torch.optim.Adam(pipe.parameters(), lr=1e-2), config=config
     )
-    reference = Reference(layer_specs(False), base_seed).to(torch.bfloat16)
+    reference = Reference(layer_specs(False), base_seed).to(dtype)
     names = list(reference.named_state())
     params = dict(reference.named_parameters())
     ref_params = [params["layers." + n] for n in names]
@@ -419,13 +448,13 @@ def bf16_equals_one_process(seed: int, steps: int, micro_batches: int, directory
         ref_losses = []
         for x, y in batch[0]:
             reference.zero_grad()
-            ref_loss = loss_fn(reference(x.bfloat16()), y)
-            (ref_loss * (1.0 / micro_batches)).backward()
+            ref_loss = loss_fn(reference(x.to(dtype)), y)
+            (ref_loss * (1.0 / micro_batches * loss_scale)).backward()
             ref_losses.append(ref_loss.detach().float())
             for total, p in zip(sums, ref_params):
                 total += p.grad.float()
         for master, total in zip(masters, sums):
-            master.grad = total
+            master.grad = total * (1.0 / loss_scale)  # a power of 2: exact
         ref_optimizer.step()
         with torch.no_grad():
             for p, master in zip(ref_params, masters):
@@ -442,8 +471,8 @@ def bf16_equals_one_process(seed: int, steps: int, micro_batches: int, directory
     for name, value in pipe.state_dict().items():
         ref = ref_state[name].float()
         dtypes.add(str(value.dtype))
-        # bf16 spacing at each reference element: 2^(exponent - 7).
-        spacing = torch.ldexp(torch.ones_like(ref), torch.frexp(ref)[1] - 8)
+        # The dtype's spacing at each reference element: 2^(exponent - mantissa bits).
+        spacing = torch.ldexp(torch.ones_like(ref), torch.frexp(ref)[1] - 1 - mantissa)
         ulps = max(ulps, ((value.float() - ref).abs() / spacing).max().item())
     return {
         "fp32_names": sorted(consolidated) == sorted(names),
@@ -451,11 +480,12 @@ def bf16_equals_one_process(seed: int, steps: int, micro_batches: int, directory
         "fp32_diff": max((consolidated[k] - v).abs().max().item() for k, v in ref_masters.items()),
         # Masters, not the bf16 weights widened: some element must differ from its bf16 copy.
         "fp32_not_widened": any(
-            not torch.equal(v, v.bfloat16().float()) for v in consolidated.values()
+            not torch.equal(v, v.to(dtype).float()) for v in consolidated.values()
         ),
         "dtypes": sorted(dtypes),
         "ulps": ulps,
         "loss_ratio": loss_ratio,
+        "loss_scale": engine.get_loss_scale() if precision == "fp16" else None,
         "moved": max(
             (start[k].float() - v.float()).abs().max().item() for k, v in pipe.state_dict().items()
         ),  # fmt: skip

@@ -100,6 +100,8 @@ def test_bad_input_is_named(pool2):
         assert "1 layers but 2 stages" in errors["more_stages_than_layers"]
         assert "'Conv'" in errors["partition_no_match"]
         assert "'random' is not one of" in errors["partition_unknown"]
+        assert errors["partition_profile"].startswith("UnsupportedPartitionMethod: ")
+        assert "partition_method='profile'" in errors["partition_profile"]
         assert "nn.Module subclass" in errors["layerspec_not_module"]
         assert "zero_optimization.stage 2" in errors["zero2"]
         assert "pipeline.stages is 4 but the PipelineModule has 2 stages" in errors["config_stages"]
@@ -159,24 +161,62 @@ def test_checkpoint_resumes_bitwise_and_loads_at_one_stage(pool2, tmp_path):
     for result in results:
         assert result["client"] == {"epoch": 7} and result["steps"] == 2, result
         assert result["loaded_diff"] < 1e-6 and result["eval_diff"] < 1e-6, result
+        assert result["adam_steps"] == [2], result  # the optimizer state came with the weights
+        assert result["resumed_diff"] < 1e-6, result
 
 
-def test_bf16_zero1_matches_one_process_and_fp16_overflow_skips_every_stage(pool2, tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_matches_one_process(pool2, tmp_path, precision):
     seed = random.randrange(2**31)
-    for result in pool2.run(jobs.bf16_equals_one_process, seed, 3, 3, str(tmp_path)):
+    job = jobs.half_precision_equals_one_process
+    for result in pool2.run(job, seed, 3, 3, str(tmp_path), precision):
         # zero_to_fp32 of the pipeline checkpoint: every stage's fp32 masters (the reference's,
         # to float32 rounding of the same Adam step).
         assert result["fp32_names"] and result["fp32_dtypes"] == ["torch.float32"], result
         assert result["fp32_not_widened"] and result["fp32_diff"] < 1e-6, result
-        assert result["dtypes"] == ["torch.bfloat16"] and result["moved"] > 1e-3, result
-        # The forward and backward are the reference's own bf16 operations and the float32
+        dtype = "torch.bfloat16" if precision == "bf16" else "torch.float16"
+        assert result["dtypes"] == [dtype] and result["moved"] > 1e-3, result
+        # The forward and backward are the reference's own half operations and the float32
         # sums run in the same order, so only the masters' Adam step may differ (~1e-7
-        # relative), which can round a weight to the neighbouring bf16 value: 1 unit at most.
+        # relative), which can round a weight to the neighbouring half value: 1 unit at most.
         assert result["ulps"] <= 1.0, result
-        assert result["loss_ratio"] <= 2**-7, result  # a bf16 output's rounding, at most
+        # fp16 with its loss scale: the same, the scale 2^8 kept (no overflow), its units finer.
+        mantissa = 7 if precision == "bf16" else 10
+        assert result["loss_ratio"] <= 2**-mantissa, result  # an output's rounding, at most
+        assert result["loss_scale"] == (None if precision == "bf16" else 2.0**8), result
+
+
+def test_fp16_overflow_skips_every_stage(pool2):
+    seed = random.randrange(2**31)
     results = pool2.run(jobs.fp16_overflow_skips_every_stage, seed)
     for result in results:
         assert result["dtypes"] == ["torch.float16"], result
         assert result["changed"] == [True, False, True], result
         assert result["skipped"] == 1 and result["steps"] == 3, result
         assert result["scales"] == [2.0**8, 2.0**7, 2.0**7], result
+
+
+def test_one_replica_fast_path_is_bitwise_one_process(pool2):
+    import pipe_flat_grads_jobs
+
+    seed = random.randrange(2**31)
+    results = pool2.run(pipe_flat_grads_jobs.trains_bitwise_like_one_process, seed, 3, 3)
+    for result in results:
+        assert result["grads_in_flat"] and result["one_state_per_master"], result
+        assert result["weights_equal"] and result["moments_equal"], result
+        assert result["moved"] > 1e-4, result
+    assert results[0]["chunked"]  # stage 0's master is stepped in more than one chunk
+
+
+def test_three_stages_train_like_one_process(pool3):
+    # Tied weights on stages 0 and 2 (their tie group skips stage 1), clipping at 0.05.
+    seed = random.randrange(2**31)
+    results = pool3.run(jobs.train_equals_one_process, seed, 3, 4, True, 0.05, 0, 3)
+    for result in results:
+        assert result["start"] == 0.0 and result["moved"] > 1e-3, result
+        for key in ("loss", "params", "eval", "logits"):
+            assert result[key] < 1e-6, (key, result)
+    assert [r["stage"] for r in results] == [0, 1, 2]
+    names = [set(r["names"]) for r in results]
+    assert all("tied_modules.embed.weight" in names[s] for s in (0, 2)), names
+    assert "tied_modules.embed.weight" not in names[1] and names[1], names

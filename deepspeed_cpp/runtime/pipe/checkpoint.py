@@ -17,8 +17,8 @@ save_dir/<tag>/
 Weights are stored per layer under the layer's own names, so any number of stages (and
 replicas) loads them: a stage reads the files of its layers. The optimizer shards are restored
 when the layout is the same (same layer bounds, replicas and ZeRO stage: a bitwise resume);
-under another layout the fp32 masters are rebuilt from the loaded weights and the optimizer
-state starts afresh (said in the log).
+under another layout the fp32 masters and the optimizer state (Adam's moments and step) are
+re-cut from every stage's shards by parameter name (``optimizer_reshard.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from ..checkpoint.rank_agreement import agree_on
 from ..checkpoint.rng_state import capture_rng_states, restore_rng_states
 from ..checkpoint.saver import write_recovery_script_or_warn
 from ..checkpoint.shard_reader import load_mapped
+from .optimizer_reshard import resharded_optimizer_state
 
 
 def layer_file(layer_index: int) -> str:
@@ -279,9 +280,9 @@ def load_pipeline_checkpoint(
     current = _layout(engine)
     same_layout = current == saved
     optimizer = engine.optimizer
-    restored_optimizer = (
-        optimizer is not None and same_layout and load_optimizer_states and not load_module_only
-    )
+    wants_optimizer = optimizer is not None and load_optimizer_states and not load_module_only
+    restored_optimizer = wants_optimizer and same_layout
+    resharded_optimizer = wants_optimizer and not same_layout
 
     def read_stage_files() -> dict:
         # Rank-local reads first, agreed over the world before any collective: a damaged file
@@ -290,6 +291,9 @@ def load_pipeline_checkpoint(
         shard = None
         if restored_optimizer:
             shard = read(optimizer_file(engine.dp_rank, engine.stage_id), "optimizer shard")
+        elif resharded_optimizer:
+            stage_records = metadata["pipeline_stages"]
+            shard = resharded_optimizer_state(engine, directory, stage_records, digests)
         states = read(stage_file(engine.stage_id if same_layout else 0), "stage states")
         client = read(stage_file(0), "stage states")["client_state"]
         return {"layers": layers, "shard": shard, "states": states, "client": client}
@@ -308,22 +312,22 @@ def load_pipeline_checkpoint(
     module._synchronize_tied_weights()  # a tied copy without a file of its own
     states, client_state = loaded["states"], loaded["client"]
     if optimizer is not None:
-        if restored_optimizer:
+        if restored_optimizer or resharded_optimizer:
             shard = loaded["shard"]
-            optimizer.load_shard_state(list(shard["masters"]), list(shard["states"]))
+            if restored_optimizer:
+                optimizer.load_shard_state(list(shard["masters"]), list(shard["states"]))
+                restore_rng_states(shard["rng"], engine.device)
+            else:  # re-cut from every saved stage (optimizer_reshard.py); no RNG to match
+                optimizer.load_shard_state(*shard)
+                if engine.global_rank == 0:
+                    logger.info("deepspeed_cpp: resharding %s from %s to %s",
+                                directory, saved, current)  # fmt: skip
             optimizer.write_params_from_masters()
-            restore_rng_states(shard["rng"], engine.device)
             for group, saved_group in zip(optimizer.param_groups, states["param_groups"]):
                 group.update({k: v for k, v in saved_group.items() if k != "params"})
             optimizer.skipped_steps = int(states["optimizer_skipped_steps"])
         else:
             optimizer.refresh_masters_from_params()
-            if load_optimizer_states and not load_module_only and engine.global_rank == 0:
-                logger.warning(
-                    "deepspeed_cpp: %s was saved as %s and is loaded as %s: the weights are "
-                    "loaded, the optimizer state starts afresh",
-                    directory, saved, current,
-                )  # fmt: skip
     if not load_module_only:
         engine.global_steps = int(states["global_steps"])
         engine.global_samples = int(states["global_samples"])

@@ -24,6 +24,10 @@ class PipelineError(Exception):
     """A pipeline was built or driven in a way that cannot work."""
 
 
+class UnsupportedPartitionMethod(PipelineError, NotImplementedError):
+    """A ``partition_method`` not implemented (DeepSpeed raises NotImplementedError for these)."""
+
+
 class LayerSpec:
     """A layer to build later: ``LayerSpec(nn.Linear, 10, 20)`` builds ``nn.Linear(10, 20)`` on
     the stage that owns it, and nowhere else."""
@@ -94,7 +98,8 @@ class PipelineModule(nn.Module):
     size; the rest is data parallelism) or a ``topology``; ``loss_fn(outputs, labels)`` runs on
     the last stage. ``partition_method``: ``"parameters"`` (balance trainable parameter counts),
     ``"uniform"`` (balance layer counts) or ``"type:<regex>"`` (balance the layers whose class
-    name matches). ``activation_checkpoint_interval=k`` recomputes every run of ``k`` layers in
+    name matches); ``"profile"`` is refused (``NotImplementedError``) as DeepSpeed 0.19.8 refuses
+    it. ``activation_checkpoint_interval=k`` recomputes every run of ``k`` layers in
     backward through ``activation_checkpoint_func`` (default, as in DeepSpeed,
     ``deepspeed.checkpointing.checkpoint``: it replays the RNG and the tracker's states so dropout
     repeats exactly, and honours ``deepspeed.checkpointing.configure``'s partitioning and host
@@ -207,8 +212,14 @@ class PipelineModule(nn.Module):
                     f"(layers: {[_layer_name(layer) for layer in self._layer_specs]})"
                 )
             parts = partition_balanced(weights, self.num_stages)
+        elif method_lower == "profile":
+            # DeepSpeed 0.19.8 names this method but refuses it (NotImplementedError), as here.
+            raise UnsupportedPartitionMethod(
+                f"partition_method={method!r} (timing each layer to balance the stages) is not "
+                "implemented, as in DeepSpeed; use 'parameters', 'uniform' or 'type:<regex>'"
+            )
         else:
-            raise PipelineError(
+            raise UnsupportedPartitionMethod(
                 f"partition_method={method!r} is not one of 'parameters', 'uniform', 'type:<regex>'"
             )
         empty = [s for s in range(self.num_stages) if parts[s + 1] <= parts[s]]

@@ -42,6 +42,8 @@ from ...ops.zero import (
     plan_buckets,
 )
 from ...utils.timer import REDUCE_SCATTER_SUBMIT_TIMER, REDUCE_SCATTER_WAIT_TIMER, timed
+from .chunked_step import can_step_in_chunks, step_in_chunks
+from .in_place_grads import InPlaceGradients, grads_can_stay_in_place
 from .loss_scale_state import LossScaleState
 from .norm_ranges import counted_ranges, norm_of_ranges
 from .offload.optimizer_offload import OptimizerOffload
@@ -149,11 +151,18 @@ class ZeroPartitionedOptimizer(
         self._backward_steps = self._make_backward_steps(offload)
         self.home.attach(self.masters, self.optimizer)
 
+        scale = 1.0 / (grad_divisor or self.world_size)
         self.reducer = self._make_reducer(
             scatter=not owned_whole,
             scatter_method="auto" if reduce_scatter else "all_reduce",
             device=device,
-            scale=1.0 / (grad_divisor or self.world_size),
+            scale=scale,
+        )
+        # One replica at stage 0: the parameters' .grad are views of the flat gradients.
+        self._in_place_grads = (
+            InPlaceGradients(self.buckets, self.shard_grads)
+            if grads_can_stay_in_place(self, scale)
+            else None
         )
         self._gather_by_broadcast = backend_for(group, device) == "gloo"
         # Shard gradients are zeroed lazily: the first reduction after zero_grad() writes them
@@ -347,6 +356,18 @@ class ZeroPartitionedOptimizer(
     # --- backward -----------------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
         """Stages 2/3 reduce every micro-step; 0/1 accumulate locally until the boundary."""
+        if self._in_place_grads is not None and not all(
+            map(self._params_still_view_flat, self.buckets)
+        ):
+            self._in_place_grads = None  # data replaced (module.half()...): reduce as usual
+        if self._in_place_grads is not None:  # autograd accumulates into the flat gradients
+            self._boundary_backward, self._gradients_ready = boundary, False
+            if self._shard_grads_zero_pending:
+                self._apply_pending_zero()
+                self._in_place_grads.install()
+            else:
+                self._in_place_grads.adopt()
+            return
         self._reduce_during_backward = self.stage >= 2 or boundary
         self._boundary_backward = boundary
         self._gradients_ready = False
@@ -357,6 +378,10 @@ class ZeroPartitionedOptimizer(
 
     def end_backward(self) -> None:
         """Reduces what the hooks have not, and accumulates this rank's shard of the gradients."""
+        if self._in_place_grads is not None:
+            self._in_place_grads.adopt()
+            self._gradients_ready = self._boundary_backward
+            return
         if self._backward_steps is not None:
             self._backward_steps.end_backward()  # the rest is stepped at the step
         if not self._reduce_during_backward:
@@ -488,7 +513,10 @@ class ZeroPartitionedOptimizer(
             self._step_offloaded()
             return
         if not (self._step_per_bucket and self.stage != 0 and len(self.masters) > 1):
-            self.optimizer.step()
+            if can_step_in_chunks(self.optimizer):  # torch's Adam: cache-sized pieces
+                step_in_chunks(self.optimizer)
+            else:
+                self.optimizer.step()
             pending = [self._launch_gather(b, m) for b, m in zip(self.buckets, self.masters)]
         else:
             pending = []
@@ -537,6 +565,8 @@ class ZeroPartitionedOptimizer(
         where = (
             "" if self.home.kind == "none" else f", optimizer state offloaded to {self.home.kind}"
         )
+        if self._in_place_grads is not None:
+            return "gradients accumulated in place (one replica: nothing to reduce)"
         return f"gradients reduced by {self.reducer.collective()}{where}"
 
     def full_state_dict(self, module: torch.nn.Module, *, rank0_only: bool) -> dict:

@@ -1,0 +1,47 @@
+"""One replica at ZeRO stage 0 (runtime/zero/in_place_grads.py): the parameters' .grad are views
+of the flat gradients, and training equals torch's own, bit for bit, also where user code clears
+a gradient between micro-steps or replaces a parameter's data (then the engine reduces as
+usual)."""
+
+import pytest
+import torch
+
+import deepspeed_cpp as deepspeed
+
+
+def _model():
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("mode", ["plain", "user_clears", "data_replaced"])
+def test_one_replica_trains_like_torch(mode):
+    model, reference = _model(), _model()
+    reference.load_state_dict(model.state_dict())
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+        config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3},
+    )
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    flat = engine.optimizer.shard_grads[0]
+    flat_range = range(flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size())
+    if mode == "data_replaced":
+        for param in model.parameters():
+            param.data = param.data.clone()
+    in_flat = []
+    for _ in range(3):
+        for micro in range(3):
+            x, y = torch.randn(2, 6), torch.randn(2, 3)
+            engine.backward(torch.nn.functional.mse_loss(model(x), y))
+            in_flat.append(model[0].weight.grad.data_ptr() in flat_range)
+            (torch.nn.functional.mse_loss(reference(x), y) * (1.0 / 3)).backward()
+            if mode == "user_clears" and micro == 0:
+                model[0].weight.grad = None  # dropped: the later micro-steps' sum only
+                reference[0].weight.grad = None
+            engine.step()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs)
+    assert all(in_flat) == (mode != "data_replaced"), in_flat
+    assert ("in place" in engine.optimizer.describe()) == (mode != "data_replaced")
