@@ -70,9 +70,8 @@ def resharded_optimizer_state(
     try:
         first = reader.entry(saved.buckets[0].slices[0], 0)
         kinds = {key: classify_state(v, first["master"]) for key, v in first["state"].items()}
-        target = ZeroLayout.from_optimizer(
-            engine.optimizer, names_by_parameter(engine.module), lambda replica: ""
-        )
+        (part,) = engine.optimizer.layout_parts()  # a pipeline stage has no expert sets
+        target = ZeroLayout.from_part(part, names_by_parameter(engine.module), lambda replica: "")
         saved_names = saved.by_name()
         missing = [p.name for p in target.params if p.name not in saved_names]
         if missing:
