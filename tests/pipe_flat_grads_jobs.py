@@ -40,6 +40,7 @@ def trains_bitwise_like_one_process(seed: int, steps: int, micro_batches: int) -
         "gradient_accumulation_steps": micro_batches,
         "train_batch_size": 4 * micro_batches,
         "steps_per_print": 1000,
+        "gradient_clipping": 0.0,  # the reference does not clip
     }
     engine, *_ = deepspeed.initialize(
         model=pipe, optimizer=torch.optim.Adam(pipe.parameters(), lr=1e-3), config=config
