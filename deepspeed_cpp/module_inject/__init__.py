@@ -6,6 +6,7 @@ from .auto_tp import (
     TensorParallelInfo,
     gather_full_state_dict,
     merge_tensor_parallel_parts,
+    planned_slices,
     shard_model,
     tensor_parallel_info,
     tensor_parallel_slices,
@@ -24,5 +25,6 @@ __all__ = [
     "register_tp_policy",
     "shard_model",
     "tensor_parallel_info",
+    "planned_slices",
     "tensor_parallel_slices",
 ]
