@@ -85,6 +85,12 @@ def test_deepspeed_autotp_checkpoint_resumes_at_tp2_and_tp1_direct_and_converted
     assert want["tensor_parallel_size"] == TP_SIZE and want["world_size"] == 2
     converted = tmp_path / "converted"
     assert main([str(FIXTURE), str(converted)]) == 0
+    meta = json.loads((converted / want["tag"] / "checkpoint_meta.json").read_text())
+    # Written joined; DeepSpeed's split kept for the check at TP 2 (tensor_parallel_reshard.py).
+    recorded = meta["converted_from"]
+    assert recorded["tensor_parallel_size"] == TP_SIZE
+    assert recorded["tensor_parallel_splits"]["model.layers.0.mlp.down_proj.weight"] == 1
+    assert len(recorded["tensor_parallel_splits"]) == 8  # q k v o gate up down, lm_head
     results = pools(2).run(resume_job, [str(FIXTURE), str(converted)])
     tag = want["tag"]
     for rank_results in results:
@@ -143,7 +149,22 @@ def test_other_tp_size_and_other_split_are_refused_by_name():
                        "size 2; this engine runs at tensor-parallel size 4"):  # fmt: skip
         fit_to_engine(saved, model, 0, 4)
     saved.info[SPLITS_KEY] = {**splits, "model.layers.0.mlp.down_proj.weight": 0}
-    with pytest.raises(CheckpointMismatchError, match=r"'model\.layers\.0\.mlp\.down_proj\.weight"
-                       r"': DeepSpeed's AutoTP split it dimension 0 .* splits it along dimension "
-                       r"1"):  # fmt: skip
+    refused = r"'model\.layers\.0\.mlp\.down_proj\.weight': DeepSpeed's AutoTP split it along "
+    with pytest.raises(CheckpointMismatchError, match=refused + "dimension 0 .* along dimension 1"):
         fit_to_engine(saved, model, 0, 1)
+
+
+def test_converted_checkpoint_keeps_the_split_check(tmp_path):
+    """The converted folder (ours, TP 1) re-cut at TP 2 is held to DeepSpeed's split too: a model
+    that deepspeed_cpp's policy would leave whole is refused naming a parameter."""
+    from deepspeed_cpp.checkpoint.convert import main
+    from deepspeed_cpp.runtime.checkpoint import tensor_parallel_reshard as tp_reshard
+    from deepspeed_cpp.runtime.checkpoint.errors import CheckpointMismatchError
+
+    converted = tmp_path / "converted"
+    assert main([str(FIXTURE), str(converted)]) == 0
+    parts = tp_reshard.read_parts([converted / expected()["tag"]], False)
+    unsplit = make_tp_model(OTHER_SEED)  # holds no TP slices: every DeepSpeed split disagrees
+    with pytest.raises(CheckpointMismatchError, match=r"'lm_head\.weight': DeepSpeed's AutoTP "
+                       r"split it along dimension 0 at tensor-parallel size 2"):  # fmt: skip
+        tp_reshard.Recut(parts, unsplit, 0, 2)

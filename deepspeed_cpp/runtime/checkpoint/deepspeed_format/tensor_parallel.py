@@ -158,6 +158,24 @@ def read_tensor_parallel(
     return replace(first, module_state=module_state, params=params, info=info)
 
 
+def check_splits_agree(theirs: dict, ours: dict, size: int, model_name: str) -> None:
+    """CheckpointMismatchError naming the first parameter that DeepSpeed split (``theirs``:
+    {name: dim}, at TP ``size``) otherwise than deepspeed_cpp's policy (``ours``: {name: [dim,
+    blocks]}): its slices would land on other weights."""
+    for name in sorted(set(ours) | set(theirs)):
+        mine = ours.get(name)
+        if name not in theirs or mine is None or list(mine) != [theirs[name], 1]:
+            said = f"along dimension {theirs[name]}" if name in theirs else "not (replicated)"
+            here = (
+                f"along dimension {mine[0]} in {mine[1]} block(s)" if mine else "not (replicated)"
+            )
+            raise CheckpointMismatchError(
+                f"'{name}': DeepSpeed's AutoTP split it {said} at tensor-parallel size {size}; "
+                f"deepspeed_cpp's policy for {model_name} splits it {here}: the checkpoint's "
+                "slices would land on other weights"
+            )
+
+
 def fit_to_engine(saved: DeepSpeedCheckpoint, module, tp_rank: int, tp_size: int):
     """``saved`` (joined) as the engine holds it: compared with the engine's split and, at TP
     ``tp_size`` > 1, cut to this rank's slices (see the module docstring)."""
@@ -184,18 +202,7 @@ def fit_to_engine(saved: DeepSpeedCheckpoint, module, tp_rank: int, tp_size: int
         )
     ours = tensor_parallel_slices(module) if tp_size > 1 else planned_slices(module, size)
     theirs = saved.info[SPLITS_KEY]
-    for name in sorted(set(ours) | set(theirs)):
-        mine = ours.get(name)
-        if name not in theirs or mine is None or mine != [theirs[name], 1]:
-            said = f"dimension {theirs[name]}" if name in theirs else "not split (replicated)"
-            here = (
-                f"along dimension {mine[0]} in {mine[1]} block(s)" if mine else "not (replicated)"
-            )
-            raise CheckpointMismatchError(
-                f"'{name}': DeepSpeed's AutoTP split it {said} at tensor-parallel size {size}; "
-                f"deepspeed_cpp's policy for {type(module).__name__} splits it {here}: the "
-                "checkpoint's slices would land on other weights"
-            )
+    check_splits_agree(theirs, ours, size, type(module).__name__)
     if tp_size == 1:
         return saved
     try:
