@@ -148,6 +148,12 @@ def test_other_tp_size_and_other_split_are_refused_by_name():
     with pytest.raises(ModelParallelMismatchError, match="saved by DeepSpeed at tensor-parallel "
                        "size 2; this engine runs at tensor-parallel size 4"):  # fmt: skip
         fit_to_engine(saved, model, 0, 4)
+    # A DeepSpeed checkpoint without tensor parallelism is not cut for a TP engine.
+    zero2 = FIXTURE.parent / "zero2" / "global_step2"
+    data_parallel = read_deepspeed_checkpoint(zero2, False, True)
+    with pytest.raises(ModelParallelMismatchError, match="without tensor parallelism; this engine "
+                       "runs at model-parallel size 2"):  # fmt: skip
+        fit_to_engine(data_parallel, model, 0, 2)
     saved.info[SPLITS_KEY] = {**splits, "model.layers.0.mlp.down_proj.weight": 0}
     refused = r"'model\.layers\.0\.mlp\.down_proj\.weight': DeepSpeed's AutoTP split it along "
     with pytest.raises(CheckpointMismatchError, match=refused + "dimension 0 .* along dimension 1"):
