@@ -22,9 +22,9 @@ __all__ = [
     "gather_full_state_dict",
     "is_tensor_parallel_param",
     "merge_tensor_parallel_parts",
+    "planned_slices",
     "register_tp_policy",
     "shard_model",
     "tensor_parallel_info",
-    "planned_slices",
     "tensor_parallel_slices",
 ]

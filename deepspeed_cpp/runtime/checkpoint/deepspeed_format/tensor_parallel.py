@@ -69,8 +69,10 @@ def _split_dimension(name: str, entry: dict, size: int, where: Path) -> int | No
     return differing[0]
 
 
-def deepspeed_splits(model: dict, names, size: int, where: Path) -> dict[str, int]:
-    """{parameter name: split dimension} of every sliced parameter among ``names``."""
+def deepspeed_splits(model: dict, shapes: dict, size: int, where: Path) -> dict[str, int]:
+    """{parameter name: split dimension} of every sliced tensor of the module state; ``shapes``:
+    {name: [each part's shape]}. A tensor the affine map does not list (a buffer) must be
+    replicated: the same shape in every part."""
     info = model.get("universal_checkpoint_info")
     affine = info.get("affine_map") if isinstance(info, dict) else None
     if not isinstance(affine, dict) or not isinstance(affine.get("params"), dict):
@@ -80,8 +82,10 @@ def deepspeed_splits(model: dict, names, size: int, where: Path) -> dict[str, in
             "parameter was split"
         )
     splits = {}
-    for name in names:
+    for name, part_shapes in shapes.items():
         entries = [e for p, e in affine["params"].items() if re.fullmatch(p, name)]
+        if not entries and all(shape == part_shapes[0] for shape in part_shapes):
+            continue  # not a parameter DeepSpeed split: a buffer, whole in every part
         if len(entries) != 1:
             raise IncompleteCheckpointError(
                 f"{where}: universal_checkpoint_info['affine_map'] has {len(entries)} entries "
@@ -140,7 +144,11 @@ def read_tensor_parallel(
             f"{directory}: a ZeRO-3 checkpoint with {size} tensor-parallel ranks; DeepSpeed's "
             "AutoTP training runs at ZeRO 0-2, and deepspeed_cpp joins those only"
         )
-    splits = deepspeed_splits(model, list(first.module_state), size, directory)
+    shapes = {
+        name: [tuple(getattr(p.module_state.get(name), "shape", ())) for p in parts]
+        for name in first.module_state
+    }
+    splits = deepspeed_splits(model, shapes, size, directory)
     module_state = dict(first.module_state)
     for name, dim in splits.items():
         module_state[name] = unshard_tensors([p.module_state[name] for p in parts], dim)
