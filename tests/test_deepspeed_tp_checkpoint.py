@@ -1,7 +1,8 @@
 """A checkpoint of real DeepSpeed's AutoTP training (0.19.8, ``tensor_parallel.autotp_size`` 2,
 ZeRO 1, fp32: the committed fixture ``autotp2_zero1``, written by ``make_fixtures.py``) loads into
-deepspeed_cpp: at TP 2 (each rank its own ``mp_rank_XX`` part) and joined at TP 1 (2 data-parallel
-ranks, ZeRO 2), directly and after ``python -m deepspeed_cpp.checkpoint.convert``. Two more steps
+deepspeed_cpp: at TP 2 (each rank its own ``mp_rank_XX`` part; ZeRO 1 and 2) and joined at TP 1
+(2 data-parallel ranks; ZeRO 2 and 3), directly and after ``python -m
+deepspeed_cpp.checkpoint.convert``. Two more steps
 must give DeepSpeed's own resume (``expected.json``: losses, lrs, unsplit weights) within 1e-6.
 Bad input is refused by name: a part's file missing, another TP size, a split that differs from
 deepspeed_cpp's policy."""
@@ -60,8 +61,9 @@ def resume_at(tp: int, stage: int, directory: str) -> dict:
 
 
 def resume_job(directories: list[str]) -> list[dict]:
-    """Every (directory, TP, stage) case in one launch."""
-    return [resume_at(tp, stage, d) for d in directories for tp, stage in ((2, 1), (1, 2))]
+    """Every (directory, TP, ZeRO stage) case in one launch."""
+    cases = [(2, 1), (1, 2), (2, 2), (1, 3)]
+    return [resume_at(tp, stage, d) for d in directories for tp, stage in cases]
 
 
 def _check(result: dict, want: dict, path: str) -> None:
@@ -93,11 +95,11 @@ def test_deepspeed_autotp_checkpoint_resumes_at_tp2_and_tp1_direct_and_converted
     assert len(recorded["tensor_parallel_splits"]) == 8  # q k v o gate up down, lm_head
     results = pools(2).run(resume_job, [str(FIXTURE), str(converted)])
     tag = want["tag"]
-    for rank_results in results:
-        direct_tp2, direct_tp1, converted_tp2, converted_tp1 = rank_results
-        for result in (direct_tp2, direct_tp1):
+    for rank_results in results:  # TP 2 at ZeRO 1 and 2, TP 1 (DP 2) at ZeRO 2 and 3
+        direct, from_converted = rank_results[:4], rank_results[4:]
+        for result in direct:
             _check(result, want, str(FIXTURE / tag))
-        for result in (converted_tp2, converted_tp1):  # converted: ours at TP 1, re-cut
+        for result in from_converted:  # converted: ours at TP 1, re-cut
             _check(result, want, str(converted / tag))
 
 
