@@ -148,3 +148,53 @@ class TinyMoENet(torch.nn.Module):
 def make_moe_model(moe_class, seed: int = MODEL_SEED) -> TinyMoENet:
     torch.manual_seed(seed)
     return TinyMoENet(moe_class)
+
+
+# --- the AutoTP fixture: DeepSpeed's tensor-parallel training (autotp_size 2) ------------------
+# ZeRO 1, fp32, 2 ranks: tensor parallel 2 x data parallel 1, so each rank writes its own
+# mp_rank_XX model-states file and its optimizer partition. A Llama (q/k/v/gate/up split by
+# output rows, o/down by input columns, the untied lm_head by vocabulary, embeddings and norms
+# whole) small enough to keep the files at a few tens of KB.
+TP_FIXTURE = ("autotp2_zero1", 1, "fp32")
+TP_SIZE, TP_BATCH, TP_SEQUENCE, TP_VOCAB = 2, 4, 8, 32
+
+
+def make_tp_model(seed: int = MODEL_SEED):
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=TP_VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=TP_SEQUENCE,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def tp_batch(step: int) -> torch.Tensor:
+    """The token ids of optimizer step ``step`` (0-based): the global batch."""
+    generator = torch.Generator().manual_seed(2000 + step)
+    return torch.randint(0, TP_VOCAB, (TP_BATCH, TP_SEQUENCE), generator=generator)
+
+
+def tp_config(tp: int, dp: int) -> dict:
+    """``ds_config`` at tensor-parallel size ``tp`` over ``dp`` data-parallel ranks."""
+    config = ds_config(1, TP_FIXTURE[1], TP_FIXTURE[2])
+    config["train_micro_batch_size_per_gpu"] = TP_BATCH // dp
+    if tp > 1:
+        config["tensor_parallel"] = {"autotp_size": tp}
+    return config
+
+
+def tp_train(engine, first_step: int, steps: int, dp_rank: int, dp: int):
+    """Steps ``first_step`` .. on this data-parallel rank's rows (the whole batch at DP 1);
+    returns each step's loss and learning rate."""
+    losses, lrs = [], []
+    rows = TP_BATCH // dp
+    for step in range(first_step, first_step + steps):
+        ids = tp_batch(step)[dp_rank * rows : (dp_rank + 1) * rows]
+        lrs.append(engine.get_lr()[0])
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, lrs

@@ -31,6 +31,7 @@ def test_trains_like_one_process(pool2, tmp_path, kind, stage, clip):
         where = (rank, seed, result)
         assert result["names_equal"], where
         assert result["moved"] > 1e-4, where  # the comparison is of trained weights
+        assert result["planned_is_split"], where  # planned_slices: the split made
         assert result["weight_diff"] <= 1e-5, where
         assert result["saved_diff"] == 0.0, where  # the file holds exactly the gathered weights
         assert result["output_diff"] <= 1e-5, where
@@ -63,6 +64,7 @@ def test_split_matches_whole(pool2, kind):
         where = (rank, seed, result)
         assert result["names_equal"], where
         assert result["loss_diff"] <= 1e-5, where
+        assert result["planned_is_split"], where
         assert result["grad_diff"] <= 1e-5 * max(1.0, result["grad_scale"]), where
         assert result["grad_scale"] > 0.0, where
         if kind == "t5":

@@ -67,12 +67,18 @@ def trains_like_one_process(kind: str, stage: int, clip: float, seed: int, folde
     trained by torch's AdamW here; the gathered weights, losses and gradient norms compared,
     and save_16bit_model's file loaded into a fresh unsplit model."""
     import deepspeed_cpp
-    from deepspeed_cpp.module_inject import LinearAllreduce, LinearLayer
+    from deepspeed_cpp.module_inject import (
+        LinearAllreduce,
+        LinearLayer,
+        planned_slices,
+        tensor_parallel_slices,
+    )
 
     tp = dist.get_world_size()
     torch.manual_seed(seed)
     model = tiny_model(kind)
     reference = copy.deepcopy(model)
+    planned = planned_slices(reference, tp)  # what loading a DeepSpeed TP checkpoint compares
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     user_optimizer = kind == "gpt2"  # GPT-2: built before initialize (remapped to the slices)
     optimizer = None
@@ -123,6 +129,7 @@ def trains_like_one_process(kind: str, stage: int, clip: float, seed: int, folde
     engine.destroy()
     return {
         "split": split,
+        "planned_is_split": planned == tensor_parallel_slices(model),
         "losses": losses,
         "norms": norms,
         "weight_diff": weight_diff,
@@ -146,7 +153,7 @@ def split_matches_whole(kind: str, seed: int) -> dict:
     unsplit model: max abs differences of the loss and of every gathered gradient."""
     import transformers
 
-    from deepspeed_cpp.module_inject import shard_model
+    from deepspeed_cpp.module_inject import planned_slices, shard_model, tensor_parallel_slices
 
     torch.manual_seed(seed)
     partition_config = None
@@ -173,6 +180,7 @@ def split_matches_whole(kind: str, seed: int) -> dict:
             ],
         }
     whole = copy.deepcopy(model)
+    planned = planned_slices(whole, dist.get_world_size(), partition_config=partition_config)
     shard_model(model, dist.group.WORLD, partition_config=partition_config)
     data = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQUENCE), generator=data)
@@ -192,6 +200,7 @@ def split_matches_whole(kind: str, seed: int) -> dict:
         "grad_diff": max(float((grads[k] - g).abs().max()) for k, g in expected_grads.items()),
         "grad_scale": min(float(g.abs().max()) for g in expected_grads.values()),
         "names_equal": sorted(grads) == sorted(expected_grads),
+        "planned_is_split": planned == tensor_parallel_slices(model),
         "split": sorted(n for n, p in model.named_parameters() if hasattr(p, "partition_dim")),
     }
 

@@ -92,6 +92,38 @@ def shard_model(
     return info
 
 
+def planned_slices(
+    model: torch.nn.Module,
+    size: int,
+    *,
+    policy: TensorParallelPolicy | None = None,
+    partition_config: dict | None = None,
+) -> dict[str, list[int]]:
+    """What ``shard_model`` would split at TP ``size``, without splitting: {parameter name:
+    [partition_dim, partition_stride]} as ``tensor_parallel_slices`` gives after the split
+    (for comparing another library's split of the same, unsplit model)."""
+    policy = policy if policy is not None else policy_for(model, partition_config)
+    planned: dict[str, list[int]] = {}
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        kind = policy.kind_of(name)
+        if kind is None and policy.output_head and splits_output_head(model, name, module, size):
+            kind = "column"
+        if kind is not None:
+            transposed = LinearLayer._layout_of(module)
+            if kind == "column":
+                blocks = policy.blocks_of(name, module)
+                planned[f"{name}.weight"] = [1 if transposed else 0, blocks]
+                if getattr(module, "bias", None) is not None:
+                    planned[f"{name}.bias"] = [0, blocks]
+            else:  # row: the input features; the bias is added once, whole
+                planned[f"{name}.weight"] = [0 if transposed else 1, 1]
+        elif any(re.fullmatch(p, name) for p in policy.head_split):
+            planned[f"{name}.weight"] = [1, 1]
+    return planned
+
+
 def tensor_parallel_info(model: torch.nn.Module) -> TensorParallelInfo | None:
     return getattr(model, TP_INFO_ATTRIBUTE, None)
 

@@ -26,11 +26,11 @@ from .client_state import NEEDS_PICKLE_KEY, load_client_state
 from .deepspeed_format import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from .deepspeed_format.convert import CONVERTED_FROM_KEY
 from .deepspeed_format.expert_groups import regroup_layout, regroup_to_engine
+from .deepspeed_format.tensor_parallel import fit_to_engine
 from .digests import file_digests
 from .errors import (
     CheckpointMismatchError,
     IncompleteCheckpointError,
-    ModelParallelMismatchError,
 )
 from .expert_files import (
     check_deepspeed_experts_match,
@@ -282,6 +282,8 @@ def _read_deepspeed(subject, directory: Path, options: dict, plan: _Plan) -> Non
     zero = subject.zero
     wants_masters = zero is not None and not options["module_only"]
     saved = read_deepspeed_checkpoint(directory, options["allow_symlinks"], wants_masters)
+    # AutoTP parts come joined: compared with this engine's split and cut for this TP rank.
+    saved = fit_to_engine(saved, subject.module, subject.mp_rank, subject.mp_world_size)
     gas = subject.train_state.gradient_accumulation_steps
     # DeepSpeed saves no micro-step count: the checkpoint is at the boundary of its last step.
     saved.payload["micro_steps"] = saved.payload["global_steps"] * gas
@@ -413,6 +415,17 @@ def _directory_to_load(subject, load_dir, tag, allow_symlinks: bool) -> Path | N
     return tag_directory(load_dir, tag, allow_symlinks)
 
 
+def _deepspeed_directory(load_dir, tag, allow_symlinks: bool) -> Path | None:
+    """``load_dir/<tag>`` when DeepSpeed wrote it (its model-parallel parts all lie there, where
+    deepspeed_cpp's own lie in ``load_dir/mp_rank_XX``); None otherwise."""
+    if tag is None:
+        tag = read_latest_tag(load_dir, allow_symlinks)
+        if tag is None:
+            return None
+    directory = tag_directory(load_dir, tag, allow_symlinks)
+    return directory if directory.is_dir() and is_deepspeed_checkpoint(directory) else None
+
+
 def load_checkpoint(
     subject,
     load_dir,
@@ -434,9 +447,14 @@ def load_checkpoint(
     ``latest`` must each be one directory name in ``load_dir``; a symbolic link (``latest``, the
     tag folder, a file in it) is followed only with ``allow_symlinks`` (see ``layout.py``).
     """
-    saved_tp_size = tp_reshard.saved_size_to_reshard(subject, load_dir)
+    deepspeed_directory = _deepspeed_directory(load_dir, tag, allow_symlinks)
+    saved_tp_size = None
+    if deepspeed_directory is None:  # DeepSpeed keeps every TP part in one tag folder
+        saved_tp_size = tp_reshard.saved_size_to_reshard(subject, load_dir)
     directories = None
-    if saved_tp_size is not None:
+    if deepspeed_directory is not None:
+        directory = deepspeed_directory
+    elif saved_tp_size is not None:
         directories = tp_reshard.part_directories(load_dir, saved_tp_size, tag, allow_symlinks)
         directory = directories[0] if directories else None
     else:
@@ -463,11 +481,6 @@ def load_checkpoint(
         if saved_tp_size is not None:
             _read_tensor_parallel(subject, directories, options, plans[0])
         elif is_deepspeed_checkpoint(directory):
-            if subject.mp_world_size > 1:
-                raise ModelParallelMismatchError(
-                    f"{directory} is a DeepSpeed checkpoint; reading DeepSpeed's model-parallel "
-                    f"layout (model-parallel size {subject.mp_world_size}) is not supported yet"
-                )
             _read_deepspeed(subject, directory, options, plans[0])
         else:
             _read_and_check(subject, directory, options, plans[0])

@@ -36,6 +36,8 @@ import torch
 
 from ...module_inject import tensor_parallel_info, tensor_parallel_slices
 from ...module_inject.layers import shard_tensor, unshard_tensors
+from .deepspeed_format.convert import CONVERTED_FROM_KEY
+from .deepspeed_format.tensor_parallel import SIZE_KEY, SPLITS_KEY, check_splits_agree
 from .digests import file_digests
 from .errors import CheckpointMismatchError, ModelParallelMismatchError
 from .layout import (
@@ -191,6 +193,12 @@ class Recut:
         self.saved_slices = parts[0].slices
         self.current_slices = tensor_parallel_slices(module) if tp_size > 1 else {}
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        converted = parts[0].metadata.get(CONVERTED_FROM_KEY) or {}
+        if tp_size > 1 and converted.get(SIZE_KEY, 1) > 1:  # DeepSpeed's AutoTP, joined
+            check_splits_agree(
+                converted[SPLITS_KEY], self.current_slices, converted[SIZE_KEY],
+                type(module).__name__,
+            )  # fmt: skip
         for name, split in self.current_slices.items():
             saved = self.saved_slices.get(name)
             if saved is not None and list(saved) != list(split):

@@ -21,7 +21,7 @@ import torch
 from ..errors import CheckpointMismatchError, IncompleteCheckpointError
 from ..expert_files import expert_file
 from ..metadata import ZeroLayout
-from .files import DeepSpeedFiles, find_files, zero3_model_file
+from .files import DeepSpeedFiles, find_files, model_file, zero3_model_file
 from .flat_partitions import ParamState, reassemble
 from .reassembled_reader import ReassembledReader, layout_of
 from .restricted_load import LossScalerRecord, load_deepspeed_file
@@ -79,12 +79,12 @@ def _param_groups(optim: dict | None) -> list[dict]:
     return groups
 
 
-def _frozen_fragments(directory: Path, world: int, allow_symlinks: bool) -> dict[str, list]:
+def _frozen_fragments(directory: Path, world: int, allow_symlinks: bool, mp_rank: int):
     """ZeRO 3: each rank's model-states file holds its partition of every frozen parameter
     (``frozen_param_fragments``, in rank order); name -> the ranks' pieces."""
     pieces: dict[str, list] = {}
     for rank in range(world):
-        path = directory / zero3_model_file(rank)
+        path = directory / zero3_model_file(rank, mp_rank)
         if not path.is_file():
             raise IncompleteCheckpointError(
                 f"DeepSpeed checkpoint {directory} is incomplete: {path.name} is missing (its "
@@ -120,7 +120,8 @@ def _expert_states(saved: dict, files: DeepSpeedFiles, symlinks) -> dict:
     return state
 
 
-def _module_state(saved: dict, params: list[ParamState], files: DeepSpeedFiles, world, symlinks):
+def _module_state(saved: dict, params: list[ParamState], files: DeepSpeedFiles, world, symlinks,
+                  mp_rank: int):  # fmt: skip
     path = files.model
     state = dict(saved["module"])
     state.update(_expert_states(saved, files, symlinks))
@@ -133,7 +134,7 @@ def _module_state(saved: dict, params: list[ParamState], files: DeepSpeedFiles, 
         if torch.is_tensor(value) and value.numel() == 0 and name not in trainable
     ]
     shapes = saved.get("frozen_param_shapes") or {}
-    fragments = _frozen_fragments(path.parent, world, symlinks) if empty and shapes else {}
+    fragments = _frozen_fragments(path.parent, world, symlinks, mp_rank) if empty and shapes else {}
     for name in empty:
         if name not in shapes:
             raise CheckpointMismatchError(
@@ -162,23 +163,34 @@ def _module_state(saved: dict, params: list[ParamState], files: DeepSpeedFiles, 
 
 def read_deepspeed_checkpoint(directory: Path, allow_symlinks: bool, with_optimizer: bool):
     """The ``DeepSpeedCheckpoint`` in ``directory`` (one tag's folder). Only the restricted
-    unpickler reads its files (``restricted_load.py``)."""
-    probe = find_files(directory, world_size=1)
-    model = load_deepspeed_file(probe.model, allow_symlinks)
+    unpickler reads its files (``restricted_load.py``). A checkpoint of DeepSpeed's tensor
+    parallelism (AutoTP, several ``mp_rank_XX`` files) is returned joined: every parameter
+    whole, as at TP 1 (``tensor_parallel.py``)."""
+    probe = directory / model_file(0)
+    if not probe.is_file():
+        probe = directory / zero3_model_file(0)
+    model = load_deepspeed_file(probe, allow_symlinks)
     if "ds_version" not in model or not isinstance(model.get("module"), dict):
         raise IncompleteCheckpointError(
             f"checkpoint {directory} is incomplete: checkpoint_meta.json is missing, and "
-            f"{probe.model.name} is not a DeepSpeed model-states file either"
+            f"{probe.name} is not a DeepSpeed model-states file either"
         )
+    mp_world = int(model.get("mp_world_size", 1))
+    if mp_world == 1:
+        return read_part(directory, model, 0, 1, allow_symlinks, with_optimizer)
+    from .tensor_parallel import read_tensor_parallel  # it reads each part with read_part
+
+    return read_tensor_parallel(directory, model, mp_world, allow_symlinks, with_optimizer)
+
+
+def read_part(directory: Path, model: dict, mp_rank: int, mp_world: int, allow_symlinks: bool,
+              with_optimizer: bool) -> DeepSpeedCheckpoint:  # fmt: skip
+    """Model-parallel rank ``mp_rank``'s part of the checkpoint (its model states ``model``
+    read already): that rank's slices and its optimizer partitions, as DeepSpeed saved them."""
     world = int(model.get("dp_world_size", 1))
-    if int(model.get("mp_world_size", 1)) != 1:
-        raise CheckpointMismatchError(
-            f"{directory}: DeepSpeed saved it with {model['mp_world_size']} model-parallel ranks; "
-            "deepspeed_cpp reads data-parallel checkpoints only"
-        )
-    files = find_files(directory, world)
+    files = find_files(directory, world, mp_rank, mp_world)
     # ZeRO 3 keeps the trainable values only in the optimizer-states files: read them anyway.
-    with_optimizer = with_optimizer or files.model.name == zero3_model_file(0)
+    with_optimizer = with_optimizer or files.model.name == zero3_model_file(0, mp_rank)
     optims = [load_deepspeed_file(p, allow_symlinks) for p in files.optim] if with_optimizer else []
     params = reassemble(model, optims, list(files.optim), files.bf16) if optims else []
     if optims:
@@ -198,7 +210,7 @@ def read_deepspeed_checkpoint(directory: Path, allow_symlinks: bool, with_optimi
         "param_groups": _param_groups(optims[0] if optims else None),
     }
     client_state = {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}
-    module_state = _module_state(model, params, files, world, allow_symlinks)
+    module_state = _module_state(model, params, files, world, allow_symlinks, mp_rank)
     keys = ("ds_config", "ds_version", "frozen_param_shapes", "num_experts")
     info = {key: model.get(key) for key in keys}
     return DeepSpeedCheckpoint(

@@ -43,6 +43,7 @@ from ..recovery_script import write_recovery_script
 from ..reshard import classify_state
 from .checkpoint import DeepSpeedCheckpoint, read_deepspeed_checkpoint
 from .files import is_deepspeed_checkpoint
+from .tensor_parallel import SIZE_KEY, SPLITS_KEY
 
 CONVERTED_FROM_KEY = "converted_from"
 """Metadata key of a converted checkpoint: ``{"format": "deepspeed", "source", "ds_version",
@@ -166,6 +167,10 @@ def _metadata(saved, tag, files, layout, ds_info: dict, pickled: bool) -> dict:
             "format": "deepspeed",
             "source": str(saved.directory),
             "ds_version": str(ds_info.get("ds_version")),
+            # AutoTP parts are written joined (TP 1); how DeepSpeed split them is kept so that
+            # a load at TP > 1 checks deepspeed_cpp's policy splits the same way.
+            SIZE_KEY: int(ds_info.get(SIZE_KEY) or 1),
+            SPLITS_KEY: dict(ds_info.get(SPLITS_KEY) or {}),
         },
     }
 

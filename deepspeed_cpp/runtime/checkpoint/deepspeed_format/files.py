@@ -1,6 +1,8 @@
 """Which files make a DeepSpeed checkpoint, and how to tell one from a deepspeed_cpp checkpoint.
 
-DeepSpeed's layout (data parallel only; one model-parallel rank, ``mp_rank_00``)::
+DeepSpeed's layout (shown for one model-parallel rank, ``mp_rank_00``; with tensor parallelism,
+AutoTP's ``tensor_parallel.autotp_size`` N, every file exists once per TP rank ``mp_rank_XX``,
+XX < N, each holding that rank's slices: ``tensor_parallel.py`` joins them)::
 
     save_dir/latest                                     the newest tag, e.g. "global_step2"
     save_dir/<tag>/mp_rank_00_model_states.pt           ZeRO 0-2: module, counters, scheduler,
@@ -20,6 +22,7 @@ and ``client_state.pt``; a folder with neither and a DeepSpeed model-states file
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,12 +30,19 @@ from ..errors import CheckpointMismatchError, IncompleteCheckpointError
 from ..layout import CLIENT_STATE_FILE, METADATA_FILE, MODULE_FILE
 
 
-def zero3_model_file(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+def model_file(mp_rank: int = 0) -> str:
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
-def optim_file(rank: int, bf16: bool) -> str:
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def zero3_model_file(rank: int, mp_rank: int = 0) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def optim_file(rank: int, bf16: bool, mp_rank: int = 0) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+_MP_RANK = re.compile(r"mp_rank_(\d+)_")
 
 
 def is_deepspeed_checkpoint(directory: Path) -> bool:
@@ -53,24 +63,32 @@ class DeepSpeedFiles:
     experts: tuple[Path, ...] = ()
 
 
-def find_files(directory: Path, world_size: int) -> DeepSpeedFiles:
-    """The files of the DeepSpeed checkpoint in ``directory`` saved by ``world_size`` ranks;
-    IncompleteCheckpointError naming the first one missing."""
-    model = directory / MODULE_FILE
+def find_files(
+    directory: Path, world_size: int, mp_rank: int = 0, mp_world_size: int = 1
+) -> DeepSpeedFiles:
+    """The files of model-parallel rank ``mp_rank`` (of ``mp_world_size``) of the DeepSpeed
+    checkpoint in ``directory`` saved by ``world_size`` data-parallel ranks;
+    IncompleteCheckpointError naming the first one missing, CheckpointMismatchError naming a
+    file of a model-parallel rank the model states do not announce."""
+    model = directory / model_file(mp_rank)
     if not model.is_file():
-        model = directory / zero3_model_file(0)
-    model_parallel = sorted(p.name for p in directory.glob("*mp_rank_0[1-9]_*"))
-    if model_parallel:
+        model = directory / zero3_model_file(0, mp_rank)
+    unannounced = sorted(
+        p.name
+        for p in directory.glob("*mp_rank_*")
+        if (found := _MP_RANK.search(p.name)) and int(found.group(1)) >= mp_world_size
+    )
+    if unannounced:
         raise CheckpointMismatchError(
             f"{directory} is a DeepSpeed checkpoint with model (tensor or pipeline) parallel "
-            f"ranks ({model_parallel[0]}); deepspeed_cpp reads DeepSpeed's data- and "
-            "expert-parallel ZeRO checkpoints only (mp_rank_00)"
+            f"ranks ({unannounced[0]}) that its model states do not announce (mp_world_size "
+            f"{mp_world_size})"
         )
-    experts = tuple(sorted(directory.glob("*expert_*_mp_rank_*")))
-    bf16 = (directory / optim_file(0, bf16=True)).is_file()
-    if not bf16 and not (directory / optim_file(0, bf16=False)).is_file():
+    experts = tuple(sorted(directory.glob(f"*expert_*_mp_rank_{mp_rank:02d}_*")))
+    bf16 = (directory / optim_file(0, True, mp_rank)).is_file()
+    if not bf16 and not (directory / optim_file(0, False, mp_rank)).is_file():
         return DeepSpeedFiles(model, (), bf16=False, experts=experts)
-    optim = tuple(directory / optim_file(rank, bf16) for rank in range(world_size))
+    optim = tuple(directory / optim_file(rank, bf16, mp_rank) for rank in range(world_size))
     for path in optim:
         if not path.is_file():
             raise IncompleteCheckpointError(
