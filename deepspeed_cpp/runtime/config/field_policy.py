@@ -164,9 +164,7 @@ FIELDS: dict[str, FieldUse] = {
         for name in "prefetch_bucket_size param_persistence_threshold "
         "model_persistence_threshold max_live_parameters max_reuse_distance unit_min_numel".split()
     },
-    "zero_optimization.gather_16bit_weights_on_model_save": _read(
-        "runtime/checkpoint/model_save.py"
-    ),
+    "zero_optimization.gather_16bit_weights_on_model_save": _read("runtime/engine_checkpoints.py"),
     **{
         f"aio.{name}": _read(_AIO)
         for name in "block_size queue_depth intra_op_parallelism single_submit "
