@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_checkpoint import _assert_same, _free_port, build_engine, global_batches, train
+from test_checkpoint import _assert_same, build_engine, global_batches, train
 
 STEPS, SAVE_EVERY, STAGE = 6, 2, 2
 KILL_STEP = 3  # training phases: in step 4 (global_steps == 3); saves: the save at step 4
@@ -87,11 +89,23 @@ def _arm(engine, phase: str, victim: int) -> None:
         saver.write_text_atomically = before_latest
 
 
-def worker(rank: int, port: int, directory: str, seed: int, kill: tuple | None, out: str):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+def worker(rank: int, *args) -> None:
+    try:
+        _train(rank, *args)
+    except Exception:  # spawn keeps a worker's traceback to itself: print it for the log
+        traceback.print_exc()
+        raise
+
+
+def _train(rank: int, store: str, directory: str, seed: int, kill: tuple | None, out: str):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    # A file store, not a TCP port: a port picked free can be taken before rank 0 binds it
+    # (rank 0 then exits 1 with no output of its own; seen once in CI under load).
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+        timeout=timedelta(seconds=120),
+    )  # fmt: skip
     engine = build_engine(seed, 2, STAGE)
     engine.load_checkpoint(directory)  # (None, None) on the first run: no latest yet
     if kill is not None:
@@ -107,10 +121,16 @@ def worker(rank: int, port: int, directory: str, seed: int, kill: tuple | None, 
     dist.destroy_process_group()
 
 
+def _fresh_store(directory: Path) -> Path:
+    """A file-store path no earlier world of this test used (the file is the rendezvous)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="store-", dir=directory.parent)) / "store"
+
+
 def run_world(directory: Path, seed: int, kill: tuple | None, out: Path) -> list[int]:
     """Runs both ranks; once one dies, the other is killed too (as torchrun would)."""
     context = torch.multiprocessing.start_processes(
-        worker, args=(_free_port(), str(directory), seed, kill, str(out)), nprocs=2,
+        worker, args=(str(_fresh_store(directory)), str(directory), seed, kill, str(out)), nprocs=2,
         join=False, start_method="spawn",
     )  # fmt: skip
     processes = context.processes
