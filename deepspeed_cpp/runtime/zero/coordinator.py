@@ -48,7 +48,9 @@ Both ranks of a disagreement reach a check (every pass ends with one), so they r
 check, each naming the module each rank was about to run. With a recorded order, a pass's
 prefetches are launched at few uses, so a pass costs a few checks, not one per use.
 
-Each unit (``unit.py``) is gathered with one all-gather of its parameters' shards. The checks
+Each unit (``unit.py``) is gathered with one all-gather of its parameters' shards, and the
+prefetches launched at one use share one all-gather up to ``stage3_prefetch_bucket_size``
+elements (a demanded unit, waited for at once, gets one of its own). The checks
 and the gathers run on two process groups of their own (the same ranks): gathers are never
 interleaved with the gradient reductions that autograd hooks launch on the engine's group and do
 not queue behind them, and a check does not queue behind a prefetch's gathers.
@@ -74,7 +76,7 @@ from ...utils.timer import (
 from ...utils.z3_leaf_modules import LEAF_PARAMETER_ATTRIBUTE, z3_leaf_module
 from . import partition_parameters as pp
 from .shard_gather import all_gather_flat
-from .unit import ZeroUnit
+from .unit import ZeroUnit, unshard_together
 
 
 class ParameterCoordinator:
@@ -119,6 +121,8 @@ class ParameterCoordinator:
             if leaf:
                 for param in params:
                     setattr(param, LEAF_PARAMETER_ATTRIBUTE, submodule)
+        # Units launched at one use share an all-gather up to this many shard elements.
+        self.coalesce_numel = int(prefetch_bucket_size) // max(1, self.world_size)
         self.schedule = make_fetch_schedule(
             [unit.padded_numel(self.world_size) for unit in self.units],
             prefetch_bucket_size=int(prefetch_bucket_size),
@@ -133,7 +137,9 @@ class ParameterCoordinator:
             for param in unit:
                 self._units_of_param.setdefault(id(param), []).append(index)
         self._pass_open = False
-        self._pending = None  # (agreement in flight, gathers to launch once it succeeds)
+        # (agreement in flight, gathers to launch once it succeeds, whether the first of them
+        # is the unit demanded now)
+        self._pending = None
         self._uses_unchecked = 0  # uses since the last check, and their digest
         self._digest = 0
         self._logged_divergence = 0
@@ -245,7 +251,7 @@ class ParameterCoordinator:
             self._record_use(unit)
             launches = self.schedule.on_use(unit)
             if launches:
-                self._pending = (self._start_check(unit), launches)
+                self._pending = (self._start_check(unit), launches, launches[0] == unit)
             if unit in launches:
                 self._settle()
         if self.schedule.diverged() and self._logged_divergence < self.schedule.divergences():
@@ -265,14 +271,22 @@ class ParameterCoordinator:
         """Waits for the pending agreement and launches the gathers decided with it."""
         if self._pending is None:
             return
-        check, launches = self._pending
+        check, launches, demand = self._pending
         self._pending = None
         self._finish_check(check)
         name = BACKWARD_ALL_GATHER_TIMER if _in_backward() else FORWARD_ALL_GATHER_TIMER
         with timed(self.timers, name):
             for gathered in launches:
                 self._held[gathered] = True
-                self.units[gathered].unshard(self.fetch_group)
+            # A demanded unit (it comes first) is waited for at once: it gets a collective of
+            # its own, so that the prefetches, sharing one, stay in flight behind its compute.
+            demanded = launches[:1] if demand else []
+            for together in (demanded, launches[len(demanded) :]):
+                unshard_together(
+                    [self.units[gathered] for gathered in together],
+                    self.fetch_group,
+                    self.coalesce_numel,
+                )
 
     def done(self, unit: int) -> None:
         self._settle()
