@@ -121,7 +121,8 @@ class ParameterCoordinator:
             if leaf:
                 for param in params:
                     setattr(param, LEAF_PARAMETER_ATTRIBUTE, submodule)
-        # Units launched at one use share an all-gather up to this many shard elements.
+        # Units prefetched at one use share an all-gather up to this many shard elements per
+        # rank (the schedule's budgets count whole elements).
         self.coalesce_numel = int(prefetch_bucket_size) // max(1, self.world_size)
         self.schedule = make_fetch_schedule(
             [unit.padded_numel(self.world_size) for unit in self.units],

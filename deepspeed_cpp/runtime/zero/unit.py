@@ -70,9 +70,9 @@ class ZeroUnit:
 
 def unshard_together(units: list[ZeroUnit], group, bucket_numel: int) -> None:
     """Starts gathering several units (the prefetches the schedule launches at one use) with as
-    few collectives as their sizes allow: consecutive units share one
-    all-gather up to ``bucket_numel`` shard elements per rank (``stage3_prefetch_bucket_size``),
-    a unit never split across two. On a model of many small blocks a collective costs its launch,
+    few collectives as their sizes allow: consecutive units share one all-gather up to
+    ``bucket_numel`` shard elements per rank (``stage3_prefetch_bucket_size`` / world size), a
+    unit never split across two. On a model of many small blocks a collective costs its launch,
     not its bytes, so this is what brings a deep model's gathers from one per block to a few per
     pass (DeepSpeed coalesces its prefetch bucket the same way). Memory: the send and receive
     buffers of one collective (at most ``bucket_numel`` times world size, or one unit), freed
