@@ -56,7 +56,14 @@ counts mean anything):
 The transformer's 34: its 10 units (embedding, 8 layers, head) each gathered once on demand with
 a use check each (a layer, 5.95M elements, is larger than the 5e6 prefetch bucket, so nothing is
 prefetched and every gather costs its own check), reduced once each, plus the persistent
-buckets and the norm; FSDP2's 26 have no checks. The RSS peaks moved by under 5%.
+buckets and the norm; FSDP2's 26 have no checks. Then the window was made to prefetch one unit
+larger than the bucket: still 34, and the step no faster. Layers as units made the transformer's
+ZeRO-3 step slower (same-minute launches, 16:08-16:11: main 1153 / 1166 ms, whole-layer units
+2029 / 2061 / 2159 ms; splitting their reductions at reduce_bucket_size did not help: 2149 ms;
+the cause is not found) and its peak RSS ~10% higher (1608-1636 -> 1745-1825 MiB). So a block is
+a unit only within the prefetch bucket too: with the table's 5e6 bucket the 5.95M-element layers
+fall back to per-module units: 67 collectives, 1241 ms (ZeRO-2 1058 ms, same run). The deep
+model (66K-element blocks) keeps 6.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ prefetch what comes next, as the C++ fetch schedule (csrc/zero/fetch_schedule) d
 Fetch units: a model's repeated blocks (the children of an ``nn.ModuleList`` or ``nn.Sequential``
 that repeat one class: transformer layers) are one unit each, with all their parameters, as
 FSDP's transformer auto-wrap makes them, unless a block holds more than
-``stage3_max_live_parameters`` elements (a unit is gathered whole) or fewer than
+``stage3_max_live_parameters`` or ``stage3_prefetch_bucket_size`` elements (a unit is gathered
+whole) or fewer than
 ``stage3_unit_min_numel`` (0: no blocks, DeepSpeed's unit per module). Elsewhere, every module
 with partitioned parameters of its own (or registered with
 ``register_external_parameter``) is one unit, except small ones (norms, bias-only modules: fewer
@@ -111,7 +112,10 @@ class ParameterCoordinator:
             module,
             self._inside_leaf,
             int(unit_min_numel),
-            int(max_live_parameters),
+            # A block is gathered whole: within the live budget, and within the prefetch
+            # bucket (measured: the 50M transformer's 5.95M-element layers as units with a 5e6
+            # bucket made its step ~1.8x slower than per-module units, benchmarks/zero3_table.py).
+            min(int(max_live_parameters), int(prefetch_bucket_size)),
             self._whole_units,
         )
         for name, submodule, params, leaf in units:
@@ -481,8 +485,9 @@ def _repeated_blocks(container: torch.nn.Module, min_numel: int, block_cap: int)
     """Ids of the children of an ``nn.ModuleList`` / ``nn.Sequential`` that are blocks of a
     repeated class (at least two children of that class with partitioned parameters: transformer
     layers), each holding at least ``min_numel`` partitioned elements (smaller ones follow the
-    merge rules) and at most ``block_cap`` (``stage3_max_live_parameters``: a unit is gathered
-    whole, so a block above the live budget is split by the per-module rules instead)."""
+    merge rules) and at most ``block_cap`` (the smaller of ``stage3_max_live_parameters`` and
+    ``stage3_prefetch_bucket_size``: a unit is gathered whole, so a larger block is split by the
+    per-module rules instead)."""
     if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
         return []
     sizes = {id(child): _partitioned_numel(child) for child in container.children()}
