@@ -1,8 +1,9 @@
 """ZeRO-3 units from a model's repeated blocks (2 real gloo processes, the session pool): each
-block of an ``nn.ModuleList`` is one fetch unit whole (not one per large Linear), a block above
-``stage3_max_live_parameters`` or ``stage3_prefetch_bucket_size`` and ``stage3_unit_min_numel`` 0
-fall back to the per-module rules, the blocks' gathers and reductions are coalesced into a few collectives per step, and training
-equals one process with torch's AdamW on the global batch in every case."""
+block of an ``nn.ModuleList`` is one fetch unit whole (not one per large Linear); a block above
+``stage3_max_live_parameters`` or ``stage3_prefetch_bucket_size``, and ``stage3_unit_min_numel``
+0, fall back to the per-module rules; the blocks' gathers and reductions are coalesced into a few
+collectives per step; and training equals one process with torch's AdamW on the global batch in
+every case."""
 
 from __future__ import annotations
 
