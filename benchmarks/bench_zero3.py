@@ -333,10 +333,13 @@ def main() -> None:
                         help="stage3_param_persistence_threshold, transformer")  # fmt: skip
     parser.add_argument("--deep-persistence", type=float, default=0,
                         help="stage3_param_persistence_threshold, deep model")  # fmt: skip
+    parser.add_argument("--impls", nargs="+", choices=(OURS2, OURS3, FSDP2, DS3),
+                        help="the table's implementations (default: all that can run)")  # fmt: skip
     args = parser.parse_args()
     started = time.perf_counter()
     if "table" in args.parts:
         impls = [OURS2, OURS3, FSDP2, DS3] if args.deepspeed_path else [OURS2, OURS3, FSDP2]
+        impls = [impl for impl in impls if impl in (args.impls or impls)]
         rows, notes = table_rows(args, impls)
         if not args.deepspeed_path:
             notes.append(f"{DS3} not run: no --deepspeed-path given")

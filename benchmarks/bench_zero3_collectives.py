@@ -53,6 +53,21 @@ step times not quotable):
     deep     ours, merged units                         49               101
     deep     ours, unit per module                      97               197
     deep     FSDP2                                      49               146
+
+Then repeated blocks as units (the children of a ModuleList/Sequential that repeat a class, one
+unit each, whole), the prefetches launched at one use sharing one all-gather (up to
+stage3_prefetch_bucket_size) and consecutive units sharing one gradient reduction (up to
+reduce_bucket_size, a unit never split), counted 2026-11-27 15:47 (issue 27, branch s4-blocks)
+with --steps 5 --unit-min-numel 16384 0, main beside it in the same minutes (load average 6-10:
+step times only rough, ratios within one run):
+
+    model    implementation                 units  collectives/step (main -> blocks)
+    encoder  ours, merged units                 7                  17 -> 6
+    encoder  ours, unit per module             37                  77 -> 6
+    encoder  FSDP2                              7                  20
+    deep     ours, merged units                49                 101 -> 6
+    deep     ours, unit per module             97                 197 -> 6
+    deep     FSDP2                             49                 146
 """
 
 from __future__ import annotations

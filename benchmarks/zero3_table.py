@@ -36,6 +36,34 @@ the run, so the step times are rough; collectives and bytes do not depend on loa
 DeepSpeed's 3 collectives on the deep model (not broken down by kind here) fit its buckets: the
 prefetch and reduce buckets (5e6 elements each) hold the whole 3.2M-element model, and it fetches
 a bucket's parameters with one coalesced all-gather.
+
+Then (issue 27, branch s4-blocks) repeated blocks as units (each encoder layer one unit whole,
+not one per large Linear), prefetches sharing one all-gather up to the prefetch bucket and
+consecutive units sharing one reduction up to the reduce bucket. Measured 2026-11-27 15:48-15:58,
+the branch then main in back-to-back launches of the same command, ~7 other jobs on the 2 cores
+(load average 8-10; main's transformer rows ran beside a test job: only same-run ratios and the
+counts mean anything):
+
+    model        implementation          collectives (main -> blocks)  step ratios, same run
+    transformer  deepspeed_cpp ZeRO-3            97 -> 34               / ZeRO-2: 0.99 -> 1.16
+    transformer  FSDP2 fully_shard               26                     / FSDP2:  0.43 -> 1.29
+    transformer  DeepSpeed 0.19.8 ZeRO-3         88
+    deep         deepspeed_cpp ZeRO-3           101 -> 6                / ZeRO-2: 3.76 -> 1.98
+    deep         deepspeed_cpp ZeRO-2             4                     / FSDP2:  0.67 -> 0.34
+    deep         FSDP2 fully_shard              146
+    deep         DeepSpeed 0.19.8 ZeRO-3          3
+
+The transformer's 34: its 10 units (embedding, 8 layers, head) each gathered once on demand with
+a use check each (a layer, 5.95M elements, is larger than the 5e6 prefetch bucket, so nothing is
+prefetched and every gather costs its own check), reduced once each, plus the persistent
+buckets and the norm; FSDP2's 26 have no checks. Then the window was made to prefetch one unit
+larger than the bucket: still 34, and the step no faster. Layers as units made the transformer's
+ZeRO-3 step slower (same-minute launches, 16:08-16:11: main 1153 / 1166 ms, whole-layer units
+2029 / 2061 / 2159 ms; splitting their reductions at reduce_bucket_size did not help: 2149 ms;
+the cause is not found) and its peak RSS ~10% higher (1608-1636 -> 1745-1825 MiB). So a block is
+a unit only within the prefetch bucket too: with the table's 5e6 bucket the 5.95M-element layers
+fall back to per-module units: 67 collectives, 1241 ms (ZeRO-2 1058 ms, same run). The deep
+model (66K-element blocks) keeps 6.
 """
 
 from __future__ import annotations

@@ -91,9 +91,10 @@ def test_zero3_step(pool2):
             # digest) from each rank where a use launched gathers (the two units in forward)
             # and once at the end of the pass.
             "all_gather_into_tensor": {624 * 4: 1, 320 * 4: 1, 3 * 8: 3},
-            # The C++ reducer: one bucket per fetch unit, the same elements as its gather (fp32,
-            # whole, all-reduced), then the global gradient norm (one float64).
-            "all_reduce": {1248 * 4: 1, 640 * 4: 1, 8: 1},
+            # The C++ reducer: both fetch units' gradients (the same elements as their gathers,
+            # fp32, whole) in one all-reduce, consecutive units sharing a reduction up to
+            # reduce_bucket_size; then the global gradient norm (one float64).
+            "all_reduce": {(1248 + 640) * 4: 1, 8: 1},
         }
         assert latencies_positive
         assert not wrapped

@@ -269,7 +269,7 @@ class ReferenceSchedule:
                     continue
                 ahead = sum(self.numel[a] for a in self.ahead)
                 if (
-                    ahead + self.numel[v] > self.bucket
+                    (ahead > 0 and ahead + self.numel[v] > self.bucket)  # one unit always fits
                     or self.live() + self.numel[v] > self.max_live
                 ):
                     break
@@ -415,3 +415,13 @@ def test_random_traces_are_deterministic():
         first = schedule(numel, bucket=bucket, live=live, reuse=reuse)
         second = schedule(numel, bucket=bucket, live=live, reuse=reuse)
         assert run_calls(first, calls) == run_calls(second, calls)
+
+
+def test_window_takes_one_unit_larger_than_the_bucket():
+    # A unit above the bucket (a transformer layer above stage3_prefetch_bucket_size) is still
+    # prefetched, alone: the window always takes one unit; a second one must fit the bucket.
+    sched = schedule([10, 60, 70, 5], bucket=50)
+    drive(sched, chain(CHAIN, backward=False))
+    got = drive(sched, chain(CHAIN, backward=False))
+    uses = [r for r in got[:-1] if isinstance(r, list)]
+    assert uses == [[0, 1], [2], [3], []]

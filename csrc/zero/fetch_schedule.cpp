@@ -71,7 +71,10 @@ void FetchSchedule::prefetch(std::vector<int64_t>& out) {
     const int64_t unit = trace_[i];
     if (gathered_[unit]) continue;  // live, in flight, or taken earlier in this walk
     const int64_t numel = numel_[unit];
-    if (ahead_numel_ + numel > prefetch_bucket_size_ ||
+    // The window always takes one unit, even one larger than the bucket (a transformer layer
+    // above the bucket would otherwise never be prefetched): DeepSpeed's prefetch loop
+    // overshoots its bucket by one parameter the same way. The live budget still holds.
+    if ((ahead_numel_ > 0 && ahead_numel_ + numel > prefetch_bucket_size_) ||
         live_numel_ + numel > max_live_parameters_) {
       return;
     }

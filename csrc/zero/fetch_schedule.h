@@ -14,7 +14,8 @@ namespace deepspeed_cpp {
 class FetchSchedule {
  public:
   // unit_numel[u]: element count of fetch unit u (>= 0). Budgets are in elements (>= 0):
-  //  - prefetch_bucket_size: most elements gathered ahead of their use (0: gather on demand only);
+  //  - prefetch_bucket_size: most elements gathered ahead of their use, or one unit larger than
+  //    that (0: gather on demand only);
   //  - max_live_parameters: prefetch never takes the gathered total above this (a demanded unit
   //    is still gathered beyond it: progress over budget);
   //  - max_reuse_distance: on_done keeps a unit whose next use is at most this many elements away

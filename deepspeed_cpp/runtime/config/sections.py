@@ -148,8 +148,11 @@ class ZeroConfig(ConfigSection):
     unit_min_numel: integer(0) = Field(16_384, alias="stage3_unit_min_numel")
     """A deepspeed_cpp extension: a module whose partitioned parameters (with its small
     children's) number fewer elements joins its parent's fetch unit, gathered and reduced with
-    it (norms, bias-only modules: a collective that small costs its launch, not its bytes);
-    0 gives every module with parameters a unit of its own, as DeepSpeed does."""
+    it (norms, bias-only modules: a collective that small costs its launch, not its bytes), and
+    the repeated blocks of a ``ModuleList``/``Sequential`` (transformer layers) with at least
+    this many elements (and at most ``stage3_max_live_parameters`` and
+    ``stage3_prefetch_bucket_size``) are one unit each; 0 gives
+    every module with parameters a unit of its own, as DeepSpeed does."""
     gather_16bit_weights_on_model_save: boolean() = Field(
         False, alias="stage3_gather_16bit_weights_on_model_save"
     )

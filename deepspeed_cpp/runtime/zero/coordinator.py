@@ -1,7 +1,13 @@
 """ZeRO-3 hooks: gather a module's parameters just before it runs, release them after, and
 prefetch what comes next, as the C++ fetch schedule (csrc/zero/fetch_schedule) decides.
 
-Fetch units: every module with partitioned parameters of its own (or registered with
+Fetch units: a model's repeated blocks (the children of an ``nn.ModuleList`` or ``nn.Sequential``
+that repeat one class: transformer layers) are one unit each, with all their parameters, as
+FSDP's transformer auto-wrap makes them, unless a block holds more than
+``stage3_max_live_parameters`` or ``stage3_prefetch_bucket_size`` elements (a unit is gathered
+whole) or fewer than
+``stage3_unit_min_numel`` (0: no blocks, DeepSpeed's unit per module). Elsewhere, every module
+with partitioned parameters of its own (or registered with
 ``register_external_parameter``) is one unit, except small ones (norms, bias-only modules: fewer
 than ``stage3_unit_min_numel`` elements), whose parameters join their parent's unit: gathered
 and reduced with it, because below ~64 KiB a collective costs its launch latency, not its bytes,
@@ -43,7 +49,9 @@ Both ranks of a disagreement reach a check (every pass ends with one), so they r
 check, each naming the module each rank was about to run. With a recorded order, a pass's
 prefetches are launched at few uses, so a pass costs a few checks, not one per use.
 
-Each unit (``unit.py``) is gathered with one all-gather of its parameters' shards. The checks
+Each unit (``unit.py``) is gathered with one all-gather of its parameters' shards, and the
+prefetches launched at one use share one all-gather up to ``stage3_prefetch_bucket_size``
+elements (a demanded unit, waited for at once, gets one of its own). The checks
 and the gathers run on two process groups of their own (the same ranks): gathers are never
 interleaved with the gradient reductions that autograd hooks launch on the engine's group and do
 not queue behind them, and a check does not queue behind a prefetch's gathers.
@@ -69,7 +77,7 @@ from ...utils.timer import (
 from ...utils.z3_leaf_modules import LEAF_PARAMETER_ATTRIBUTE, z3_leaf_module
 from . import partition_parameters as pp
 from .shard_gather import all_gather_flat
-from .unit import ZeroUnit
+from .unit import ZeroUnit, unshard_together
 
 
 class ParameterCoordinator:
@@ -98,7 +106,18 @@ class ParameterCoordinator:
         self.unit_names: list[str] = []
         # Modules inside a leaf's subtree (z3_leaf_module): no unit, no hooks of their own.
         self._inside_leaf: set[int] = set()
-        units = _units_from_module_tree(module, self._inside_leaf, int(unit_min_numel))
+        # Modules gathered whole with their subtree (leaves and repeated blocks).
+        self._whole_units: set[int] = set()
+        units = _units_from_module_tree(
+            module,
+            self._inside_leaf,
+            int(unit_min_numel),
+            # A block is gathered whole: within the live budget, and within the prefetch
+            # bucket (measured: the 50M transformer's 5.95M-element layers as units with a 5e6
+            # bucket made its step ~1.8x slower than per-module units, benchmarks/zero3_table.py).
+            min(int(max_live_parameters), int(prefetch_bucket_size)),
+            self._whole_units,
+        )
         for name, submodule, params, leaf in units:
             self.unit_of_module[id(submodule)] = len(self.units)
             self.units.append(ZeroUnit(params, name or "<root>"))
@@ -106,6 +125,9 @@ class ParameterCoordinator:
             if leaf:
                 for param in params:
                     setattr(param, LEAF_PARAMETER_ATTRIBUTE, submodule)
+        # Units prefetched at one use share an all-gather up to this many shard elements per
+        # rank (the schedule's budgets count whole elements).
+        self.coalesce_numel = int(prefetch_bucket_size) // max(1, self.world_size)
         self.schedule = make_fetch_schedule(
             [unit.padded_numel(self.world_size) for unit in self.units],
             prefetch_bucket_size=int(prefetch_bucket_size),
@@ -120,7 +142,9 @@ class ParameterCoordinator:
             for param in unit:
                 self._units_of_param.setdefault(id(param), []).append(index)
         self._pass_open = False
-        self._pending = None  # (agreement in flight, gathers to launch once it succeeds)
+        # (agreement in flight, gathers to launch once it succeeds, whether the first of them
+        # is the unit demanded now)
+        self._pending = None
         self._uses_unchecked = 0  # uses since the last check, and their digest
         self._digest = 0
         self._logged_divergence = 0
@@ -169,7 +193,7 @@ class ParameterCoordinator:
         self._running.clear()  # a forward that raised left its modules on the stack
 
     def _pre_forward(self, module, inputs) -> None:
-        _check_registered(module, recurse=z3_leaf_module(module))
+        _check_registered(module, recurse=id(module) in self._whole_units)
         self._running.append(id(module))
         for unit in self._module_units[id(module)]:
             self.fetch(unit)
@@ -232,7 +256,7 @@ class ParameterCoordinator:
             self._record_use(unit)
             launches = self.schedule.on_use(unit)
             if launches:
-                self._pending = (self._start_check(unit), launches)
+                self._pending = (self._start_check(unit), launches, launches[0] == unit)
             if unit in launches:
                 self._settle()
         if self.schedule.diverged() and self._logged_divergence < self.schedule.divergences():
@@ -252,14 +276,22 @@ class ParameterCoordinator:
         """Waits for the pending agreement and launches the gathers decided with it."""
         if self._pending is None:
             return
-        check, launches = self._pending
+        check, launches, demand = self._pending
         self._pending = None
         self._finish_check(check)
         name = BACKWARD_ALL_GATHER_TIMER if _in_backward() else FORWARD_ALL_GATHER_TIMER
         with timed(self.timers, name):
             for gathered in launches:
                 self._held[gathered] = True
-                self.units[gathered].unshard(self.fetch_group)
+            # A demanded unit (it comes first) is waited for at once: it gets a collective of
+            # its own, so that the prefetches, sharing one, stay in flight behind its compute.
+            demanded = launches[:1] if demand else []
+            for together in (demanded, launches[len(demanded) :]):
+                unshard_together(
+                    [self.units[gathered] for gathered in together],
+                    self.fetch_group,
+                    self.coalesce_numel,
+                )
 
     def done(self, unit: int) -> None:
         self._settle()
@@ -369,25 +401,37 @@ _NO_FORWARD = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList)
 _MERGED_PER_MIN_NUMEL = 4
 
 
-def _units_from_module_tree(module: torch.nn.Module, inside_leaf: set[int], min_numel: int):
+def _units_from_module_tree(
+    module: torch.nn.Module,
+    inside_leaf: set[int],
+    min_numel: int,
+    block_cap: int,
+    whole_units: set[int],
+):
     """The fetch units of ``module``'s tree, in pre-order: (name, module, parameters, is_leaf).
 
-    Bottom-up, each module collects its own partitioned parameters (and the external ones
-    registered on it) plus those of its children too small to be units (fewer than
-    ``min_numel`` elements: ``stage3_unit_min_numel``), up to ``_MERGED_PER_MIN_NUMEL`` times
-    ``min_numel`` in all; a module whose whole subtree is within that cap takes in all its
-    children, whatever their size. A module whose collection is large enough is a unit, and so
-    are the root, every leaf module (``set_z3_leaf_modules``: its whole subtree, never merged
-    upward) and a small module that found no room above it. ``inside_leaf`` receives the ids of
-    the modules inside leaves (no unit, no hooks)."""
+    Taken whole (their whole subtree, never merged upward; ``whole_units`` receives their ids,
+    ``inside_leaf`` the ids of the modules inside them: no unit, no hooks): every leaf module
+    (``set_z3_leaf_modules``) and, with ``min_numel`` > 0, every repeated block
+    (``_repeated_blocks``: a transformer's layers, one unit each, as FSDP's transformer
+    auto-wrap makes them). The rest, bottom-up: each module collects its own partitioned
+    parameters (and the external ones registered on it) plus those of its children too small to
+    be units (fewer than ``min_numel`` elements: ``stage3_unit_min_numel``), up to
+    ``_MERGED_PER_MIN_NUMEL`` times ``min_numel`` in all; a module whose whole subtree is within
+    that cap takes in all its children, whatever their size. A module whose collection is large
+    enough is a unit, and so are the root and a small module that found no room above it."""
     order: list[tuple[str, torch.nn.Module, bool]] = []
     parent: dict[int, torch.nn.Module] = {}
+    blocks: set[int] = set()  # repeated blocks taken whole (``_repeated_blocks``)
     for name, submodule in module.named_modules():
         if id(submodule) in inside_leaf:
             continue
         leaf = z3_leaf_module(submodule)
-        if leaf:
+        if leaf or id(submodule) in blocks:
             inside_leaf.update(id(m) for m in list(submodule.modules())[1:])
+            whole_units.add(id(submodule))
+        elif min_numel > 0:
+            blocks.update(_repeated_blocks(submodule, min_numel, block_cap))
         order.append((name, submodule, leaf))
         for child in submodule.children():
             parent.setdefault(id(child), submodule)
@@ -398,7 +442,8 @@ def _units_from_module_tree(module: torch.nn.Module, inside_leaf: set[int], min_
     units: dict[int, bool] = {}  # id(module) -> whether it is a leaf
     for _name, submodule, leaf in reversed(order):
         params = collected.setdefault(id(submodule), {})
-        for member in submodule.modules() if leaf else [submodule]:
+        whole_unit = id(submodule) in whole_units
+        for member in submodule.modules() if whole_unit else [submodule]:
             for param in member.parameters(recurse=False):
                 if pp.is_partitioned(param):
                     params.setdefault(id(param), param)
@@ -409,7 +454,7 @@ def _units_from_module_tree(module: torch.nn.Module, inside_leaf: set[int], min_
             continue
         size = sum(p.ds_numel for p in params.values())
         above = parent.get(id(submodule))
-        if above is not None and not leaf and isinstance(submodule, _NO_FORWARD):
+        if above is not None and not whole_unit and isinstance(submodule, _NO_FORWARD):
             merge = True
         else:
             # Small modules join the module above while it has room; a module whose whole
@@ -417,7 +462,7 @@ def _units_from_module_tree(module: torch.nn.Module, inside_leaf: set[int], min_
             # FSDP2 wraps it, not its attention and the rest as two).
             merge = (
                 above is not None
-                and not leaf
+                and not whole_unit
                 and not isinstance(above, _NO_FORWARD)
                 and (
                     (size < min_numel and numel.get(id(above), 0) + size <= cap)
@@ -436,20 +481,42 @@ def _units_from_module_tree(module: torch.nn.Module, inside_leaf: set[int], min_
             yield name, submodule, list(collected[id(submodule)].values()), leaf
 
 
+def _repeated_blocks(container: torch.nn.Module, min_numel: int, block_cap: int) -> list[int]:
+    """Ids of the children of an ``nn.ModuleList`` / ``nn.Sequential`` that are blocks of a
+    repeated class (at least two children of that class with partitioned parameters: transformer
+    layers), each holding at least ``min_numel`` partitioned elements (smaller ones follow the
+    merge rules) and at most ``block_cap`` (the smaller of ``stage3_max_live_parameters`` and
+    ``stage3_prefetch_bucket_size``: a unit is gathered whole, so a larger block is split by the
+    per-module rules instead)."""
+    if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
+        return []
+    sizes = {id(child): _partitioned_numel(child) for child in container.children()}
+    classes: dict[type, int] = {}
+    for child in container.children():
+        if sizes[id(child)] > 0:
+            classes[type(child)] = classes.get(type(child), 0) + 1
+    return [
+        id(child)
+        for child in container.children()
+        if classes.get(type(child), 0) >= 2 and min_numel <= sizes[id(child)] <= block_cap
+    ]
+
+
+def _partitioned_numel(module: torch.nn.Module) -> int:
+    seen: dict[int, int] = {}
+    for member in module.modules():
+        for param in member.parameters(recurse=False):
+            if pp.is_partitioned(param):
+                seen[id(param)] = param.ds_numel
+        for param in member.__dict__.get("_ds_external_params", {}).values():
+            if pp.is_partitioned(param):
+                seen[id(param)] = param.ds_numel
+    return sum(seen.values())
+
+
 def _subtree_numels(order) -> dict[int, int]:
     """``id(module)`` -> the partitioned elements of its whole subtree (each parameter once)."""
-    totals = {}
-    for _name, submodule, _leaf in order:
-        seen: dict[int, torch.nn.Parameter] = {}
-        for member in submodule.modules():
-            for param in member.parameters(recurse=False):
-                if pp.is_partitioned(param):
-                    seen.setdefault(id(param), param)
-            for param in member.__dict__.get("_ds_external_params", {}).values():
-                if pp.is_partitioned(param):
-                    seen.setdefault(id(param), param)
-        totals[id(submodule)] = sum(p.ds_numel for p in seen.values())
-    return totals
+    return {id(submodule): _partitioned_numel(submodule) for _name, submodule, _leaf in order}
 
 
 def _destroyed_guard(name: str):

@@ -118,32 +118,42 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
 
     def _reduction_runs(self) -> list[list[int]]:
         """The buckets in runs reduced by one collective each: the partitioned buckets (one
-        parameter each) of one fetch unit, in bucket order, up to ``reduce_bucket_size``
-        elements a run; every persistent bucket alone. The buckets themselves keep their order,
-        so masters, optimizer state and checkpoint layout stay one per parameter.
+        parameter each) of one fetch unit, in bucket order, whatever ``reduce_bucket_size`` (the
+        unit is gathered whole anyway, so its whole gradient costs what its gather does: one
+        reduce-scatter per unit, as FSDP2); then consecutive partitioned runs merged up to
+        ``reduce_bucket_size`` elements (a deep model's small blocks: one collective for many,
+        as DeepSpeed's reduce bucket); every persistent bucket alone. The buckets themselves keep
+        their order, so masters, optimizer state and checkpoint layout stay one per parameter.
 
         The reducer launches runs strictly in order, so they are ordered by their last bucket
         (buckets follow the usual arrival of gradients): a unit whose members' gradients come
         at different times (a root unit holding every block's norm) is reduced once its last
         one arrives, without holding back the runs completed before it."""
-        runs: list[list[int]] = []
-        open_run: dict[object, int] = {}  # unit -> index of its run still taking buckets
-        sizes: list[int] = []
+        by_unit: dict[object, list[int]] = {}
         for index, bucket in enumerate(self.buckets):
             key = (
                 self.unit_of_param.get(id(bucket.params[0]), ("alone", index))
                 if self._partitioned(bucket)
                 else ("persistent", index)
             )
-            run = open_run.get(key)
-            if run is not None and sizes[run] + bucket.size <= self._reduce_capacity:
-                runs[run].append(index)
-                sizes[run] += bucket.size
+            by_unit.setdefault(key, []).append(index)
+        runs: list[list[int]] = []
+        for run in sorted(by_unit.values(), key=lambda run: run[-1]):
+            previous = runs[-1] if runs else None
+            if (
+                previous is not None
+                and self._partitioned(self.buckets[run[0]])
+                and self._partitioned(self.buckets[previous[0]])
+                and self._run_size(previous) + self._run_size(run) <= self._reduce_capacity
+            ):
+                previous.extend(run)
+                previous.sort()  # a run's first bucket is its lowest (``_make_reducer``)
             else:
-                open_run[key] = len(runs)
-                runs.append([index])
-                sizes.append(bucket.size)
-        return sorted(runs, key=lambda run: run[-1])
+                runs.append(list(run))
+        return runs
+
+    def _run_size(self, run: list[int]) -> int:
+        return sum(self.buckets[index].size for index in run)
 
     def _make_reducer(self, *, scatter: bool, scatter_method: str, device, scale: float):
         """The reducer over the runs: a partitioned run laid out rank by rank (rank r's part is

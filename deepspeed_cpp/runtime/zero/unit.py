@@ -12,6 +12,9 @@ The copy-out is what FSDP2's ``FSDPParamGroup`` does too (per-parameter shards, 
 per group): it trades one memory pass over the unit for one collective per unit, and on every
 backend a collective's launch costs more than copying a module's parameters.
 
+Units prefetched together share one all-gather up to the prefetch bucket size
+(``unshard_together``).
+
 A parameter that is already whole or in flight (tied to another unit, held by
 ``GatheredParameters``) is only counted as held, not gathered again: every rank holds the same
 parameters at the same point of a pass (the coordinator agrees on the uses first), so every rank
@@ -52,18 +55,7 @@ class ZeroUnit:
     def unshard(self, group) -> None:
         """Starts gathering the unit's parameters (one collective per dtype among those not yet
         whole; one in practice) and counts one more holder of each."""
-        world = dist.get_world_size(group) if group is not None else 1
-        todo: dict[tuple, list[torch.nn.Parameter]] = {}
-        for param in self.params:
-            if pp.claim(param):
-                key = (param.ds_tensor.dtype, pp.device_of(param))
-                todo.setdefault(key, []).append(param)
-        for params in todo.values():
-            if world == 1:
-                for param in params:
-                    pp.start_gather(param, group)
-            else:
-                _FlatGather(params, group, world).launch()
+        unshard_together([self], group, bucket_numel=0)
 
     def wait(self) -> None:
         """Waits for the unit's gathers: afterwards every parameter is whole."""
@@ -74,6 +66,41 @@ class ZeroUnit:
         """Lets go of the unit's parameters (each freed when its last holder lets go)."""
         for param in self.params:
             pp.release(param)
+
+
+def unshard_together(units: list[ZeroUnit], group, bucket_numel: int) -> None:
+    """Starts gathering several units (the prefetches the schedule launches at one use) with as
+    few collectives as their sizes allow: consecutive units share one all-gather up to
+    ``bucket_numel`` shard elements per rank (``stage3_prefetch_bucket_size`` / world size), a
+    unit never split across two. On a model of many small blocks a collective costs its launch,
+    not its bytes, so this is what brings a deep model's gathers from one per block to a few per
+    pass (DeepSpeed coalesces its prefetch bucket the same way). Memory: the send and receive
+    buffers of one collective (at most ``bucket_numel`` times world size, or one unit), freed
+    once its parameters are copied out; the schedule already counted the units as live."""
+    world = dist.get_world_size(group) if group is not None else 1
+    # Per (dtype, device): the collectives being packed, each a list of parameters and its size.
+    packs: dict[tuple, list[tuple[list[torch.nn.Parameter], int]]] = {}
+    for unit in units:
+        todo: dict[tuple, list[torch.nn.Parameter]] = {}
+        for param in unit.params:
+            if pp.claim(param):
+                key = (param.ds_tensor.dtype, pp.device_of(param))
+                todo.setdefault(key, []).append(param)
+        for key, params in todo.items():
+            size = sum(p.ds_tensor.numel() for p in params)
+            open_packs = packs.setdefault(key, [])
+            if open_packs and open_packs[-1][1] + size <= bucket_numel:
+                last, total = open_packs[-1]
+                open_packs[-1] = (last + params, total + size)
+            else:
+                open_packs.append((params, size))
+    for open_packs in packs.values():
+        for params, _size in open_packs:
+            if world == 1:
+                for param in params:
+                    pp.start_gather(param, group)
+            else:
+                _FlatGather(params, group, world).launch()
 
 
 class _FlatGather:

@@ -1,0 +1,154 @@
+"""ZeRO-3 units from a model's repeated blocks (2 real gloo processes, the session pool): each
+block of an ``nn.ModuleList`` is one fetch unit whole (not one per large Linear); a block above
+``stage3_max_live_parameters`` or ``stage3_prefetch_bucket_size``, and ``stage3_unit_min_numel``
+0, fall back to the per-module rules; the blocks' gathers and reductions are coalesced into a few
+collectives per step; and training equals one process with torch's AdamW on the global batch in
+every case."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+JOB_TIMEOUT = 180.0
+WIDTH, BLOCKS, STEPS, MICRO_BATCH = 192, 3, 3, 4
+LR, EPS = 1e-2, 1e-6
+
+
+class Block(torch.nn.Module):
+    """74,496 partitioned elements: above the old whole-subtree merge cap (4 x 16,384), so the
+    per-module rules make three units of it (two Linears, the norm joining the block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(WIDTH, WIDTH)
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.down = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.norm(self.up(x))))
+
+
+class BlockNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, WIDTH)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = torch.nn.Linear(WIDTH, 4)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_model() -> BlockNet:
+    torch.manual_seed(0)
+    return BlockNet()
+
+
+def batches(world: int):
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randn(MICRO_BATCH * world, 8, generator=generator) for _ in range(STEPS)]
+
+
+def loss_of(output: torch.Tensor) -> torch.Tensor:
+    return output.square().mean()
+
+
+def reference(world: int) -> dict:
+    """One process, the global batch (the mean of the ranks' equal micro-batches), torch AdamW."""
+    torch.set_num_threads(1)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
+    for x in batches(world):
+        optimizer.zero_grad()
+        loss_of(model(x)).backward()
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _collectives(groups) -> int:
+    return sum(int(group._get_sequence_number_for_group()) for group in groups)
+
+
+def blocks_job(zero_extra: dict) -> dict:
+    import deepspeed_cpp as deepspeed
+
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            **zero_extra,
+        },
+    }
+    engine, *_ = deepspeed.initialize(model=make_model(), config=config)
+    try:
+        coordinator = engine._zero_stage.coordinator
+        everything = list(dist.distributed_c10d._world.pg_map)
+        counts = []
+        for x in batches(world):
+            before = _collectives(everything)
+            engine.backward(loss_of(engine(x[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH])))
+            engine.step()
+            counts.append(_collectives(everything) - before)
+        state = engine.full_module_state_dict()
+        return {
+            "names": list(coordinator.unit_names),
+            "counts": counts,
+            "peak_live": coordinator.peak_live_numel(),
+            "params": {name: state[name].clone() for name, _ in engine.module.named_parameters()},
+        }
+    finally:
+        engine.destroy()
+
+
+def _max_difference(ours: dict, theirs: dict) -> float:
+    assert ours.keys() == theirs.keys()
+    return max((ours[name] - theirs[name]).abs().max().item() for name in theirs)
+
+
+def test_repeated_blocks_are_units_and_train_like_one_process(pool2):
+    expected = reference(2)
+    block = sum(p.numel() for p in Block().parameters())
+    cases = {
+        "blocks": {},
+        # A block above the live budget is split by the per-module rules.
+        "over the cap": {"stage3_max_live_parameters": block - 1},
+        # ... and so is one above the prefetch bucket.
+        "over the bucket": {"stage3_prefetch_bucket_size": block - 1},
+        # DeepSpeed's unit per module.
+        "per module": {"stage3_unit_min_numel": 0},
+    }
+    results = {}
+    for case, extra in cases.items():
+        first, second = pool2.run(blocks_job, extra, timeout=JOB_TIMEOUT)
+        assert first["counts"] == second["counts"], case  # every collective paired
+        assert first["names"] == second["names"], case
+        assert _max_difference(first["params"], expected) <= 2e-6, case
+        assert _max_difference(second["params"], first["params"]) == 0.0, case
+        results[case] = first
+
+    blocks = results["blocks"]
+    assert blocks["names"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"], blocks["names"]
+    split = results["over the cap"]["names"]
+    assert "blocks.0" in split and "blocks.0.up" in split and "blocks.0.down" in split, split
+    assert "blocks.0.norm" not in split, split  # the norm still joins its block
+    assert results["over the bucket"]["names"] == split
+    per_module = results["per module"]["names"]
+    assert "blocks.0.norm" in per_module and len(per_module) == 3 * BLOCKS + 2, per_module
+
+    # Traced steps: the whole model fits the prefetch and reduce buckets, so the units are
+    # gathered by two all-gathers (the first unit on demand, the rest prefetched together) and
+    # reduced by one reduce-scatter, plus a few use checks and the step's norm: fewer
+    # collectives than units even with a unit per module (one gather and one reduction per unit
+    # would be at least twice the units).
+    assert max(blocks["counts"][1:]) <= 8, blocks["counts"]
+    assert max(results["per module"]["counts"][1:]) < len(per_module), results["per module"]
+    # Memory stays within the live budget when blocks are split for it.
+    assert results["over the cap"]["peak_live"] <= 2 * block, results["over the cap"]["peak_live"]
