@@ -81,6 +81,7 @@ def blocks_job(zero_extra: dict) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.01}},
+        "gradient_clipping": 0.0,  # the torch AdamW reference does not clip
         "zero_optimization": {
             "stage": 3,
             "stage3_param_persistence_threshold": 0,
