@@ -9,6 +9,15 @@ import torch
 import deepspeed_cpp as deepspeed
 
 
+@pytest.fixture(autouse=True)
+def _no_world_left_behind():
+    """initialize() makes a world of one in this pytest process; later tests expect none."""
+    was_initialized = torch.distributed.is_initialized()
+    yield
+    if torch.distributed.is_initialized() and not was_initialized:
+        torch.distributed.destroy_process_group()
+
+
 def _model():
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 

@@ -70,6 +70,13 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
         (a parameter in none is reduced on its own)."""
         self.model_order = model_order
         self.unit_of_param = unit_of_param or {}
+        # step_during_backward steps a sub-group once its unit's gradients are reduced: units
+        # sharing one reduction would hold every step back to the end of backward (see
+        # _reduction_runs). Decided before the optimizer exists, so "maybe" (None) counts.
+        offload = kwargs.get("offload")
+        self._units_reduced_apart = (
+            offload is not None and offload.step_during_backward is not False
+        )
         super().__init__(optimizer, param_groups, **kwargs)
 
     def _plan(self, param_groups, reduce_bucket_size, owned_whole):
@@ -122,8 +129,11 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
         unit is gathered whole anyway, so its whole gradient costs what its gather does: one
         reduce-scatter per unit, as FSDP2); then consecutive partitioned runs merged up to
         ``reduce_bucket_size`` elements (a deep model's small blocks: one collective for many,
-        as DeepSpeed's reduce bucket); every persistent bucket alone. The buckets themselves keep
-        their order, so masters, optimizer state and checkpoint layout stay one per parameter.
+        as DeepSpeed's reduce bucket); every persistent bucket alone. Where sub-groups may be
+        stepped during backward, a unit's buckets are instead cut into runs of at most
+        ``reduce_bucket_size`` and never merged across units (``_split_at_capacity``). The
+        buckets themselves keep their order, so masters, optimizer state and checkpoint layout
+        stay one per parameter.
 
         The reducer launches runs strictly in order, so they are ordered by their last bucket
         (buckets follow the usual arrival of gradients): a unit whose members' gradients come
@@ -137,6 +147,9 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
                 else ("persistent", index)
             )
             by_unit.setdefault(key, []).append(index)
+        if self._units_reduced_apart:
+            pieces = [piece for run in by_unit.values() for piece in self._split_at_capacity(run)]
+            return sorted(pieces, key=lambda run: run[-1])
         runs: list[list[int]] = []
         for run in sorted(by_unit.values(), key=lambda run: run[-1]):
             previous = runs[-1] if runs else None
@@ -154,6 +167,18 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
 
     def _run_size(self, run: list[int]) -> int:
         return sum(self.buckets[index].size for index in run)
+
+    def _split_at_capacity(self, run: list[int]) -> list[list[int]]:
+        """A unit's buckets in pieces of at most ``reduce_bucket_size`` elements (a bucket
+        larger than that alone): where sub-groups are stepped during backward, each piece
+        reduced lets its sub-groups step while the rest of the unit's backward runs."""
+        pieces = [[run[0]]]
+        for index in run[1:]:
+            if self._run_size(pieces[-1]) + self.buckets[index].size <= self._reduce_capacity:
+                pieces[-1].append(index)
+            else:
+                pieces.append([index])
+        return pieces
 
     def _make_reducer(self, *, scatter: bool, scatter_method: str, device, scale: float):
         """The reducer over the runs: a partitioned run laid out rank by rank (rank r's part is
