@@ -94,7 +94,7 @@ class ParamFragments:
         state ``key``: a 1-D view valid inside the block (with NVMe offload its sub-group is
         resident; ``write``: written back after). A delayed step still running is finished first
         (every rank must call then: it is collective)."""
-        self._check_between_steps("reading or writing a parameter's fp32 master or state")
+        self.stepper.check_between_steps("reading or writing a parameter's fp32 master or state")
         fragment = self.fragment_of(param)
         members = next(m for m in self.home.sub_groups if fragment.bucket in m)
         with self.home.resident(members, write_back=write), torch.no_grad():
@@ -103,7 +103,7 @@ class ParamFragments:
             yield source.detach().narrow(0, fragment.master_start, fragment.numel)
 
     def _state_tensor(self, param, master: torch.Tensor, key: str) -> torch.Tensor:
-        optimizer = self._optimizer_for(self.fragment_of(param).bucket)
+        optimizer = self.stepper.optimizer_for(self.fragment_of(param).bucket)
         state = optimizer.state.get(master) or {}
         per_element = sorted(
             k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape
@@ -153,7 +153,7 @@ class ParamFragments:
                 "the reduced gradient of a parameter is available only between the backward of "
                 "an accumulation boundary (the last micro-step) and engine.step()"
             )
-        if self._backward_steps is not None and self._backward_steps.stepped_count:
+        if self.steps_during_backward and self.stepper.backward_steps.stepped_count:
             raise GradientNotAvailableError(
                 "zero_optimization.offload_optimizer.step_during_backward stepped optimizer "
                 "sub-groups during this backward and reused their gradient buffers; set it to "
