@@ -27,6 +27,7 @@ DeepSpeed does.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -42,7 +43,7 @@ from ...ops.zero import (
 )
 from ...utils.timer import REDUCE_SCATTER_SUBMIT_TIMER, REDUCE_SCATTER_WAIT_TIMER, timed
 from .in_place_grads import InPlaceGradients, grads_can_stay_in_place
-from .loss_scale_state import LossScaleState
+from .loss_scale_state import LossScaleConfigView
 from .offload.optimizer_offload import OptimizerOffload
 from .offload.stepping import OffloadedStepper, make_device_optimizer
 from .param_fragments import ParamFragments
@@ -55,12 +56,13 @@ from .stage_setup import init_stage_fields, optimizer_over_masters
 from .steppers import InMemoryStepper
 
 
-class ZeroPartitionedOptimizer(MasterGathers, ParamFragments, LossScaleState):
+class ZeroPartitionedOptimizer(MasterGathers):
     """One engine's ZeRO stage 0-2, composed of its ``ShardSet`` (plan, buckets, fp32 master
     shards, shard gradients, home), a stepper (``steppers.py``: in memory, or offloaded with the
     delayed update and steps during backward), the checkpoint view of its shards
-    (``shard_checkpoint_state.py``) and the C++ reducer, which it drives from the gradient
-    hooks. It is the ``ParamGathers`` its stepper writes updated values through."""
+    (``shard_checkpoint_state.py``), its parameters' fragments (``param_fragments.py``) and the
+    C++ reducer, which it drives from the gradient hooks. It is the ``ParamGathers``
+    (``param_gathers.py``) its stepper writes updated values through."""
 
     def __init__(
         self,
@@ -144,19 +146,22 @@ class ZeroPartitionedOptimizer(MasterGathers, ParamFragments, LossScaleState):
             self._master_param_groups(param_groups, list(on_device or ())),
         )
         optimizer = optimizer_over_masters(optimizer, master_groups)
+        # The stepper and the checkpoint view call back through a proxy: no reference cycle, so
+        # the stage is freed as soon as its engine lets go of it.
+        gathers = weakref.proxy(self)
         if offload is None:
-            self.stepper = InMemoryStepper(self.shards, self, optimizer)
+            self.stepper = InMemoryStepper(self.shards, gathers, optimizer)
         else:
             self.stepper = OffloadedStepper(
                 self.shards,
-                self,
+                gathers,
                 optimizer,
                 offload,
                 device_optimizer=device_part,
                 gradient_clipping=self.gradient_clipping,
                 loss_scaled=self.loss_scaler is not None,
             )
-        self.checkpoint_state = ShardCheckpoint(self.shards, self.stepper, self)
+        self.checkpoint_state = ShardCheckpoint(self.shards, self.stepper, gathers)
         self.gradient_checks = ShardGradientChecks(self.shards, norm_group, counts_in_norm)
         self.home.attach(self.masters, optimizer)
 
@@ -187,7 +192,9 @@ class ZeroPartitionedOptimizer(MasterGathers, ParamFragments, LossScaleState):
             p.register_post_accumulate_grad_hook(self._make_hook(index))
             for index, p in enumerate(self.params)
         ]
-        self._link_fragment_owners()  # deepspeed_cpp.utils.safe_get_full_fp32_param & co.
+        self._boundary_backward = False
+        self.fragments = ParamFragments(self.shards, self.stepper, loss_scaler)
+        self.fragments.link()  # deepspeed_cpp.utils.safe_get_full_fp32_param & co.
         # The engine's wall-clock timers, set at ZeRO-3 with ``wall_clock_breakdown`` (None:
         # nothing timed, no cost in the gradient hooks).
         self.timers = None
@@ -362,7 +369,7 @@ class ZeroPartitionedOptimizer(MasterGathers, ParamFragments, LossScaleState):
         ):
             self._in_place_grads = None  # data replaced (module.half()...): reduce as usual
         if self._in_place_grads is not None:  # autograd accumulates into the flat gradients
-            self._boundary_backward, self._gradients_ready = boundary, False
+            self._boundary_backward, self.fragments.gradients_ready = boundary, False
             if self._shard_grads_zero_pending:
                 self._apply_pending_zero()
                 self._in_place_grads.install()
@@ -371,7 +378,7 @@ class ZeroPartitionedOptimizer(MasterGathers, ParamFragments, LossScaleState):
             return
         self._reduce_during_backward = self.stage >= 2 or boundary
         self._boundary_backward = boundary
-        self._gradients_ready = False
+        self.fragments.gradients_ready = False
         self.stepper.begin_backward(boundary and self._reduce_during_backward)
         if self._reduce_during_backward:
             self.reducer.set_overwrite(self._shard_grads_zero_pending)
@@ -380,7 +387,7 @@ class ZeroPartitionedOptimizer(MasterGathers, ParamFragments, LossScaleState):
         """Reduces what the hooks have not, and accumulates this rank's shard of the gradients."""
         if self._in_place_grads is not None:
             self._in_place_grads.adopt()
-            self._gradients_ready = self._boundary_backward
+            self.fragments.gradients_ready = self._boundary_backward
             return
         self.stepper.end_backward()
         if not self._reduce_during_backward:
@@ -396,14 +403,14 @@ class ZeroPartitionedOptimizer(MasterGathers, ParamFragments, LossScaleState):
         self._shard_grads_zero_pending = False
         self._reduce_during_backward = False
         # The shard gradients are final (and readable through param_fragments) until the step.
-        self._gradients_ready = self._boundary_backward
+        self.fragments.gradients_ready = self._boundary_backward
 
     def accumulated_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         """``param``'s gradient accumulated locally over the micro-steps since the last
         reduction (stages 0/1 between boundaries): ``param.grad``, or its fp32 accumulator for a
         low-precision model. The pipeline engine sums tied weights' copies in it."""
         if self._fp32_accumulators is not None:
-            return self._fp32_accumulators[self._position_of[id(param)]]
+            return self._fp32_accumulators[self.fragments.position_of[id(param)]]
         return param.grad
 
     # --- step ---------------------------------------------------------------------------------
@@ -451,7 +458,7 @@ class ZeroPartitionedOptimizer(MasterGathers, ParamFragments, LossScaleState):
         return False
 
     def zero_grad(self) -> None:
-        self._gradients_ready = False
+        self.fragments.gradients_ready = False
         if self._fp32_accumulators is not None:
             self._fp32_accumulators = [None] * len(self.params)
         self._shard_grads_zero_pending = True
@@ -481,32 +488,36 @@ class ZeroPartitionedOptimizer(MasterGathers, ParamFragments, LossScaleState):
         return self.optimizer.param_groups
 
     @property
+    def loss_scale_config(self) -> LossScaleConfigView:
+        """DeepSpeed's loss-scale attributes of its ZeRO optimizers (``loss_scale_state.py``)."""
+        return LossScaleConfigView(self.loss_scaler)
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scale_config.dynamic_loss_scale
+
+    @property
     def state(self):
         return self.optimizer.state
 
     # --- the stepper's, for the engine and the stages composing sets ----------------------------
     @property
     def steps_during_backward(self) -> bool:
-        """Whether optimizer sub-groups may be stepped inside backward (``step_during_backward``,
-        ``offload/backward_steps.py``)."""
+        """Whether optimizer sub-groups may be stepped inside backward (``backward_steps.py``)."""
         return self.stepper.steps_during_backward
 
     def apply_pending_update(self) -> None:
-        """Finishes a delayed step still running and writes its result into the parameters."""
         self.stepper.apply_pending_update()
 
     def discard_pending_update(self) -> None:
-        """Waits for a delayed step still running and drops its result (a load follows)."""
         self.stepper.discard_pending_update()
 
     def write_params_from_masters(self) -> None:
-        """Writes the fp32 master slices into every rank's parameters (after a load)."""
         self.stepper.write_params_from_masters()
 
     def use_optimizer(self, optimizer, offload: OptimizerOffload | None) -> None:
-        """Steps the masters with ``optimizer`` from now on: one made over several sets' masters
-        by the stage that composes them (``moe_stage.py``; its host steps go through
-        ``stepper``). The offload checks and the home's state slots follow it."""
+        """Steps the masters with ``optimizer``, made over several sets' masters by the stage
+        composing them (``moe_stage.py``, which drives host steps through ``stepper``)."""
         self.stepper.use_optimizer(optimizer, offload)
         self.home.attach(self.masters, optimizer)
 
@@ -515,8 +526,7 @@ class ZeroPartitionedOptimizer(MasterGathers, ParamFragments, LossScaleState):
         return self.checkpoint_state.layout()
 
     def layout_parts(self, key: str = "", origins: tuple[int, ...] | None = None):
-        """This stage as one ``LayoutPart`` (``key`` and ``origins``: how the expert-parallel
-        stage, which owns this one as a set, names it and maps its param groups)."""
+        """This stage as one ``LayoutPart`` (``key``, ``origins``: see ``moe_stage.py``)."""
         return self.checkpoint_state.layout_parts(key, origins)
 
     def owned_ranges(self) -> list[tuple[int, int]]:
@@ -545,21 +555,7 @@ class ZeroPartitionedOptimizer(MasterGathers, ParamFragments, LossScaleState):
     def state_bytes(self) -> int:
         """Bytes of optimizer state and fp32 master shards this rank holds in memory (with
         offload: the host bytes of masters, state and gradient buffers, or NVMe's swap buffers)."""
-        device_optimizer = self.stepper.device_optimizer
-        if self.home.kind != "none" and device_optimizer is None:
-            return self.home.host_bytes()
-        in_memory = [m for i, m in enumerate(self.masters) if not self.home.offloaded(i)]
-        total = sum(m.numel() * m.element_size() for m in in_memory)
-        if self.home.kind != "none":
-            total += self.home.host_bytes()
-        optimizer = self.optimizer if device_optimizer is None else device_optimizer
-        # list(): a delayed step may be adding state in its thread; copying a dict's values is
-        # one call under the GIL, iterating it is not.
-        for state in list(optimizer.state.values()):
-            for value in list(state.values()):
-                if torch.is_tensor(value) and value.dim() > 0:
-                    total += value.numel() * value.element_size()
-        return total
+        return self.stepper.state_bytes()
 
     def describe(self) -> str:
         where = (
@@ -585,7 +581,7 @@ class ZeroPartitionedOptimizer(MasterGathers, ParamFragments, LossScaleState):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self._unlink_fragment_owners()
+        self.fragments.unlink()
         try:
             self.apply_pending_update()
         finally:

@@ -55,6 +55,26 @@ class InMemoryStepper:
         """Every optimizer stepping this set's masters."""
         return [self.optimizer]
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state and fp32 master shards this rank holds in memory (with
+        offload: the host bytes of masters, state and gradient buffers, or NVMe's swap buffers)."""
+        home, masters = self.shards.home, self.shards.masters
+        device_optimizer = self.device_optimizer
+        if home.kind != "none" and device_optimizer is None:
+            return home.host_bytes()
+        in_memory = [m for i, m in enumerate(masters) if not home.offloaded(i)]
+        total = sum(m.numel() * m.element_size() for m in in_memory)
+        if home.kind != "none":
+            total += home.host_bytes()
+        optimizer = self.optimizer if device_optimizer is None else device_optimizer
+        # list(): a delayed step may be adding state in its thread; copying a dict's values is
+        # one call under the GIL, iterating it is not.
+        for state in list(optimizer.state.values()):
+            for value in list(state.values()):
+                if torch.is_tensor(value) and value.dim() > 0:
+                    total += value.numel() * value.element_size()
+        return total
+
     # --- during backward (only the offloaded stepper acts) -------------------------------------
     def begin_backward(self, reducing_boundary: bool) -> None:
         pass
