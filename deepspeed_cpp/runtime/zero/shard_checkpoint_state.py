@@ -136,8 +136,8 @@ class ShardCheckpoint:
 
     def load_shard_state(self, masters: list[torch.Tensor], states: list[dict] | None) -> None:
         """Replaces every bucket's fp32 master slice with ``masters[b]`` and, when ``states`` is
-        given, the optimizer state of that slice with ``states[b]``; pending gradients are
-        for the caller to drop. The model's parameters are not written (the caller loads them). A
+        given, the optimizer state of that slice with ``states[b]`` (the caller drops pending
+        gradients). The model's parameters are not written (the caller loads them). A
         ``PendingValues`` among them is read while its sub-group is resident: a master straight
         into its swap buffer, a state tensor into a temporary the sub-group's write-back moves
         there, so at most one sub-group's state is in memory beyond the buffers."""
