@@ -1,5 +1,6 @@
-"""How a ZeRO stage steps its master shards: the ``Stepper`` it holds, chosen once at
-construction (``make_stepper``).
+"""How a ZeRO stage steps its master shards: the stepper it holds, chosen once at construction
+(``ZeroPartitionedOptimizer``: offloaded where ``offload_optimizer`` is set, else in memory).
+``InMemoryStepper`` is also the interface every stepper has.
 
 - ``InMemoryStepper``: the masters live next to their shard gradients (no offload); the
   optimizer steps them and the updated slices are all-gathered into every rank's parameters;
@@ -9,8 +10,11 @@ construction (``make_stepper``).
   one) and ``step_during_backward`` (sub-groups stepped while backward goes on).
 
 A stepper operates on the stage's ``ShardSet`` (plain state) and asks the stage's
-``ParamGathers`` to write updated values into the parameters. The stage calls it through the
-methods below and never reads its fields; the stepper never reads the stage's.
+``ParamGathers`` to write updated values into the parameters; it reads nothing else of the
+stage. The stage calls it through the public methods below; of its fields others read only
+``optimizer`` (the torch optimizer over the masters, which ``use_optimizer`` replaces),
+``step_per_bucket`` (whether it steps each master on its own) and
+``backward_steps`` (None unless sub-groups may step during backward).
 """
 
 from __future__ import annotations
