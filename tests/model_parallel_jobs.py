@@ -339,7 +339,7 @@ def mp1_equals_no_mpu(stage: int, seed: int) -> bool:
 def _count_backward_steps(engine) -> list[int]:
     """Per boundary ``engine.step()`` from now on: how many optimizer sub-groups were stepped
     during that step's backward (offload's ``step_during_backward``; stays [] without it)."""
-    backward_steps = getattr(engine.optimizer, "_backward_steps", None)
+    backward_steps = getattr(getattr(engine.optimizer, "stepper", None), "backward_steps", None)
     counts: list[int] = []
     if backward_steps is None:
         return counts

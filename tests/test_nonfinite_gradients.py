@@ -123,7 +123,8 @@ def _run(
                 engine.backward(loss)
                 if hook is not None:
                     hook.remove()
-                backward_steps = getattr(engine.optimizer, "_backward_steps", None)
+                stepper = getattr(engine.optimizer, "stepper", None)
+                backward_steps = getattr(stepper, "backward_steps", None)
                 if backward_steps is not None and engine.is_gradient_accumulation_boundary():
                     early.append(backward_steps.stepped_count)
                     # Those the worker stepped (not declined), waiting for it to finish them.

@@ -421,7 +421,7 @@ def _train_counting_early_steps(engine, steps, gas):
         y = torch.randn(3 * world, 23, generator=generator)[3 * rank : 3 * rank + 3]
         loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
         engine.backward(loss)
-        steps_during_backward = engine.optimizer._backward_steps
+        steps_during_backward = engine.optimizer.stepper.backward_steps
         boundary = engine.is_gradient_accumulation_boundary()
         if steps_during_backward is not None and boundary:
             early.append(steps_during_backward.stepped_count)
@@ -513,7 +513,7 @@ def _refusals_job(folder):
     cfg["zero_optimization"]["reduce_bucket_size"] = 200
     engine, *_ = deepspeed_cpp.initialize(model=_mlp("fp32"), config=cfg)
     engine.backward(torch.nn.functional.mse_loss(engine(torch.randn(3, 29)), torch.randn(3, 23)))
-    assert engine.optimizer._backward_steps.stepped_count > 0
+    assert engine.optimizer.stepper.backward_steps.stepped_count > 0
     engine.optimizer.param_groups[0]["lr"] *= 2
     try:
         engine.step()
@@ -524,7 +524,7 @@ def _refusals_job(folder):
     # Unset, it stays off without a word where something excludes it (clipping here).
     nvme = _nvme(_shared_folder(folder))
     engine, *_ = deepspeed_cpp.initialize(model=make_model(SEED), config=_config(2, "fp32", nvme))
-    found.append(engine.optimizer._backward_steps)
+    found.append(engine.optimizer.stepper.backward_steps)
     engine.destroy()
     return found
 

@@ -19,11 +19,16 @@ replicas) loads them: a stage reads the files of its layers. The optimizer shard
 when the layout is the same (same layer bounds, replicas and ZeRO stage: a bitwise resume);
 under another layout the fp32 masters and the optimizer state (Adam's moments and step) are
 re-cut from every stage's shards by parameter name (``optimizer_reshard.py``).
+
+The engine is seen only as a ``PipeCheckpointSubject``: the ``CheckpointSubject`` every
+checkpoint sees (the model, the ZeRO stage through its interface, the progress as a
+``TrainState`` and the operation restoring one) and the pipeline's stage id and stage count.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -64,7 +69,19 @@ from ..checkpoint.rank_agreement import agree_on
 from ..checkpoint.rng_state import capture_rng_states, restore_rng_states
 from ..checkpoint.saver import write_recovery_script_or_warn
 from ..checkpoint.shard_reader import load_mapped
+from ..checkpoint.subject import CheckpointSubject
 from .optimizer_reshard import resharded_optimizer_state
+
+
+@dataclass(frozen=True)
+class PipeCheckpointSubject:
+    """A pipeline engine as its checkpoints see it: ``base`` (``module`` is the
+    ``PipelineModule``'s part on this stage, ``zero`` its stage's optimizer) and where this
+    rank sits in the pipeline."""
+
+    base: CheckpointSubject
+    stage_id: int
+    num_stages: int
 
 
 def layer_file(layer_index: int) -> str:
@@ -94,85 +111,82 @@ def _entry(name: str, role: str, payload, staging: Path) -> dict:
     return {"name": name, "role": role, "rank": dist.get_rank(), "bytes": size, DIGEST_KEY: digest}
 
 
-def _write_rank_files(engine, staging: Path, client_state: dict) -> tuple[list[dict], dict | None]:
-    stage, replica = engine.stage_id, engine.dp_rank
+def _write_rank_files(
+    subject: PipeCheckpointSubject, staging: Path, client_state: dict
+) -> tuple[list[dict], dict | None]:
+    base = subject.base
+    stage, replica, zero, train = subject.stage_id, base.dp_rank, base.zero, base.train_state
     written = []
     if replica == 0:
-        for index, layer in _saved_layers(engine.module):
+        for index, layer in _saved_layers(base.module):
             state = {k: v.detach().clone() for k, v in layer.state_dict().items()}
             written.append(_entry(layer_file(index), f"layer {index}", state, staging))
-        scheduler = engine.lr_scheduler
         states = {
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps,
-            "lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
-            "loss_scaler": (
-                engine.loss_scaler.state_dict()
-                if engine.loss_scaler is not None and hasattr(engine.loss_scaler, "state_dict")
-                else None
-            ),
+            "global_steps": train.global_steps,
+            "global_samples": train.global_samples,
+            "micro_steps": train.micro_steps,
+            "skipped_steps": train.skipped_steps,
+            "lr_scheduler": train.lr_scheduler,
+            "loss_scaler": train.loss_scaler,
             "client_state": client_state if stage == 0 else None,
             "param_groups": (
-                [
-                    {k: v for k, v in g.items() if k != "params"}
-                    for g in engine.optimizer.param_groups
-                ]
-                if engine.optimizer is not None
+                [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups]
+                if zero is not None
                 else None
             ),
-            "optimizer_skipped_steps": getattr(engine.optimizer, "skipped_steps", 0),
+            "optimizer_skipped_steps": train.optimizer_skipped_steps,
         }
         written.append(_entry(stage_file(stage), f"states of stage {stage}", states, staging))
-    if engine.optimizer is not None:
-        entries = engine.optimizer.shard_state()
+    if zero is not None:
+        entries = zero.shard_state()
         shard = {
             "masters": [e["master"].detach().clone() for e in entries],
             "states": [e["state"] for e in entries],
-            "rng": capture_rng_states(engine.device),
+            "rng": capture_rng_states(base.device),
         }
         role = f"optimizer shard of stage {stage} replica {replica}"
         written.append(_entry(optimizer_file(replica, stage), role, shard, staging))
-    return written, (_stage_record(engine) if replica == 0 else None)
+    return written, (_stage_record(subject) if replica == 0 else None)
 
 
-def _stage_record(engine) -> dict:
+def _stage_record(subject: PipeCheckpointSubject) -> dict:
     """What zero_to_fp32 needs of a stage without building it: the names its layer files'
     keys take in the PipelineModule, and where each parameter's fp32 master lies in the
     stage's optimizer shards (a ZeroLayout, slices named by replica)."""
-    module, stage = engine.module, engine.stage_id
+    module, stage, zero = subject.base.module, subject.stage_id, subject.base.zero
     tied = module.tied_layer_keys()
     prefixes = {
         str(index): (f"tied_modules.{tied[index]}." if index in tied else f"{index}.")
         for index, _ in _saved_layers(module)
     }
     layout = None
-    if engine.optimizer is not None and hasattr(engine.optimizer, "layout_parts"):
-        (part,) = engine.optimizer.layout_parts()  # a pipeline stage has no expert sets
+    if zero is not None and hasattr(zero, "layout_parts"):
+        (part,) = zero.layout_parts()  # a pipeline stage has no expert sets
         layout = ZeroLayout.from_part(
             part, names_by_parameter(module), lambda replica: optimizer_file(replica, stage)
         ).to_json()
     return {"stage": stage, "layer_prefixes": prefixes, "zero_layout": layout}
 
 
-def _layout(engine) -> dict:
+def _layout(subject: PipeCheckpointSubject) -> dict:
+    base = subject.base
     return {
-        "stages": engine.num_stages,
-        "data_parallel": engine.dp_world_size,
-        "parts": list(engine.module.parts),
-        "layers": engine.module._num_layers,
-        "zero_stage": engine.zero_optimization_stage(),
+        "stages": subject.num_stages,
+        "data_parallel": base.dp_world_size,
+        "parts": list(base.module.parts),
+        "layers": base.module._num_layers,
+        "zero_stage": base.zero_stage,
     }
 
 
 def save_pipeline_checkpoint(
-    engine, save_dir, tag=None, client_state=None, save_latest: bool = True
+    subject: PipeCheckpointSubject, save_dir, tag=None, client_state=None, save_latest: bool = True
 ) -> bool:
     """Saves every stage's part of the training state (see the module docstring); collective
     over the whole world."""
     world = dist.group.WORLD
-    tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+    global_steps = subject.base.train_state.global_steps
+    tag = check_tag(f"global_step{global_steps}" if tag is None else tag)
     client_state = {} if client_state is None else client_state
     if check_client_state(client_state, allow_pickle=False):
         raise ValueError("a pipeline checkpoint's client_state must be plain data and tensors")
@@ -197,7 +211,7 @@ def save_pipeline_checkpoint(
         agree_on(prepare, group=world, what=f"checkpoint '{tag}': creating {staging}",
                  error_type=CheckpointSaveError)  # fmt: skip
         written = agree_on(
-            lambda: _write_rank_files(engine, staging, client_state),
+            lambda: _write_rank_files(subject, staging, client_state),
             group=world,
             what=f"checkpoint '{tag}': writing the stage files into {staging}",
             error_type=CheckpointSaveError,
@@ -217,11 +231,11 @@ def save_pipeline_checkpoint(
                     "tag": tag,
                     "deepspeed_cpp_version": __version__,
                     "saved_at_unix": time.time(),
-                    "pipeline": _layout(engine),
+                    "pipeline": _layout(subject),
                     "pipeline_stages": stage_records,
-                    "counters": {"global_steps": engine.global_steps},
+                    "counters": {"global_steps": global_steps},
                     "files": files,
-                    "ds_config": plain(engine.config.raw),
+                    "ds_config": plain(subject.base.ds_config),
                 }
             )
             write_text_atomically(staging / METADATA_FILE, to_json_text(metadata))
@@ -243,7 +257,7 @@ def save_pipeline_checkpoint(
 
 
 def load_pipeline_checkpoint(
-    engine,
+    subject: PipeCheckpointSubject,
     load_dir,
     tag=None,
     load_module_strict: bool = True,
@@ -265,7 +279,8 @@ def load_pipeline_checkpoint(
             f"{directory} is not a pipeline checkpoint (saved by a DeepSpeedEngine); load it "
             "into a model built as one module"
         )
-    module = engine.module
+    base = subject.base
+    module = base.module
     if saved["layers"] != module._num_layers:
         raise CheckpointMismatchError(
             f"{directory} holds a pipeline of {saved['layers']} layers; this PipelineModule "
@@ -277,9 +292,9 @@ def load_pipeline_checkpoint(
         path = listed_file(directory, name, digests, role)
         return load_mapped(path, digests[name], role)
 
-    current = _layout(engine)
+    current = _layout(subject)
     same_layout = current == saved
-    optimizer = engine.optimizer
+    optimizer = base.zero
     wants_optimizer = optimizer is not None and load_optimizer_states and not load_module_only
     restored_optimizer = wants_optimizer and same_layout
     resharded_optimizer = wants_optimizer and not same_layout
@@ -290,11 +305,11 @@ def load_pipeline_checkpoint(
         layers = {i: read(layer_file(i), f"layer {i}") for i, _ in _saved_layers(module)}
         shard = None
         if restored_optimizer:
-            shard = read(optimizer_file(engine.dp_rank, engine.stage_id), "optimizer shard")
+            shard = read(optimizer_file(base.dp_rank, subject.stage_id), "optimizer shard")
         elif resharded_optimizer:
             stage_records = metadata["pipeline_stages"]
-            shard = resharded_optimizer_state(engine, directory, stage_records, digests)
-        states = read(stage_file(engine.stage_id if same_layout else 0), "stage states")
+            shard = resharded_optimizer_state(optimizer, module, directory, stage_records, digests)
+        states = read(stage_file(subject.stage_id if same_layout else 0), "stage states")
         client = read(stage_file(0), "stage states")["client_state"]
         return {"layers": layers, "shard": shard, "states": states, "client": client}
 
@@ -316,32 +331,45 @@ def load_pipeline_checkpoint(
             shard = loaded["shard"]
             if restored_optimizer:
                 optimizer.load_shard_state(list(shard["masters"]), list(shard["states"]))
-                restore_rng_states(shard["rng"], engine.device)
+                restore_rng_states(shard["rng"], base.device)
             else:  # re-cut from every saved stage (optimizer_reshard.py); no RNG to match
                 optimizer.load_shard_state(*shard)
-                if engine.global_rank == 0:
+                if base.global_rank == 0:
                     logger.info("deepspeed_cpp: resharding %s from %s to %s",
                                 directory, saved, current)  # fmt: skip
             optimizer.write_params_from_masters()
             for group, saved_group in zip(optimizer.param_groups, states["param_groups"]):
                 group.update({k: v for k, v in saved_group.items() if k != "params"})
-            optimizer.skipped_steps = int(states["optimizer_skipped_steps"])
         else:
             optimizer.refresh_masters_from_params()
     if not load_module_only:
-        engine.global_steps = int(states["global_steps"])
-        engine.global_samples = int(states["global_samples"])
-        engine.micro_steps = int(states["micro_steps"])
-        engine.skipped_steps = int(states["skipped_steps"])
-        scheduler = engine.lr_scheduler
-        if load_lr_scheduler_states and scheduler is not None and states["lr_scheduler"]:
-            scheduler.load_state_dict(states["lr_scheduler"])
-            if optimizer is not None and not restored_optimizer:
-                # Without the optimizer's saved groups, the schedule's last rates.
-                for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-                    group["lr"] = lr
-        if engine.loss_scaler is not None and states.get("loss_scaler"):
-            engine.loss_scaler.load_state_dict(states["loss_scaler"])
+        base.restore_train_state(
+            _saved_train_state(states, base, restored_optimizer or resharded_optimizer),
+            scheduler=load_lr_scheduler_states and bool(states["lr_scheduler"]),
+            # Without the optimizer's saved groups, the schedule's last rates.
+            lrs_from_scheduler=not restored_optimizer,
+        )
     with named_collective("barrier at the end of load_checkpoint"):
         dist.barrier()
     return str(directory), client_state
+
+
+def _saved_train_state(states: dict, base: CheckpointSubject, optimizer_loaded: bool):
+    """A stage-states file's counters as the ``TrainState`` to restore: the optimizer's skipped
+    steps only where its state was loaded (else it keeps its own), the accumulation count this
+    engine's (the file does not record it, and the micro-step count is taken as saved)."""
+    current = base.train_state
+    return replace(
+        current,
+        global_steps=int(states["global_steps"]),
+        global_samples=int(states["global_samples"]),
+        micro_steps=int(states["micro_steps"]),
+        skipped_steps=int(states["skipped_steps"]),
+        optimizer_skipped_steps=(
+            int(states["optimizer_skipped_steps"])
+            if optimizer_loaded
+            else current.optimizer_skipped_steps
+        ),
+        lr_scheduler=states["lr_scheduler"],
+        loss_scaler=states.get("loss_scaler") or None,
+    )

@@ -437,7 +437,8 @@ class PipelineEngine(DeepSpeedEngine):
                 f"PipelineEngine.save_checkpoint does not take {sorted(unsupported)}"
             )
         self._failed_step.check("engine.save_checkpoint")
-        return save_pipeline_checkpoint(self, save_dir, tag, client_state, save_latest)
+        subject = self._pipe_checkpoint_subject()
+        return save_pipeline_checkpoint(subject, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(
         self,
@@ -460,7 +461,7 @@ class PipelineEngine(DeepSpeedEngine):
                 f"PipelineEngine.load_checkpoint does not take {sorted(unsupported)}"
             )
         loaded = load_pipeline_checkpoint(
-            self,
+            self._pipe_checkpoint_subject(),
             load_dir,
             tag,
             load_module_strict=load_module_strict,
@@ -472,6 +473,14 @@ class PipelineEngine(DeepSpeedEngine):
         if loaded[0] is not None and not load_module_only:
             self._failed_step.clear()
         return loaded
+
+    def _pipe_checkpoint_subject(self):
+        """This engine as its pipeline checkpoints see it (``checkpoint.py``)."""
+        from .checkpoint import PipeCheckpointSubject
+
+        return PipeCheckpointSubject(
+            base=self._checkpoint_subject(), stage_id=self.stage_id, num_stages=self.num_stages
+        )
 
     # --- the batch loss -----------------------------------------------------------------------
     def _aggregate_loss(self, losses, what: str, broadcast: bool = True) -> torch.Tensor:

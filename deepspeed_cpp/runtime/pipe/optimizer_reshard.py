@@ -61,17 +61,18 @@ class _PipelineShardReader(ShardReader):
 
 
 def resharded_optimizer_state(
-    engine, directory: Path, stage_records: list[dict], digests: dict
+    zero, module, directory: Path, stage_records: list[dict], digests: dict
 ) -> tuple[list[torch.Tensor], list[dict]]:
-    """This rank's master slices and optimizer state, per bucket of its optimizer, cut out of
-    every saved stage's shards (reads only; nothing is loaded into the engine)."""
+    """This rank's master slices and optimizer state, per bucket of ``zero`` (this stage's
+    ZeRO stage, over ``module``'s parameters), cut out of every saved stage's shards (reads
+    only; nothing is loaded into the engine)."""
     saved, local_index = _saved_layout(stage_records)
     reader = _PipelineShardReader(directory, saved, local_index, digests)
     try:
         first = reader.entry(saved.buckets[0].slices[0], 0)
         kinds = {key: classify_state(v, first["master"]) for key, v in first["state"].items()}
-        (part,) = engine.optimizer.layout_parts()  # a pipeline stage has no expert sets
-        target = ZeroLayout.from_part(part, names_by_parameter(engine.module), lambda replica: "")
+        (part,) = zero.layout_parts()  # a pipeline stage has no expert sets
+        target = ZeroLayout.from_part(part, names_by_parameter(module), lambda replica: "")
         saved_names = saved.by_name()
         missing = [p.name for p in target.params if p.name not in saved_names]
         if missing:
@@ -79,7 +80,7 @@ def resharded_optimizer_state(
                 f"{directory} holds no optimizer state for {missing[:5]} (of {len(missing)})"
             )
         masters, states = Resharder(reader, target, kinds).slices_for(
-            engine.optimizer.owned_ranges(), with_state=True
+            zero.owned_ranges(), with_state=True
         )
     finally:
         reader.close()

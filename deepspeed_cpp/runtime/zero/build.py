@@ -56,8 +56,9 @@ def build_stage(
         gradient_clipping=config.gradient_clipping,
         loss_scaler=loss_scaler,
         offload=offload,
-        device_optimizer=_device_part_optimizer(config_optimizer, offload, device),
     )
+    # With a partial offload (ratio < 1), the optimizer of the part left on the device.
+    device_part = _device_part_optimizer(config_optimizer, offload, device)
     if zero.stage == 3:
         return _build_stage3(
             config,
@@ -67,7 +68,7 @@ def build_stage(
             device,
             optimizer_device,
             model_parameters,
-            common,
+            dict(common, device_optimizer=device_part),
         )
     common.update(
         stage=zero.stage,
@@ -82,7 +83,8 @@ def build_stage(
         # its expert-data-parallel group, offloaded to a home of its own (a partial offload,
         # which needs a device optimizer, is refused there).
         stage_class = ExpertParallelZeroStage
-        del common["device_optimizer"]
+    else:
+        common["device_optimizer"] = device_part
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
             optimizer = optimizer(param_groups_of(module, model_parameters))

@@ -29,7 +29,7 @@ def grads_can_stay_in_place(stage_object, scale: float) -> bool:
         and stage_object.world_size == 1
         and scale == 1.0
         and stage_object.home.kind == "none"
-        and stage_object._backward_steps is None
+        and not stage_object.steps_during_backward
         and all(
             bucket.flat is not None and bucket.flat.dtype == torch.float32
             for bucket in stage_object.buckets

@@ -1,7 +1,8 @@
 """DeepSpeed's loss-scale attributes of its ZeRO optimizers, read by scripts (and DeepSpeed's
 tests) that watch fp16 training: ``optimizer.dynamic_loss_scale`` and
 ``optimizer.loss_scale_config`` (``cur_scale``, ``cur_iter``, ``scale_window``, ...), here a
-read-only view of the engine's loss scaler, so they always say what the scaler does."""
+read-only view of the engine's loss scaler (``ZeroPartitionedOptimizer.loss_scale_config``), so
+they always say what the scaler does."""
 
 from __future__ import annotations
 
@@ -43,15 +44,3 @@ class LossScaleConfigView:
     @property
     def min_loss_scale(self):
         return getattr(self._scaler, "min_scale", None)
-
-
-class LossScaleState:
-    """Mixin for the ZeRO stages (which hold ``self.loss_scaler``)."""
-
-    @property
-    def dynamic_loss_scale(self) -> bool:
-        return bool(getattr(self.loss_scaler, "dynamic", False))
-
-    @property
-    def loss_scale_config(self) -> LossScaleConfigView:
-        return LossScaleConfigView(self.loss_scaler)

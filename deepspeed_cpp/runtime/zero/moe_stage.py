@@ -224,24 +224,24 @@ class ExpertParallelZeroStage:
     def _step_offloaded_sets(self) -> None:
         """The host step of every set's (already unscaled and clipped) shard gradients, then
         each set's gathers over its group, the sets in the same order on every rank."""
-        if all(member.steps_per_bucket for member in self.sets):
+        if all(member.stepper.step_per_bucket for member in self.sets):
             # Our CPU optimizers step every master on its own and skip those without a
             # gradient, so each set can step its sub-groups in turn with the one optimizer
             # (NVMe brings each in); only the set's own masters hold gradients meanwhile.
             for member in self.sets:
-                member.step_on_host()
+                member.stepper.step_on_host()
             return
         # Other optimizers (a user's may count steps per group) step once over every set's
         # masters, all resident in host memory (NVMe is refused for them).
         for member in self.sets:
-            member.hand_host_grads_to_masters()
+            member.stepper.hand_host_grads_to_masters()
         try:
             self.optimizer.step()
         finally:
             for member in self.sets:
-                member.drop_master_grads()
+                member.stepper.drop_master_grads()
         for member in self.sets:
-            member.gather_params_from_host()
+            member.stepper.gather_params_from_host()
 
     def zero_grad(self) -> None:
         for member in self.sets:

@@ -1,5 +1,5 @@
-"""One parameter's piece of the partitioned training state (a mixin of
-``ZeroPartitionedOptimizer``, which owns every attribute used here): where this rank's part of a
+"""One parameter's piece of the partitioned training state (``ParamFragments``, held by
+``ZeroPartitionedOptimizer`` over its ``ShardSet`` and stepper): where this rank's part of a
 model parameter sits in the fp32 master slice, the optimizer state and the reduced gradient of
 its bucket. ``deepspeed_cpp.utils.tensor_fragment`` (DeepSpeed's ``safe_get_full_fp32_param``
 family) is built on these accessors; they never communicate.
@@ -23,8 +23,10 @@ import torch
 
 from ...utils.tensor_fragment import GradientNotAvailableError
 from . import partition_parameters as pp
+from .shard_set import ShardSet
+from .steppers import InMemoryStepper
 
-# The attribute linking a trained parameter to its optimizer: a weak reference, so that a model
+# The attribute linking a trained parameter to its fragments: a weak reference, so that a model
 # outliving its engine does not keep the engine's state alive.
 OWNER_ATTRIBUTE = "_ds_fragment_owner"
 
@@ -45,27 +47,37 @@ class ParamFragment:
 
 
 class ParamFragments:
-    """The per-parameter accessors of ``ZeroPartitionedOptimizer`` (see the module docstring)."""
+    """The per-parameter accessors over a stage's shards (see the module docstring).
+    ``loss_scaler``: the stage's (None without fp16 scaling). The stage sets
+    ``gradients_ready`` while the shard gradients hold a boundary's final reduction."""
 
-    def _link_fragment_owners(self) -> None:
-        self._gradients_ready = False
-        self._boundary_backward = False
-        self._position_of = {id(p): i for i, p in enumerate(self.params)}
-        for param in self.params:
+    def __init__(self, shards: ShardSet, stepper: InMemoryStepper, loss_scaler) -> None:
+        self.shards = shards
+        self.stepper = stepper
+        self.loss_scaler = loss_scaler
+        self.world_size, self.group = shards.world_size, shards.group
+        self.gradients_ready = False
+        self.position_of = {id(p): i for i, p in enumerate(shards.params)}
+
+    def link(self) -> None:
+        """Makes this the fragments ``fragment_owner`` finds for every parameter trained here
+        (``deepspeed_cpp.utils.safe_get_full_fp32_param`` & co.)."""
+        for param in self.shards.params:
             setattr(param, OWNER_ATTRIBUTE, weakref.ref(self))
 
-    def _unlink_fragment_owners(self) -> None:
-        for param in self.params:
+    def unlink(self) -> None:
+        for param in self.shards.params:
             owner = getattr(param, OWNER_ATTRIBUTE, None)
             if owner is not None and owner() is self:
                 delattr(param, OWNER_ATTRIBUTE)
 
     def fragment_of(self, param: torch.nn.Parameter) -> ParamFragment:
         """Where this rank's part of ``param`` (one this optimizer trains) lives."""
-        index = self._position_of[id(param)]
-        bucket_index = self.plan.param_bucket[index]
-        bucket = self.buckets[bucket_index]
-        offset = self.plan.param_offset[index]
+        index = self.position_of[id(param)]
+        plan = self.shards.plan
+        bucket_index = plan.param_bucket[index]
+        bucket = self.shards.buckets[bucket_index]
+        offset = plan.param_offset[index]
         whole = param.ds_numel if pp.is_zero_param(param) else param.numel()
         partitioned = pp.is_partitioned(param) and len(bucket.params) == 1
         extent = bucket.size if partitioned else whole
@@ -78,12 +90,12 @@ class ParamFragments:
             numel=max(0, end - start),
             whole_numel=whole,
             partitioned=partitioned,
-            replicated=self.stage == 0,
+            replicated=self.shards.stage == 0,
         )
 
     def communication_device(self) -> torch.device:
         """Where the fragments of a collective over ``self.group`` are assembled."""
-        return self.shard_grads[0].device
+        return self.shards.shard_grads[0].device
 
     # --- fp32 master and optimizer state ----------------------------------------------------------
     @contextlib.contextmanager
@@ -94,16 +106,16 @@ class ParamFragments:
         state ``key``: a 1-D view valid inside the block (with NVMe offload its sub-group is
         resident; ``write``: written back after). A delayed step still running is finished first
         (every rank must call then: it is collective)."""
-        self._check_between_steps("reading or writing a parameter's fp32 master or state")
+        self.stepper.check_between_steps("reading or writing a parameter's fp32 master or state")
         fragment = self.fragment_of(param)
-        members = next(m for m in self.home.sub_groups if fragment.bucket in m)
-        with self.home.resident(members, write_back=write), torch.no_grad():
-            master = self.masters[fragment.bucket]
+        members = self.shards.sub_group_of(fragment.bucket)
+        with self.shards.home.resident(members, write_back=write), torch.no_grad():
+            master = self.shards.masters[fragment.bucket]
             source = master if key is None else self._state_tensor(param, master, key)
             yield source.detach().narrow(0, fragment.master_start, fragment.numel)
 
     def _state_tensor(self, param, master: torch.Tensor, key: str) -> torch.Tensor:
-        optimizer = self._optimizer_for(self.fragment_of(param).bucket)
+        optimizer = self.stepper.optimizer_for(self.fragment_of(param).bucket)
         state = optimizer.state.get(master) or {}
         per_element = sorted(
             k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape
@@ -129,9 +141,9 @@ class ParamFragments:
         fragment = self.fragment_of(param)
         with torch.no_grad():
             if fragment.partitioned:
-                members = next(m for m in self.home.sub_groups if fragment.bucket in m)
-                with self.home.resident(members, write_back=False):
-                    master = self.masters[fragment.bucket].detach()
+                members = self.shards.sub_group_of(fragment.bucket)
+                with self.shards.home.resident(members, write_back=False):
+                    master = self.shards.masters[fragment.bucket].detach()
                     # fp32 shards on the device are their own masters: nothing to copy.
                     home = getattr(param, "ds_home", None)
                     if home is not None or param.ds_tensor.data_ptr() != master.data_ptr():
@@ -148,19 +160,20 @@ class ParamFragments:
         """This rank's fragment of ``param``'s reduced gradient (averaged over the ranks,
         divided by the accumulation steps, not clipped; unscaled under fp16): a 1-D view of the
         shard gradient, to be multiplied by ``gradient_scale()`` before use when that is not 1."""
-        if not self._gradients_ready:
+        if not self.gradients_ready:
             raise GradientNotAvailableError(
                 "the reduced gradient of a parameter is available only between the backward of "
                 "an accumulation boundary (the last micro-step) and engine.step()"
             )
-        if self._backward_steps is not None and self._backward_steps.stepped_count:
+        if self.stepper.steps_during_backward and self.stepper.backward_steps.stepped_count:
             raise GradientNotAvailableError(
                 "zero_optimization.offload_optimizer.step_during_backward stepped optimizer "
                 "sub-groups during this backward and reused their gradient buffers; set it to "
                 "false to read reduced gradients between backward and engine.step()"
             )
         fragment = self.fragment_of(param)
-        return self.shard_grads[fragment.bucket].narrow(0, fragment.master_start, fragment.numel)
+        grad = self.shards.shard_grads[fragment.bucket]
+        return grad.narrow(0, fragment.master_start, fragment.numel)
 
     def gradient_scale(self) -> float:
         """What the stored gradients are multiplied by to be the true ones (the fp16 loss scale
@@ -169,7 +182,7 @@ class ParamFragments:
 
 
 def fragment_owner(param: torch.Tensor):
-    """The live optimizer training ``param``, or None."""
+    """The ``ParamFragments`` of the live stage training ``param``, or None."""
     owner = getattr(param, OWNER_ATTRIBUTE, None)
     return None if owner is None else owner()
 

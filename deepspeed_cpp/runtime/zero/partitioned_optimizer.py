@@ -27,8 +27,8 @@ DeepSpeed does.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,39 +42,27 @@ from ...ops.zero import (
     plan_buckets,
 )
 from ...utils.timer import REDUCE_SCATTER_SUBMIT_TIMER, REDUCE_SCATTER_WAIT_TIMER, timed
-from .chunked_step import can_step_in_chunks, step_in_chunks
 from .in_place_grads import InPlaceGradients, grads_can_stay_in_place
-from .loss_scale_state import LossScaleState
-from .norm_ranges import counted_ranges, norm_of_ranges
+from .loss_scale_state import LossScaleConfigView
 from .offload.optimizer_offload import OptimizerOffload
-from .offload.stepping import OffloadedStepping
+from .offload.stepping import OffloadedStepper, make_device_optimizer
 from .param_fragments import ParamFragments
 from .param_gathers import MasterGathers
-from .shard_checkpoint_state import ShardCheckpointState
+from .shard_checkpoint_state import ShardCheckpoint
 from .shard_gather import backend_for
+from .shard_norms import ShardGradientChecks
+from .shard_set import Bucket, ShardSet
 from .stage_setup import init_stage_fields, optimizer_over_masters
+from .steppers import InMemoryStepper
 
 
-@dataclass
-class _Bucket:
-    """The parameters of one bucket and the slice of it this rank owns."""
-
-    params: list[torch.nn.Parameter]
-    offsets: list[int]
-    size: int
-    owned_start: int
-    owned_size: int
-    gather_dtype: torch.dtype  # the parameters' dtype where they share one, else fp32
-    # The flat tensor the parameters view (None where they differ in dtype or device), and the
-    # data pointers they had when made views: a mismatch means a parameter's data was replaced.
-    flat: torch.Tensor | None = None
-    view_pointers: tuple[int, ...] = ()
-
-
-class ZeroPartitionedOptimizer(
-    OffloadedStepping, MasterGathers, ShardCheckpointState, ParamFragments, LossScaleState
-):
-    """Owns the plan, fp32 master shards, shard gradients and the reducer for one engine."""
+class ZeroPartitionedOptimizer(MasterGathers):
+    """One engine's ZeRO stage 0-2, composed of its ``ShardSet`` (plan, buckets, fp32 master
+    shards, shard gradients, home), a stepper (``steppers.py``: in memory, or offloaded with the
+    delayed update and steps during backward), the checkpoint view of its shards
+    (``shard_checkpoint_state.py``), its parameters' fragments (``param_fragments.py``) and the
+    C++ reducer, which it drives from the gradient hooks. It is the ``ParamGathers``
+    (``param_gathers.py``) its stepper writes updated values through."""
 
     def __init__(
         self,
@@ -127,8 +115,6 @@ class ZeroPartitionedOptimizer(
             )
         self.params, self.plan = self._plan(param_groups, reduce_bucket_size, owned_whole)
         self.buckets = self._make_buckets(owned_whole)
-        self.norm_group = norm_group
-        self._norm_ranges = counted_ranges(self.buckets, counts_in_norm)
         for bucket in self.buckets:
             self._view_params_in_flat(bucket)
         device = self.params[0].device
@@ -137,19 +123,47 @@ class ZeroPartitionedOptimizer(
             [b.owned_size for b in self.buckets], device, rank=self.rank, state_slots=2
         )
         self.masters, self.shard_grads = self._make_masters(device)
-        self._delayed_requested = offload is not None and offload.delayed_update_after is not None
+        self.shards = ShardSet(
+            params=self.params,
+            plan=self.plan,
+            buckets=self.buckets,
+            masters=self.masters,
+            shard_grads=self.shard_grads,
+            home=self.home,
+            stage=stage,
+            group=group,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
         on_device = getattr(self.home, "on_device", None)  # a partial offload's device buckets
         offloaded = [b for b in range(len(self.buckets)) if b not in set(on_device or ())]
         master_groups = self._master_param_groups(param_groups, offloaded)
-        self._device_optimizer = self._make_device_optimizer(
-            device_optimizer, param_groups, on_device, optimizer
+        device_part = make_device_optimizer(
+            device_optimizer,
+            on_device,
+            optimizer,
+            offload is not None and offload.delayed_update_after is not None,
+            self._master_param_groups(param_groups, list(on_device or ())),
         )
-        self.optimizer = optimizer_over_masters(optimizer, master_groups)
-        # Optimizers that step every tensor on its own (ours) can step bucket by bucket.
-        self._step_per_bucket = bool(getattr(self.optimizer, "steps_tensors_independently", False))
-        self._delayed = self._check_offload(offload)
-        self._backward_steps = self._make_backward_steps(offload)
-        self.home.attach(self.masters, self.optimizer)
+        optimizer = optimizer_over_masters(optimizer, master_groups)
+        # The stepper and the checkpoint view call back through a proxy: no reference cycle, so
+        # the stage is freed as soon as its engine lets go of it.
+        gathers = weakref.proxy(self)
+        if offload is None:
+            self.stepper = InMemoryStepper(self.shards, gathers, optimizer)
+        else:
+            self.stepper = OffloadedStepper(
+                self.shards,
+                gathers,
+                optimizer,
+                offload,
+                device_optimizer=device_part,
+                gradient_clipping=self.gradient_clipping,
+                loss_scaled=self.loss_scaler is not None,
+            )
+        self.checkpoint_state = ShardCheckpoint(self.shards, self.stepper, gathers)
+        self.gradient_checks = ShardGradientChecks(self.shards, norm_group, counts_in_norm)
+        self.home.attach(self.masters, optimizer)
 
         scale = 1.0 / (grad_divisor or self.world_size)
         self.reducer = self._make_reducer(
@@ -178,7 +192,9 @@ class ZeroPartitionedOptimizer(
             p.register_post_accumulate_grad_hook(self._make_hook(index))
             for index, p in enumerate(self.params)
         ]
-        self._link_fragment_owners()  # deepspeed_cpp.utils.safe_get_full_fp32_param & co.
+        self._boundary_backward = False
+        self.fragments = ParamFragments(self.shards, self.stepper, loss_scaler)
+        self.fragments.link()  # deepspeed_cpp.utils.safe_get_full_fp32_param & co.
         # The engine's wall-clock timers, set at ZeRO-3 with ``wall_clock_breakdown`` (None:
         # nothing timed, no cost in the gradient hooks).
         self.timers = None
@@ -207,7 +223,7 @@ class ZeroPartitionedOptimizer(
         )
         return [p for _, p in ordered], plan
 
-    def _make_buckets(self, owned_whole: bool) -> list[_Bucket]:
+    def _make_buckets(self, owned_whole: bool) -> list[Bucket]:
         buckets = []
         for b, size in enumerate(self.plan.bucket_sizes):
             members = self.plan.members(b)
@@ -219,7 +235,7 @@ class ZeroPartitionedOptimizer(
             params = [self.params[p] for p in members]
             dtypes = {p.dtype for p in params}
             buckets.append(
-                _Bucket(
+                Bucket(
                     params=params,
                     offsets=[self.plan.param_offset[p] for p in members],
                     size=size,
@@ -267,15 +283,15 @@ class ZeroPartitionedOptimizer(
         at an accumulation boundary)."""
         return self.reducer.harvested()
 
-    def _master_slice(self, bucket: _Bucket) -> torch.Tensor:
+    def _master_slice(self, bucket: Bucket) -> torch.Tensor:
         if bucket.flat is not None and bucket.flat.dtype == torch.float32:
             # fp32 parameters are their own master weights: the master slice is this rank's
             # part of the flat parameters, so the optimizer updates the parameters in place
             # and the all-gather only brings the other ranks' slices.
             return bucket.flat.narrow(0, bucket.owned_start, bucket.owned_size)
-        return self._owned_slice_of_params(bucket, self.params[0].device)
+        return self.owned_slice_of_params(bucket, self.params[0].device)
 
-    def _view_params_in_flat(self, bucket: _Bucket) -> None:
+    def _view_params_in_flat(self, bucket: Bucket) -> None:
         dtypes = {p.dtype for p in bucket.params}
         devices = {p.device for p in bucket.params}
         if len(dtypes) != 1 or len(devices) != 1:
@@ -287,14 +303,7 @@ class ZeroPartitionedOptimizer(
         bucket.flat = flat
         bucket.view_pointers = tuple(p.data_ptr() for p in bucket.params)
 
-    @staticmethod
-    def _params_still_view_flat(bucket: _Bucket) -> bool:
-        return bucket.flat is not None and all(
-            p.data_ptr() == pointer and p.dtype == bucket.flat.dtype
-            for p, pointer in zip(bucket.params, bucket.view_pointers)
-        )
-
-    def _owned_slice_of_params(self, bucket: _Bucket, device: torch.device) -> torch.Tensor:
+    def owned_slice_of_params(self, bucket: Bucket, device: torch.device) -> torch.Tensor:
         """The model parameters' current values over this rank's slice of `bucket`, in fp32."""
         flat = torch.zeros(bucket.size, dtype=torch.float32, device=device)
         flatten_into([p.detach() for p in bucket.params], flat, bucket.offsets)
@@ -347,8 +356,7 @@ class ZeroPartitionedOptimizer(
                 timed(self.timers, REDUCE_SCATTER_SUBMIT_TIMER),
             ):
                 self.reducer.add_grad(index, grad)
-            if self._backward_steps is not None and self._backward_steps.active:
-                self._step_reduced_sub_groups()
+            self.stepper.after_reduction()
         self._handed.add(index)
         if self.stage >= 2 or self._fp32_accumulators is not None:
             param.grad = None  # the reducer holds a copy; the full gradient is not kept
@@ -357,11 +365,11 @@ class ZeroPartitionedOptimizer(
     def begin_backward(self, boundary: bool) -> None:
         """Stages 2/3 reduce every micro-step; 0/1 accumulate locally until the boundary."""
         if self._in_place_grads is not None and not all(
-            map(self._params_still_view_flat, self.buckets)
+            map(self.params_still_view_flat, self.buckets)
         ):
             self._in_place_grads = None  # data replaced (module.half()...): reduce as usual
         if self._in_place_grads is not None:  # autograd accumulates into the flat gradients
-            self._boundary_backward, self._gradients_ready = boundary, False
+            self._boundary_backward, self.fragments.gradients_ready = boundary, False
             if self._shard_grads_zero_pending:
                 self._apply_pending_zero()
                 self._in_place_grads.install()
@@ -370,9 +378,8 @@ class ZeroPartitionedOptimizer(
             return
         self._reduce_during_backward = self.stage >= 2 or boundary
         self._boundary_backward = boundary
-        self._gradients_ready = False
-        if self._backward_steps is not None:
-            self._backward_steps.begin_backward(boundary and self._reduce_during_backward)
+        self.fragments.gradients_ready = False
+        self.stepper.begin_backward(boundary and self._reduce_during_backward)
         if self._reduce_during_backward:
             self.reducer.set_overwrite(self._shard_grads_zero_pending)
 
@@ -380,10 +387,9 @@ class ZeroPartitionedOptimizer(
         """Reduces what the hooks have not, and accumulates this rank's shard of the gradients."""
         if self._in_place_grads is not None:
             self._in_place_grads.adopt()
-            self._gradients_ready = self._boundary_backward
+            self.fragments.gradients_ready = self._boundary_backward
             return
-        if self._backward_steps is not None:
-            self._backward_steps.end_backward()  # the rest is stepped at the step
+        self.stepper.end_backward()
         if not self._reduce_during_backward:
             return
         for index, param in enumerate(self.params):
@@ -397,14 +403,14 @@ class ZeroPartitionedOptimizer(
         self._shard_grads_zero_pending = False
         self._reduce_during_backward = False
         # The shard gradients are final (and readable through param_fragments) until the step.
-        self._gradients_ready = self._boundary_backward
+        self.fragments.gradients_ready = self._boundary_backward
 
     def accumulated_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         """``param``'s gradient accumulated locally over the micro-steps since the last
         reduction (stages 0/1 between boundaries): ``param.grad``, or its fp32 accumulator for a
         low-precision model. The pipeline engine sums tied weights' copies in it."""
         if self._fp32_accumulators is not None:
-            return self._fp32_accumulators[self._position_of[id(param)]]
+            return self._fp32_accumulators[self.fragments.position_of[id(param)]]
         return param.grad
 
     # --- step ---------------------------------------------------------------------------------
@@ -417,7 +423,7 @@ class ZeroPartitionedOptimizer(
         """
         self._apply_pending_zero()
         if self.loss_scaler is not None:
-            if self._overflow_on_any_rank():
+            if self.gradient_checks.overflow_on_any_rank():
                 self.loss_scaler.update_scale(True)
                 self.skipped_steps += 1
                 self.zero_grad()
@@ -426,7 +432,8 @@ class ZeroPartitionedOptimizer(
             if inverse_scale != 1.0:
                 for grad in self.shard_grads:
                     grad.mul_(inverse_scale)
-        self.global_grad_norm = self._global_norm()
+        norms = self.stepper.shard_grad_norms()
+        self.global_grad_norm = self.gradient_checks.global_norm(norms)
         if not math.isfinite(self.global_grad_norm):
             return self._skip_nonfinite_step()
         if self.gradient_clipping > 0.0:
@@ -434,7 +441,7 @@ class ZeroPartitionedOptimizer(
             if coefficient < 1.0:
                 for grad in self.shard_grads:
                     grad.mul_(coefficient)
-        self._step_and_gather()
+        self.stepper.step_and_gather()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         self.zero_grad()
@@ -442,8 +449,8 @@ class ZeroPartitionedOptimizer(
 
     def _skip_nonfinite_step(self) -> bool:
         """Steps nothing and clears the gradients; what a ``step_during_backward`` worker
-        stepped with this step's gradients is undone first (``_discard_early_steps``)."""
-        self._discard_early_steps()
+        stepped with this step's gradients is undone first."""
+        self.stepper.discard_early_steps()
         if self.loss_scaler is not None:  # a norm past float's range: an overflow all the same
             self.loss_scaler.update_scale(True)
         self.skipped_steps += 1
@@ -451,7 +458,7 @@ class ZeroPartitionedOptimizer(
         return False
 
     def zero_grad(self) -> None:
-        self._gradients_ready = False
+        self.fragments.gradients_ready = False
         if self._fp32_accumulators is not None:
             self._fp32_accumulators = [None] * len(self.params)
         self._shard_grads_zero_pending = True
@@ -470,96 +477,85 @@ class ZeroPartitionedOptimizer(
                 grad.zero_()
             self._shard_grads_zero_pending = False
 
-    def _sum_over_shards(self, value: torch.Tensor, what: str) -> torch.Tensor:
-        """Sums ``value`` over the ranks holding other shards (stage 0 holds whole gradients)
-        and over the model-parallel ranks holding other parts of the model."""
-        if self.stage != 0 and self.world_size > 1:
-            with named_collective(what):
-                dist.all_reduce(value, group=self.group)
-        if self.norm_group is not None:
-            with named_collective(f"{what} over the model-parallel group"):
-                dist.all_reduce(value, group=self.norm_group)
-        return value
-
-    def _overflow_on_any_rank(self) -> bool:
-        local = torch.zeros(1, dtype=torch.float32, device=self.shard_grads[0].device)
-        for grad in self.shard_grads:
-            local += (~torch.isfinite(grad)).any().float()
-        return bool(self._sum_over_shards(local, "all_reduce of the overflow flag").item() > 0)
-
-    def _global_norm(self) -> float:
-        # One fused read of the shards (float32 norms, as torch's clip_grad_norm_), then the
-        # partial sums of squares in float64 across shards and ranks.
-        norms = self._shard_grad_norms()
-        if self._norm_ranges is not None:  # parameters another model-parallel rank counts
-            norms = [
-                norm if ranges is None else norm_of_ranges(grad, ranges)
-                for norm, grad, ranges in zip(norms, self.shard_grads, self._norm_ranges)
-            ]
-        squares = torch.stack(norms).double().pow(2).sum().reshape(1)
-        total = self._sum_over_shards(squares, "all_reduce of the gradient norm")
-        return math.sqrt(float(total.item()))
-
-    def _step_and_gather(self) -> None:
-        """Steps the master shards and writes the updated values into every rank's parameters.
-
-        Our CPU optimizers step bucket by bucket, each bucket's all-gather starting as soon as it
-        is updated, so that the gather of one overlaps the update of the next. They update each
-        tensor on its own (state and step count per tensor) and skip tensors without a gradient,
-        so stepping the buckets one at a time equals one step over all. Other optimizers (the
-        user's may keep per-group counters) step once, then everything is gathered.
-        """
-        if self.home.kind != "none":
-            self._step_offloaded()
-            return
-        if not (self._step_per_bucket and self.stage != 0 and len(self.masters) > 1):
-            if can_step_in_chunks(self.optimizer):  # torch's Adam: cache-sized pieces
-                step_in_chunks(self.optimizer)
-            else:
-                self.optimizer.step()
-            pending = [self._launch_gather(b, m) for b, m in zip(self.buckets, self.masters)]
-        else:
-            pending = []
-            for master in self.masters:
-                master.grad = None
-            try:
-                for bucket, master, grad in zip(self.buckets, self.masters, self.shard_grads):
-                    master.grad = grad
-                    self.optimizer.step()
-                    master.grad = None
-                    pending.append(self._launch_gather(bucket, master))
-            finally:
-                for master, grad in zip(self.masters, self.shard_grads):
-                    master.grad = grad
-        self._finish_gathers(pending)
-
     # --- what code holding "the optimizer" expects ------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer stepping the master shards (the user's object, re-pointed)."""
+        return self.stepper.optimizer
+
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
     @property
+    def loss_scale_config(self) -> LossScaleConfigView:
+        """DeepSpeed's loss-scale attributes of its ZeRO optimizers (``loss_scale_state.py``)."""
+        return LossScaleConfigView(self.loss_scaler)
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scale_config.dynamic_loss_scale
+
+    @property
     def state(self):
         return self.optimizer.state
+
+    # --- the stepper's, for the engine and the stages composing sets ----------------------------
+    @property
+    def steps_during_backward(self) -> bool:
+        """Whether optimizer sub-groups may be stepped inside backward (``backward_steps.py``)."""
+        return self.stepper.steps_during_backward
+
+    def apply_pending_update(self) -> None:
+        self.stepper.apply_pending_update()
+
+    def discard_pending_update(self) -> None:
+        self.stepper.discard_pending_update()
+
+    def write_params_from_masters(self) -> None:
+        self.stepper.write_params_from_masters()
+
+    def use_optimizer(self, optimizer, offload: OptimizerOffload | None) -> None:
+        """Steps the masters with ``optimizer``, made over several sets' masters by the stage
+        composing them (``moe_stage.py``, which drives host steps through ``stepper``)."""
+        self.stepper.use_optimizer(optimizer, offload)
+        self.home.attach(self.masters, optimizer)
+
+    # --- checkpoints: the shards' (``shard_checkpoint_state.py``) --------------------------------
+    def layout(self):
+        return self.checkpoint_state.layout()
+
+    def layout_parts(self, key: str = "", origins: tuple[int, ...] | None = None):
+        """This stage as one ``LayoutPart`` (``key``, ``origins``: see ``moe_stage.py``)."""
+        return self.checkpoint_state.layout_parts(key, origins)
+
+    def owned_ranges(self) -> list[tuple[int, int]]:
+        return self.checkpoint_state.owned_ranges()
+
+    def shard_state(self) -> list[dict]:
+        return self.checkpoint_state.shard_state()
+
+    def stream_shard_state(self) -> list[dict]:
+        return self.checkpoint_state.stream_shard_state()
+
+    def first_state(self) -> dict | None:
+        return self.checkpoint_state.first_state()
+
+    def load_shard_state(self, masters: list[torch.Tensor], states: list[dict] | None) -> None:
+        """Replaces the master slices (and optimizer state); pending gradients are dropped."""
+        self.checkpoint_state.load_shard_state(masters, states)
+        self.zero_grad()
+
+    def refresh_masters_from_params(self) -> None:
+        """Re-reads the master slices from the parameters; pending gradients are dropped."""
+        self.checkpoint_state.refresh_masters_from_params()
+        self.zero_grad()
 
     # --- accounting ---------------------------------------------------------------------------
     def state_bytes(self) -> int:
         """Bytes of optimizer state and fp32 master shards this rank holds in memory (with
         offload: the host bytes of masters, state and gradient buffers, or NVMe's swap buffers)."""
-        if self.home.kind != "none" and self._device_optimizer is None:
-            return self.home.host_bytes()
-        in_memory = [m for i, m in enumerate(self.masters) if not self.home.offloaded(i)]
-        total = sum(m.numel() * m.element_size() for m in in_memory)
-        if self.home.kind != "none":
-            total += self.home.host_bytes()
-        optimizer = self.optimizer if self._device_optimizer is None else self._device_optimizer
-        # list(): a delayed step may be adding state in its thread; copying a dict's values is
-        # one call under the GIL, iterating it is not.
-        for state in list(optimizer.state.values()):
-            for value in list(state.values()):
-                if torch.is_tensor(value) and value.dim() > 0:
-                    total += value.numel() * value.element_size()
-        return total
+        return self.stepper.state_bytes()
 
     def describe(self) -> str:
         where = (
@@ -585,10 +581,9 @@ class ZeroPartitionedOptimizer(
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self._unlink_fragment_owners()
+        self.fragments.unlink()
         try:
             self.apply_pending_update()
         finally:
-            if self._backward_steps is not None:
-                self._backward_steps.close()
+            self.stepper.close()
             self.home.close()

@@ -1,7 +1,8 @@
-"""What checkpoints read from and write into the partitioned optimizer (a mixin of
-``ZeroPartitionedOptimizer``, which owns every attribute used here): this rank's owned ranges,
+"""What checkpoints read from and write into a stage's ``ShardSet``: this rank's owned ranges,
 its fp32 master slices and their optimizer state, bucket by bucket, one sub-group resident at a
-time when the state is offloaded (``offload/optimizer_homes.py``)."""
+time when the state is offloaded (``offload/optimizer_homes.py``). ``ZeroPartitionedOptimizer``
+holds one ``ShardCheckpoint`` next to its stepper (which says which optimizer steps a bucket and
+whether the state may be read now) and answers the checkpoint calls through it."""
 
 from __future__ import annotations
 
@@ -10,22 +11,30 @@ import contextlib
 import torch
 
 from .offload.deferred_tensor import DeferredTensor, PendingValues
+from .shard_set import ParamGathers, ShardSet
 from .stage import LayoutPart, PartitionLayout
+from .steppers import InMemoryStepper
 
 
-class ShardCheckpointState:
-    """The checkpoint side of ``ZeroPartitionedOptimizer`` (see the module docstring)."""
+class ShardCheckpoint:
+    """The checkpoint side of a stage's shards (see the module docstring)."""
+
+    def __init__(self, shards: ShardSet, stepper: InMemoryStepper, gathers: ParamGathers):
+        self.shards = shards
+        self.stepper = stepper
+        self.gathers = gathers
 
     def layout(self) -> PartitionLayout:
-        plan = self.plan
+        shards = self.shards
+        plan = shards.plan
         return PartitionLayout(
-            params=tuple(self.params),
+            params=tuple(shards.params),
             param_bucket=tuple(plan.param_bucket),
             param_offset=tuple(plan.param_offset),
             bucket_sizes=tuple(plan.bucket_sizes),
             bucket_groups=tuple(plan.bucket_groups),
-            world_size=self.world_size,
-            replicated=self.stage == 0,
+            world_size=shards.world_size,
+            replicated=shards.stage == 0,
         )
 
     def layout_parts(
@@ -33,26 +42,28 @@ class ShardCheckpointState:
     ) -> list[LayoutPart]:
         """This stage as one ``LayoutPart`` (``key`` and ``origins``: how the expert-parallel
         stage, which owns this one as a set, names it and maps its param groups)."""
-        layout = self.layout()
-        groups = len(self.optimizer.param_groups) if origins is None else len(origins)
+        shards, layout = self.shards, self.layout()
+        groups = len(self.stepper.optimizer.param_groups) if origins is None else len(origins)
         return [
             LayoutPart(
                 key=key,
-                stage=self.stage,
+                stage=shards.stage,
                 layout=layout,
                 # The stage's group is the data-parallel group: rank r saves file r.
-                group_ranks=tuple(range(self.world_size)),
+                group_ranks=tuple(range(shards.world_size)),
                 param_group_origins=tuple(range(groups)) if origins is None else tuple(origins),
-                writes=self.stage > 0 or self.rank == 0,
+                writes=shards.stage > 0 or shards.rank == 0,
                 swapped_buckets=frozenset(
-                    b for b in range(len(self.buckets)) if self.home.state_outline(b) is not None
+                    b
+                    for b in range(len(shards.buckets))
+                    if shards.home.state_outline(b) is not None
                 ),
             )
         ]
 
     def owned_ranges(self) -> list[tuple[int, int]]:
         """``(start, size)`` of the slice of every bucket this rank owns, in bucket order."""
-        return [(bucket.owned_start, bucket.owned_size) for bucket in self.buckets]
+        return [(bucket.owned_start, bucket.owned_size) for bucket in self.shards.buckets]
 
     def shard_state(self) -> list[dict]:
         """This rank's part of the training state, per bucket: ``{"master": its fp32 slice,
@@ -60,11 +71,12 @@ class ShardCheckpointState:
         slice viewing the flat parameters is copied: torch.save writes a view's whole storage;
         with NVMe offload everything is copied out of the swap buffers, so the whole state is
         in memory at once: checkpoints use ``stream_shard_state`` instead)."""
-        self._check_between_steps("saving a checkpoint")
-        copy_all = self.home.kind == "nvme"
+        self.stepper.check_between_steps("saving a checkpoint")
+        home = self.shards.home
+        copy_all = home.kind == "nvme"
         entries = []
-        for members in self.home.sub_groups:
-            with self.home.resident(members, write_back=False):
+        for members in home.sub_groups:
+            with home.resident(members, write_back=False):
                 entries.extend(self._bucket_entry(index, copy_all) for index in members)
         return entries
 
@@ -74,17 +86,18 @@ class ShardCheckpointState:
         returns, read into the swap buffers one sub-group at a time: saving never holds more
         than one sub-group of the state beyond the buffers. The caller closes the readers
         (``reader.close()``) when done, also when it fails."""
-        self._check_between_steps("saving a checkpoint")
+        self.stepper.check_between_steps("saving a checkpoint")
         reader = SubGroupReader(self)
+        home = self.shards.home
         entries = []
-        for members in self.home.sub_groups:
-            if self.home.state_outline(members[0]) is None:
-                with self.home.resident(members, write_back=False):
+        for members in home.sub_groups:
+            if home.state_outline(members[0]) is None:
+                with home.resident(members, write_back=False):
                     entries.extend(self._bucket_entry(index, copy=False) for index in members)
                 continue
             for index in members:
-                scalars, dtypes = self.home.state_outline(index)
-                size = self.buckets[index].owned_size
+                scalars, dtypes = home.state_outline(index)
+                size = self.shards.buckets[index].owned_size
                 state = {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}
                 for key, dtype in dtypes.items():
                     state[key] = DeferredTensor(dtype, size, index, key, reader)
@@ -92,16 +105,11 @@ class ShardCheckpointState:
                 entries.append({"master": master, "state": state})
         return entries
 
-    def _check_between_steps(self, what: str) -> None:
-        if self._backward_steps is not None:
-            self._backward_steps.check_between_steps(what)
-        self.apply_pending_update()
-
     def _bucket_entry(self, index: int, copy: bool) -> dict:
         """``{"master", "state"}`` of a resident bucket (copies with ``copy``; a master viewing
         part of a larger storage is always copied: torch.save writes a view's whole storage)."""
-        master = self.masters[index]
-        state = dict(self._optimizer_for(index).state.get(master, {}))
+        master = self.shards.masters[index]
+        state = dict(self.stepper.optimizer_for(index).state.get(master, {}))
         if copy:
             state = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
         whole = master.untyped_storage().nbytes() == master.nbytes
@@ -112,14 +120,15 @@ class ShardCheckpointState:
         """``{"master", "state"}`` (copies) of the first bucket that has optimizer state, or
         None before the first step: what checkpoint metadata classifies the state kinds by,
         without reading every sub-group back from NVMe."""
-        self.apply_pending_update()
-        for members in self.home.sub_groups:
-            with self.home.resident(members, write_back=False):
+        self.stepper.apply_pending_update()
+        home, masters = self.shards.home, self.shards.masters
+        for members in home.sub_groups:
+            with home.resident(members, write_back=False):
                 for index in members:
-                    state = self._optimizer_for(index).state.get(self.masters[index])
+                    state = self.stepper.optimizer_for(index).state.get(masters[index])
                     if state:
                         return {
-                            "master": self.masters[index].detach().clone(),
+                            "master": masters[index].detach().clone(),
                             "state": {k: v.clone() if torch.is_tensor(v) else v
                                       for k, v in state.items()},
                         }  # fmt: skip
@@ -127,46 +136,47 @@ class ShardCheckpointState:
 
     def load_shard_state(self, masters: list[torch.Tensor], states: list[dict] | None) -> None:
         """Replaces every bucket's fp32 master slice with ``masters[b]`` and, when ``states`` is
-        given, the optimizer state of that slice with ``states[b]``; pending gradients are
-        dropped. The model's parameters are not written (the caller loads them). A
+        given, the optimizer state of that slice with ``states[b]`` (the caller drops pending
+        gradients). The model's parameters are not written (the caller loads them). A
         ``PendingValues`` among them is read while its sub-group is resident: a master straight
         into its swap buffer, a state tensor into a temporary the sub-group's write-back moves
         there, so at most one sub-group's state is in memory beyond the buffers."""
-        if self._backward_steps is not None:
-            self._backward_steps.check_between_steps("loading a checkpoint")
+        stepper, shards = self.stepper, self.shards
+        if stepper.backward_steps is not None:
+            stepper.backward_steps.check_between_steps("loading a checkpoint")
         given_states = "no" if states is None else len(states)
-        if len(masters) != len(self.masters) or given_states not in ("no", len(masters)):
+        if len(masters) != len(shards.masters) or given_states not in ("no", len(masters)):
             raise ValueError(
                 f"load_shard_state needs one master slice (and state) per bucket: "
-                f"{len(self.masters)} buckets, got {len(masters)} slices and {given_states} states"
+                f"{len(shards.masters)} buckets, got {len(masters)} slices and {given_states} "
+                f"states"
             )
-        for index, (bucket, values) in enumerate(zip(self.buckets, masters)):
+        for index, (bucket, values) in enumerate(zip(shards.buckets, masters)):
             if tuple(values.shape) != (bucket.owned_size,):
                 raise ValueError(
                     f"load_shard_state: bucket {index}: the slice has shape "
                     f"{tuple(values.shape)}, this rank owns {(bucket.owned_size,)}"
                 )
-        self.discard_pending_update()  # the loaded state replaces it
+        stepper.discard_pending_update()  # the loaded state replaces it
         on_device = {
             id(p): bool(g.get("capturable") or g.get("fused"))
-            for optimizer in (self.optimizer, self._device_optimizer)
-            if optimizer is not None
+            for optimizer in stepper.optimizers()
             for g in optimizer.param_groups
             for p in g["params"]
         }
         if states is not None:  # every master and state is replaced: nothing stored is read
-            self.home.discard_contents()
-        for members in self.home.sub_groups:
-            with self.home.resident(members), torch.no_grad():
+            shards.home.discard_contents()
+        for members in shards.home.sub_groups:
+            with shards.home.resident(members), torch.no_grad():
                 for index in members:
-                    master = self.masters[index]
+                    master = shards.masters[index]
                     if isinstance(masters[index], PendingValues):
                         masters[index].read_into(master)
                     else:
                         master.copy_(masters[index])
                     if states is None:
                         continue
-                    optimizer = self._optimizer_for(index)
+                    optimizer = stepper.optimizer_for(index)
                     optimizer.state.pop(master, None)
                     if states[index]:
                         # As torch's Optimizer.load_state_dict: per-element state on the master's
@@ -177,22 +187,21 @@ class ShardCheckpointState:
                             else value
                             for key, value in _read_pending(states[index]).items()
                         }
-        if self._delayed is not None and states is not None:
-            # The delayed update's warm-up goes on where the checkpoint's steps left it.
-            self._delayed.steps_seen = _steps_taken(states)
-        self.zero_grad()
+        if states is not None:
+            stepper.resume_after(states)
 
     def refresh_masters_from_params(self) -> None:
         """Re-reads the fp32 master slices from the model's parameters (after the caller loaded
-        weights into them); the optimizer state is kept, pending gradients are dropped."""
-        self.discard_pending_update()  # the loaded weights replace it
-        for members in self.home.sub_groups:
-            with self.home.resident(members), torch.no_grad():
+        weights into them); the optimizer state is kept (pending gradients are the caller's to
+        drop)."""
+        self.stepper.discard_pending_update()  # the loaded weights replace it
+        shards = self.shards
+        device = shards.params[0].device
+        for members in shards.home.sub_groups:
+            with shards.home.resident(members), torch.no_grad():
                 for index in members:
-                    master = self.masters[index]
-                    values = self._owned_slice_of_params(self.buckets[index], self.params[0].device)
-                    master.copy_(values)
-        self.zero_grad()
+                    values = self.gathers.owned_slice_of_params(shards.buckets[index], device)
+                    shards.masters[index].copy_(values)
 
 
 def _read_pending(state: dict) -> dict:
@@ -202,20 +211,16 @@ def _read_pending(state: dict) -> dict:
     }
 
 
-def _steps_taken(states: list[dict]) -> int:
-    """The optimizer steps a checkpoint's state records (its per-tensor ``step`` counters)."""
-    counts = [int(s["step"]) for s in states if s and "step" in s]
-    return max(counts, default=0)
-
-
 class SubGroupReader:
     """The bytes of an optimizer's ``DeferredTensor`` entries, its sub-groups made resident one
     at a time (read-only: nothing is written back). Views stay valid until the next ``view``
     of another sub-group or ``close``; asked in bucket order, each sub-group is read once."""
 
-    def __init__(self, optimizer) -> None:
-        self._optimizer = optimizer
-        self._group_of = {b: members[0] for members in optimizer.home.sub_groups for b in members}
+    def __init__(self, checkpoint: ShardCheckpoint) -> None:
+        self._home = checkpoint.shards.home
+        self._masters = checkpoint.shards.masters
+        self._optimizer_for = checkpoint.stepper.optimizer_for
+        self._group_of = {b: members[0] for members in self._home.sub_groups for b in members}
         self._resident: contextlib.ExitStack | None = None
         self._first: int | None = None  # first bucket of the resident sub-group
 
@@ -223,15 +228,15 @@ class SubGroupReader:
         first = self._group_of[deferred.bucket]
         if first != self._first:
             self.close()
-            members = next(m for m in self._optimizer.home.sub_groups if m[0] == first)
+            members = next(m for m in self._home.sub_groups if m[0] == first)
             stack = contextlib.ExitStack()
-            stack.enter_context(self._optimizer.home.resident(members, write_back=False))
+            stack.enter_context(self._home.resident(members, write_back=False))
             self._resident, self._first = stack, first
-        master = self._optimizer.masters[deferred.bucket]
+        master = self._masters[deferred.bucket]
         if deferred.key is None:
             value = master.detach()
         else:
-            value = self._optimizer._optimizer_for(deferred.bucket).state[master][deferred.key]
+            value = self._optimizer_for(deferred.bucket).state[master][deferred.key]
         if value.dtype != deferred.dtype or value.numel() != deferred.numel:
             raise RuntimeError(
                 f"checkpoint save: bucket {deferred.bucket} {deferred.key or 'master'} is "

@@ -36,7 +36,8 @@ from .estimators import (
     estimate_zero3_model_states_mem_needs_all_live,
 )
 from .optimizer_kinds import DeepSpeedZeroOptimizer_Stage3
-from .partitioned_optimizer import ZeroPartitionedOptimizer, _Bucket
+from .partitioned_optimizer import ZeroPartitionedOptimizer
+from .shard_set import Bucket as _Bucket
 from .stage import PartitionLayout
 
 # DeepSpeed's module path for the ZeRO-3 memory estimators and its stage-3 optimizer's class name.
@@ -248,22 +249,22 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
             return shard.float().clone()  # the shard's home is not the optimizer's
         return shard if shard.dtype == torch.float32 else shard.float()
 
-    def _owned_slice_of_params(self, bucket: _Bucket, device: torch.device) -> torch.Tensor:
+    def owned_slice_of_params(self, bucket: _Bucket, device: torch.device) -> torch.Tensor:
         if not self._partitioned(bucket):
-            return super()._owned_slice_of_params(bucket, device)
+            return super().owned_slice_of_params(bucket, device)
         return pp.read_shard(bucket.params[0]).float().clone()
 
-    def _owned_device_target(self, bucket: _Bucket) -> torch.Tensor:
+    def owned_device_target(self, bucket: _Bucket) -> torch.Tensor:
         if not self._partitioned(bucket):
-            return super()._owned_device_target(bucket)
+            return super().owned_device_target(bucket)
         shard = bucket.params[0].ds_tensor
         if shard.device.type == "meta":  # on NVMe: staged on the host, then stored
             return torch.empty(shard.numel(), dtype=shard.dtype)
         return shard
 
-    def _launch_gather(self, bucket: _Bucket, master: torch.Tensor):
+    def launch_gather(self, bucket: _Bucket, master: torch.Tensor):
         if not self._partitioned(bucket):
-            return super()._launch_gather(bucket, master)
+            return super().launch_gather(bucket, master)
         # The next forward gathers the shard; only a low-precision copy needs writing.
         param = bucket.params[0]
         if getattr(param, "ds_home", None) is not None or (
