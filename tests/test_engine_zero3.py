@@ -40,17 +40,25 @@ CASES = [
 @pytest.mark.parametrize("dtype, gas, clip, threshold", CASES)
 def test_matches_single_process_adamw_2_ranks(pool2, dtype, gas, clip, threshold):
     seed, steps = _seed(), 4
+    # eps 1e-5 as with 3 ranks: at 1e-6 one fresh seed gave 1.09e-6 (fp32, gas 1, clip 0.5): the
+    # rare layer's gradient nearly cancels, and Adam's m / sqrt(v) enlarges the rounding of the
+    # ranks' sum (another order than the reference's) past the tolerance.
+    eps = 1e-5
     config = h.config(dtype, gas, clip, threshold)
+    config["optimizer"]["params"]["eps"] = eps
     # The order flips every micro-step and "rare" runs in one micro-step only.
     results = pool2.run(train_job, config, seed, steps, True, 2)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    reference = h.reference(seed, steps, gas, 2, clip, torch_dtype, flip_every=True, rare_at=2)
+    reference = h.reference(
+        seed, steps, gas, 2, clip, torch_dtype, flip_every=True, rare_at=2, eps=eps
+    )
     ours = results[0]["params"]
     assert ours.keys() == h.named_state(reference).keys()
     for other in results[1:]:
         for name, tensor in other["params"].items():
             assert torch.equal(tensor, ours[name]), f"ranks disagree on {name}"
-    assert h.max_relative_difference(ours, h.named_state(reference)) <= h.tolerance(dtype)
+    worst = h.max_relative_difference(ours, h.named_state(reference))
+    assert worst <= h.tolerance(dtype), f"seed {seed}: {worst}"
     small = [n for n, p in h.make_model(0).named_parameters() if p.numel() <= threshold]
     assert results[0]["persistent"] == sorted(small)
     assert len(small) == (0 if threshold == 0 else 7)  # 6 biases and eval_head's 46 weights
