@@ -158,9 +158,16 @@ class ZeroPartitionedOptimizer(
             device=device,
             scale=scale,
         )
-        # One replica at stage 0: the parameters' .grad are views of the flat gradients.
+        # Stage 0: the parameters' .grad are views of the flat gradients, reduced in place.
         self._in_place_grads = (
-            InPlaceGradients(self.buckets, self.shard_grads)
+            InPlaceGradients(
+                self.buckets,
+                self.shard_grads,
+                [self.plan.members(b) for b in range(len(self.buckets))],
+                group=self.group,
+                world_size=self.world_size,
+                scale=scale,
+            )
             if grads_can_stay_in_place(self, scale)
             else None
         )
@@ -318,6 +325,8 @@ class ZeroPartitionedOptimizer(
                 return
             if self._reduce_during_backward:
                 self._hand_over(index, param)
+            elif self._in_place_grads is not None:
+                self._in_place_grads.grad_ready(index, param)
             elif self._fp32_accumulators is not None:
                 self._accumulate_fp32(index, param)
 
@@ -367,6 +376,8 @@ class ZeroPartitionedOptimizer(
                 self._in_place_grads.install()
             else:
                 self._in_place_grads.adopt()
+            if boundary:
+                self._in_place_grads.begin_reduction()
             return
         self._reduce_during_backward = self.stage >= 2 or boundary
         self._boundary_backward = boundary
@@ -380,6 +391,8 @@ class ZeroPartitionedOptimizer(
         """Reduces what the hooks have not, and accumulates this rank's shard of the gradients."""
         if self._in_place_grads is not None:
             self._in_place_grads.adopt()
+            if self._boundary_backward:
+                self._in_place_grads.finish_reduction()
             self._gradients_ready = self._boundary_backward
             return
         if self._backward_steps is not None:
@@ -566,6 +579,8 @@ class ZeroPartitionedOptimizer(
             "" if self.home.kind == "none" else f", optimizer state offloaded to {self.home.kind}"
         )
         if self._in_place_grads is not None:
+            if self._in_place_grads.reduces:
+                return "gradients accumulated and all-reduced in place"
             return "gradients accumulated in place (one replica: nothing to reduce)"
         return f"gradients reduced by {self.reducer.collective()}{where}"
 
