@@ -476,6 +476,14 @@ class ZeroPartitionedOptimizer(
         self._apply_pending_zero()
         return self.shard_grads
 
+    def zero_grads_now(self) -> None:
+        """Applies a pending ``zero_grad()`` now rather than at the next backward: the pipeline
+        calls it before a blocking receive, where the stage would otherwise wait idle."""
+        if self._shard_grads_zero_pending:
+            self._apply_pending_zero()
+            if self._in_place_grads is not None:
+                self._in_place_grads.install()
+
     def _apply_pending_zero(self) -> None:
         # Only a step with no reduction since zero_grad() reads shard gradients still pending.
         if self._shard_grads_zero_pending:
