@@ -64,13 +64,15 @@ if wanted build; then
   step build build 300 "$PYTHON" -m deepspeed_cpp.env_report --load
 fi
 if wanted tests; then
+  # test_gpu_new_paths.py: the chunked optimizer step on device tensors, in-place gradients at
+  # ZeRO 0 and ZeRO-3 block units with coalesced prefetch gathers, on CUDA (NCCL, one process).
   # Several workers (pytest-xdist, where installed): a test that crashes its process is reported
   # as such and the others still run and report.
   workers=()
   "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n 4)
   step tests tests 300 "${PYTEST[@]}" "${workers[@]}" --tb=short tests/test_fused_adam_cuda.py \
     tests/test_moe_gating_cuda.py tests/test_reducer_device.py tests/test_accelerator.py \
-    tests/test_fused_adam_optimizer.py &
+    tests/test_fused_adam_optimizer.py tests/test_gpu_new_paths.py &
 fi
 if wanted engine; then
   (

@@ -58,3 +58,20 @@ def test_one_replica_trains_like_torch(mode):
         assert torch.equal(mine, theirs)
     assert all(in_flat) == (mode != "data_replaced"), in_flat
     assert ("in place" in engine.optimizer.describe()) == (mode != "data_replaced")
+
+
+def test_two_replicas_all_reduce_in_place_like_the_reducer(pool2):
+    """ZeRO 0, two replicas, buckets of ~40 elements, a head some micro-steps leave unused on
+    one rank only, a gradient cleared by user code: bit for bit the reducer's result (same
+    buffers, same all-reduce, same scaling), and torch's training on the global batch within
+    fp32 rounding of the summation order."""
+    import random
+
+    import in_place_grads_jobs as jobs
+
+    for result in pool2.run(jobs.replicas_equal_reducer_and_torch, random.randrange(2**31), 3):
+        assert result["uses_in_place"] and result["buckets"] > 2, result
+        assert "all-reduced in place" in result["describe"], result
+        assert result["views_in_flat"], result
+        assert result["bitwise_vs_reducer"], result
+        assert result["worst_vs_torch"] < 1e-6, result

@@ -220,3 +220,26 @@ def test_three_stages_train_like_one_process(pool3):
     names = [set(r["names"]) for r in results]
     assert all("tied_modules.embed.weight" in names[s] for s in (0, 2)), names
     assert "tied_modules.embed.weight" not in names[1] and names[1], names
+
+
+@pytest.mark.parametrize("saved, resumed", [(2, 3), (3, 2)])
+def test_checkpoint_resumes_at_another_number_of_stages(pool2, pool3, tmp_path, saved, resumed):
+    """Saved at 2 stages, resumed at 3 (and back): the layers move between stages, with their
+    Adam state (optimizer_reshard.py), tied weights on the first and last stage; the 2 steps
+    after the load equal the uninterrupted run within 1e-6."""
+    import pipe_reshard_jobs
+
+    pools = {2: pool2, 3: pool3}
+    seed = random.randrange(2**31)
+    directory = str(tmp_path / "ckpt")
+    first = pools[saved].run(pipe_reshard_jobs.save_then_continue, seed, directory, saved)
+    uninterrupted = {k: v for result in first for k, v in result["state"].items()}
+    results = pools[resumed].run(
+        pipe_reshard_jobs.resume_and_compare, seed, directory, resumed, uninterrupted
+    )
+    assert [r["stage"] for r in results] == list(range(resumed))
+    assert set().union(*(r["names"] for r in results)) == set(uninterrupted)
+    for result in results:
+        assert result["global_steps"] == 4 and result["adam_steps"] == [4], result
+        assert result["diff"] < 1e-6, result
+        assert abs(result["loss"] - first[-1]["loss"]) < 1e-6, result

@@ -335,7 +335,17 @@ class PipelineEngine(DeepSpeedEngine):
                 value = value.half()
         return value
 
+    def _zero_grads_while_waiting(self) -> None:
+        # The gradients a step left to be zeroed at the next backward (a full pass over them) are
+        # zeroed before a blocking receive instead: the stage waits there at the start of a
+        # batch (1F1B's fill), so the pass leaves the critical path.
+        if self.training:
+            zero_now = getattr(self.optimizer, "zero_grads_now", None)
+            if zero_now is not None:
+                zero_now()
+
     def _exec_recv_activations(self, instruction) -> None:
+        self._zero_grads_while_waiting()
         received = self._activations_in.recv(self.device)
         if self.training:
             for tensor in _as_tuple(received):
@@ -365,6 +375,7 @@ class PipelineEngine(DeepSpeedEngine):
             self._buffers.pop(instruction.buffer_id, None)
 
     def _exec_recv_grads(self, instruction) -> None:
+        self._zero_grads_while_waiting()
         self._buffer(instruction)["grads"] = self._grads_in.recv(self.device)
 
     def _exec_backward_pass(self, instruction) -> None:

@@ -172,9 +172,16 @@ class ZeroPartitionedOptimizer(MasterGathers):
             device=device,
             scale=scale,
         )
-        # One replica at stage 0: the parameters' .grad are views of the flat gradients.
+        # Stage 0: the parameters' .grad are views of the flat gradients, reduced in place.
         self._in_place_grads = (
-            InPlaceGradients(self.buckets, self.shard_grads)
+            InPlaceGradients(
+                self.buckets,
+                self.shard_grads,
+                [self.plan.members(b) for b in range(len(self.buckets))],
+                group=self.group,
+                world_size=self.world_size,
+                scale=scale,
+            )
             if grads_can_stay_in_place(self, scale)
             else None
         )
@@ -327,6 +334,8 @@ class ZeroPartitionedOptimizer(MasterGathers):
                 return
             if self._reduce_during_backward:
                 self._hand_over(index, param)
+            elif self._in_place_grads is not None:
+                self._in_place_grads.grad_ready(index, param)
             elif self._fp32_accumulators is not None:
                 self._accumulate_fp32(index, param)
 
@@ -375,6 +384,8 @@ class ZeroPartitionedOptimizer(MasterGathers):
                 self._in_place_grads.install()
             else:
                 self._in_place_grads.adopt()
+            if boundary:
+                self._in_place_grads.begin_reduction()
             return
         self._reduce_during_backward = self.stage >= 2 or boundary
         self._boundary_backward = boundary
@@ -387,6 +398,8 @@ class ZeroPartitionedOptimizer(MasterGathers):
         """Reduces what the hooks have not, and accumulates this rank's shard of the gradients."""
         if self._in_place_grads is not None:
             self._in_place_grads.adopt()
+            if self._boundary_backward:
+                self._in_place_grads.finish_reduction()
             self.fragments.gradients_ready = self._boundary_backward
             return
         self.stepper.end_backward()
@@ -469,6 +482,14 @@ class ZeroPartitionedOptimizer(MasterGathers):
         """This step's shard gradients (zeros where nothing was reduced since ``zero_grad``)."""
         self._apply_pending_zero()
         return self.shard_grads
+
+    def zero_grads_now(self) -> None:
+        """Applies a pending ``zero_grad()`` now rather than at the next backward: the pipeline
+        calls it before a blocking receive, where the stage would otherwise wait idle."""
+        if self._shard_grads_zero_pending:
+            self._apply_pending_zero()
+            if self._in_place_grads is not None:
+                self._in_place_grads.install()
 
     def _apply_pending_zero(self) -> None:
         # Only a step with no reduction since zero_grad() reads shard gradients still pending.
@@ -562,6 +583,8 @@ class ZeroPartitionedOptimizer(MasterGathers):
             "" if self.home.kind == "none" else f", optimizer state offloaded to {self.home.kind}"
         )
         if self._in_place_grads is not None:
+            if self._in_place_grads.reduces:
+                return "gradients accumulated and all-reduced in place"
             return "gradients accumulated in place (one replica: nothing to reduce)"
         return f"gradients reduced by {self.reducer.collective()}{where}"
 

@@ -1,0 +1,92 @@
+"""Jobs for tests/test_in_place_grads.py: ZeRO 0 with two replicas, gradients accumulated in the
+flat buffers and all-reduced there (runtime/zero/in_place_grads.py), beside the reducer's path and
+torch's own training on the global batch."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _TwoHeads(nn.Module):
+    """A side head that some micro-steps leave unused (its gradient hooks do not fire)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.side = nn.Linear(6, 3)
+
+    def forward(self, x, use_side: bool):
+        out = self.body(x)
+        return out + self.side(x) if use_side else out
+
+
+def _engine(model, bucket_elements: int):
+    import deepspeed_cpp as deepspeed
+
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 3,
+            "gradient_clipping": 0.0,  # torch's reference does not clip
+            "zero_optimization": {"stage": 0, "reduce_bucket_size": bucket_elements},
+        },
+    )
+    return engine
+
+
+def replicas_equal_reducer_and_torch(seed: int, steps: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    in_place_model, reducer_model, reference = _TwoHeads(), _TwoHeads(), _TwoHeads()
+    reducer_model.load_state_dict(in_place_model.state_dict())
+    reference.load_state_dict(in_place_model.state_dict())
+    # Buckets of ~40 elements: several per model, launched during the boundary backward.
+    in_place = _engine(in_place_model, 40)
+    reducer = _engine(reducer_model, 40)
+    uses_in_place = in_place.optimizer._in_place_grads is not None
+    reducer.optimizer._in_place_grads = None  # the reducer's path, for the comparison
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    flats = in_place.optimizer.shard_grads
+    views_in_flat = []
+    for step in range(steps):
+        for micro in range(3):
+            xs, ys = torch.randn(world, 2, 6), torch.randn(world, 2, 3)  # same on every rank
+            uses = [(r + micro + step) % 2 == 0 for r in range(world)]
+            for engine, model in ((in_place, in_place_model), (reducer, reducer_model)):
+                loss = nn.functional.mse_loss(model(xs[rank], uses[rank]), ys[rank])
+                engine.backward(loss)
+                if micro == 1 and step == 1:
+                    model.body[0].weight.grad = None  # user code clears one: honoured by both
+            for r in range(world):
+                loss = nn.functional.mse_loss(reference(xs[r], uses[r]), ys[r])
+                (loss * (1.0 / (3 * world))).backward()
+            if micro == 1 and step == 1:
+                reference.body[0].weight.grad = None
+            pointer = in_place_model.body[2].weight.grad.data_ptr()
+            views_in_flat.append(
+                any(f.data_ptr() <= pointer < f.data_ptr() + f.numel() * 4 for f in flats)
+            )
+            in_place.step()
+            reducer.step()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    pairs = list(zip(in_place_model.parameters(), reducer_model.parameters()))
+    worst = max(
+        (mine - theirs).abs().max().item()
+        for mine, theirs in zip(in_place_model.parameters(), reference.parameters())
+    )
+    result = {
+        "uses_in_place": uses_in_place,
+        "buckets": len(in_place.optimizer.buckets),
+        "describe": in_place.optimizer.describe(),
+        "bitwise_vs_reducer": all(torch.equal(a, b) for a, b in pairs),
+        "worst_vs_torch": worst,
+        "views_in_flat": all(views_in_flat),
+    }
+    in_place.destroy()
+    reducer.destroy()
+    return result
