@@ -311,15 +311,19 @@ class ParameterCoordinator:
     def end_pass(self) -> None:
         """Releases every unit still held and lets the schedule adopt or drop its trace."""
         self._pass_open = False
-        failed = self.agreement.failed
-        if failed:  # every rank raised a disagreement: nothing pending pairs any more
+        if self.agreement.failed:  # every rank raised a disagreement: nothing pending pairs
             self._pending = None
-            self.schedule.invalidate()  # every rank records its next pass afresh
-        self._settle()
-        self.agreement.end_pass(diverged=self.schedule.diverged() or failed)
-        for unit in self.schedule.end_pass():
-            if self._held[unit]:
-                self._release(unit)
+        try:
+            self._settle()
+            self.agreement.end_pass(diverged=self.schedule.diverged())
+        finally:
+            # Also after a disagreement (raised on every rank, here or earlier in the pass):
+            # every rank then records its next pass afresh.
+            if self.agreement.failed:
+                self.schedule.invalidate()
+            for unit in self.schedule.end_pass():
+                if self._held[unit]:
+                    self._release(unit)
 
     # --- accounting and teardown ------------------------------------------------------------------
     def live_numel(self) -> int:

@@ -81,7 +81,7 @@ class PassAgreement:
             work.wait()
         rows = every.view(self.world_size, 3).tolist()
         if any(row != rows[0] for row in rows):
-            self.failed = True
+            self._fail()
             raise RuntimeError(self._message([row[0] for row in rows], []))
 
     # --- passes -----------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ class PassAgreement:
         fewer of them than the plan first stands in for the rest), and the plan for the next
         pass: the one recorded or followed in this pass, if it ran as traced."""
         if self.failed:  # every rank raised already: nothing more to pair
-            self._forget()
+            self._fail()
             return
         self.land_in_flight()
         if self.folded and self._next < len(self.plan):
@@ -114,7 +114,10 @@ class PassAgreement:
         self.folded = False
         self._recording = None
 
-    def _forget(self) -> None:
+    def _fail(self) -> None:
+        """The ranks disagreed (every rank raises): no plan, nothing in flight to compare,
+        nothing counted; the next pass is checked (and the schedule records it afresh)."""
+        self.failed = True
         self.plan = None
         self.folded = False
         self._recording = None
@@ -198,6 +201,7 @@ class PassAgreement:
         with named_collective("all_gather of ZeRO-3 stand-in gathers after a disagreement"):
             for work, _ in works:
                 work.wait()
+        self._fail()
         raise RuntimeError(self._message([row[4] for row in rows], [row[1] for row in rows]))
 
     def _message(self, units: list[int], uses: list[int]) -> str:
