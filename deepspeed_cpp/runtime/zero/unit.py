@@ -17,8 +17,10 @@ Units prefetched together share one all-gather up to the prefetch bucket size
 
 A parameter that is already whole or in flight (tied to another unit, held by
 ``GatheredParameters``) is only counted as held, not gathered again: every rank holds the same
-parameters at the same point of a pass (the coordinator agrees on the uses first), so every rank
-gathers the same set in the same order.
+parameters at the same point of a pass (the ranks agree on the uses: ``pass_agreement.py``), so
+every rank gathers the same set in the same order. In a pass that folds that agreement into the
+gathers, each all-gather carries a 40-byte header after this rank's shards (and so goes through
+the copy-out even for one parameter), compared on every rank before the wait for it returns.
 
 Gradients are reduced per unit too: ``Stage3Optimizer`` hands the C++ reducer a unit's
 parameters as one bucket laid out rank by rank (the layout ``unshard`` gathers), so one
