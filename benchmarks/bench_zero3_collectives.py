@@ -68,6 +68,20 @@ step times only rough, ratios within one run):
     deep     ours, merged units                49                 101 -> 6
     deep     ours, unit per module             97                 197 -> 6
     deep     FSDP2                             49                 146
+
+Then the rank agreement folded into the gathers (issue 27, branch s5-agree: from a trace's
+second replay on, each gather carries a 40-byte header instead of a check per launch; one check
+per pass remains, at its end), counted 2026-11-27 with --steps 5 --unit-min-numel 16384 0, the
+branch's base (74a15c7) at 17:23 and the branch at 18:10 (load average 2 and 26: step times not
+comparable):
+
+    model    implementation                 units  collectives/step (base -> folded)
+    encoder  ours, merged units                 7                   6 -> 5
+    encoder  ours, unit per module             37                   6 -> 5
+    encoder  FSDP2                              7                  20
+    deep     ours, merged units                49                   6 -> 5
+    deep     ours, unit per module             97                   6 -> 5
+    deep     FSDP2                             49                 146
 """
 
 from __future__ import annotations

@@ -64,6 +64,27 @@ the cause is not found) and its peak RSS ~10% higher (1608-1636 -> 1745-1825 MiB
 a unit only within the prefetch bucket too: with the table's 5e6 bucket the 5.95M-element layers
 fall back to per-module units: 67 collectives, 1241 ms (ZeRO-2 1058 ms, same run). The deep
 model (66K-element blocks) keeps 6.
+
+Then the rank agreement folded into the gathers (branch s5-agree, ``pass_agreement.py``): of the
+transformer's 67, 25 were the coordinator's use checks (one per launch point and one at the end
+of the pass; counted per group: 17 on the engine's group, 25 gathers, 25 checks). From a trace's
+second replay on, each gather carries the agreement as a 40-byte header and one check per pass
+remains. ``--parts table --impls "deepspeed_cpp ZeRO-3" "FSDP2 fully_shard + AdamW"``, the
+branch's base (74a15c7) at 17:20 and the branch at 18:12 on 2026-11-27, load average 18-29:
+
+    model        implementation          collectives (base -> folded)
+    transformer  deepspeed_cpp ZeRO-3            67 -> 43
+    transformer  FSDP2 fully_shard               26
+    deep         deepspeed_cpp ZeRO-3             6 -> 5
+    deep         FSDP2 fully_shard              146
+
+Step times under that load are noise (the deep model's step/FSDP2 read 0.16 before and 0.84
+after in these two launches; in base/branch launches interleaved twice at 18:17-18:22,
+``bench_zero3_collectives.py --models deep encoder --steps 8``, our deep step was 731/695 ms on
+the base and 450/246 ms on the branch, the encoder's 165/68 and 98/93 ms: no slowdown seen).
+The transformer's remaining 43 (17 reductions and norms, 25 gathers, 1 check) stay above
+FSDP2's 26 because its 5.95M-element layers exceed the 5e6 prefetch bucket and so fall back to
+per-module units (see above), not because of the agreement.
 """
 
 from __future__ import annotations

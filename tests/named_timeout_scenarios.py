@@ -105,8 +105,9 @@ def zero3_gather(stall) -> None:
     settings["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, *_ = deepspeed_cpp.initialize(model=make_model(7), config=settings)
     train(engine, global_batches(3, 1))
-    # In a forward, a silent rank is first missed by the unit check that precedes each fetch
-    # (named too); GatheredParameters gathers with no check, so its wait is the one that fails.
+    # In a forward, a silent rank is first missed by the unit check that precedes a fetch in a
+    # checked pass, or by the fetch itself in a folded one (both named);
+    # GatheredParameters gathers with no check, so its wait is the one that fails.
     stall()
     with deepspeed_cpp.zero.GatheredParameters(list(engine.module.parameters())):
         pass

@@ -35,21 +35,24 @@ def count_job(layers: int, steps: int, width: int = 32, feedforward: int = 64):
         fetching = [coordinator.fetch_group, coordinator.check_group]
         everything = list(dist.distributed_c10d._world.pg_map)
         generator = torch.Generator().manual_seed(dist.get_rank())
-        counts = []
+        counts, checks = [], []
         for _ in range(steps):
             x = torch.randn(2, 8, width, generator=generator)
             before = (_collectives(fetching), _collectives(everything))
+            checked = _collectives([coordinator.check_group])
             loss = engine(x).square().mean()
             engine.backward(loss)
             engine.step()
             after = (_collectives(fetching), _collectives(everything))
             counts.append((after[0] - before[0], after[1] - before[1]))
+            checks.append(_collectives([coordinator.check_group]) - checked)
         partitioned = sum(1 for u in coordinator.units for _ in u)
         return {
             "units": len(coordinator.units),
             "names": list(coordinator.unit_names),
             "params": partitioned,
             "counts": counts,
+            "checks": checks,
         }
     finally:
         engine.destroy()
@@ -71,6 +74,9 @@ def test_gathers_and_checks_per_step_are_bounded_by_units(pool2):
         # the rest is the step's norm all-reduce and the use checks.
         assert total <= 3 * units + 8, (total, first)
         assert first["params"] > units  # else the bound above would not tell units from params
+    # The first replay checks its uses and records its gathers; from the next replay on the
+    # check rides on the gathers (pass_agreement.py): one check per pass, at its end.
+    assert first["checks"][1] > 1 and first["checks"][2:] == [1], first["checks"]
 
 
 def test_a_small_encoder_layer_is_one_unit(pool2):

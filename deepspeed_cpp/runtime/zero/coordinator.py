@@ -39,15 +39,12 @@ depend only on the sequence of uses, so ranks that run the same modules in the s
 the same gathers.
 
 Ranks that do not (a data-dependent branch taken on some ranks only) would pair one rank's
-gather with another's and hang or mix up parameters. So the uses are agreed before any gather is
-launched: each rank keeps a digest of the uses since the last check, and whenever a use makes it
-launch gathers (and at the end of a pass) it all-gathers (unit about to be used, number of uses,
-digest), a few integers per rank. Gathers are launched only where the use history up to then
-agreed, so they are issued in the same order everywhere; a use that launches nothing (its unit is
-held or was prefetched) needs no collective of its own, its agreement rides with the next check.
-Both ranks of a disagreement reach a check (every pass ends with one), so they raise at the same
-check, each naming the module each rank was about to run. With a recorded order, a pass's
-prefetches are launched at few uses, so a pass costs a few checks, not one per use.
+gather with another's and hang or mix up parameters. So the ranks agree on the uses
+(``pass_agreement.py``): in a pass that records or first replays a trace, with a check of a few
+integers per rank before the gathers decided at a use are launched; in the later replays of a
+trace, with a header riding on each gather, compared when it lands, before its parameters are
+used. Every pass ends with one check. A disagreement raises on every rank, naming the module each
+rank was at.
 
 Each unit (``unit.py``) is gathered with one all-gather of its parameters' shards, and the
 prefetches launched at one use share one all-gather up to ``stage3_prefetch_bucket_size``
@@ -62,7 +59,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...comm.collective_errors import named_collective, new_group
+from ...comm.collective_errors import new_group
 from ...ops.zero import make_fetch_schedule
 from ...utils.logging import logger
 from ...utils.timer import (
@@ -76,7 +73,7 @@ from ...utils.timer import (
 )
 from ...utils.z3_leaf_modules import LEAF_PARAMETER_ATTRIBUTE, z3_leaf_module
 from . import partition_parameters as pp
-from .shard_gather import all_gather_flat
+from .pass_agreement import PassAgreement
 from .unit import ZeroUnit, unshard_together
 
 
@@ -143,10 +140,11 @@ class ParameterCoordinator:
                 self._units_of_param.setdefault(id(param), []).append(index)
         self._pass_open = False
         # (agreement in flight, gathers to launch once it succeeds, whether the first of them
-        # is the unit demanded now)
+        # is the unit demanded now, the unit whose use launches them)
         self._pending = None
-        self._uses_unchecked = 0  # uses since the last check, and their digest
-        self._digest = 0
+        self.agreement = PassAgreement(
+            self.world_size, self.check_group, self.fetch_group, self.unit_names
+        )
         self._logged_divergence = 0
         # The engine's wall-clock timers with ``wall_clock_breakdown`` (else None): fetches and
         # gathers timed under DeepSpeed's coordinator names (``utils/timer.py``).
@@ -191,6 +189,7 @@ class ParameterCoordinator:
             self.end_pass()  # the previous forward had no backward (evaluation)
         self._pass_open = True
         self._running.clear()  # a forward that raised left its modules on the stack
+        self.agreement.begin_pass(replaying=not self.schedule.recording())
 
     def _pre_forward(self, module, inputs) -> None:
         _check_registered(module, recurse=id(module) in self._whole_units)
@@ -253,11 +252,16 @@ class ParameterCoordinator:
             self.timers, BACKWARD_FETCH_SUBMIT_TIMER if backward else FORWARD_FETCH_SUBMIT_TIMER
         ):
             self._settle()
-            self._record_use(unit)
+            self.agreement.record_use(unit)
             launches = self.schedule.on_use(unit)
+            if self.agreement.folded and self.schedule.diverged():
+                self.agreement.deviate(unit)  # raises, or the rest of the pass is checked
             if launches:
-                self._pending = (self._start_check(unit), launches, launches[0] == unit)
-            if unit in launches:
+                # A folded pass launches at once (its gathers carry the check); a checked one
+                # once the check started here landed.
+                check = None if self.agreement.folded else self.agreement.start_check(unit)
+                self._pending = (check, launches, launches[0] == unit, unit)
+            if unit in launches or self.agreement.folded:
                 self._settle()
         if self.schedule.diverged() and self._logged_divergence < self.schedule.divergences():
             self._logged_divergence = self.schedule.divergences()
@@ -276,9 +280,9 @@ class ParameterCoordinator:
         """Waits for the pending agreement and launches the gathers decided with it."""
         if self._pending is None:
             return
-        check, launches, demand = self._pending
+        check, launches, demand, use = self._pending
         self._pending = None
-        self._finish_check(check)
+        self.agreement.finish_check(check)
         name = BACKWARD_ALL_GATHER_TIMER if _in_backward() else FORWARD_ALL_GATHER_TIMER
         with timed(self.timers, name):
             for gathered in launches:
@@ -291,6 +295,8 @@ class ParameterCoordinator:
                     [self.units[gathered] for gathered in together],
                     self.fetch_group,
                     self.coalesce_numel,
+                    self.agreement,
+                    use,
                 )
 
     def done(self, unit: int) -> None:
@@ -302,55 +308,22 @@ class ParameterCoordinator:
         self._held[unit] = False
         self.units[unit].reshard()
 
-    _END = -1
-
-    _DIGEST_MODULUS = (1 << 61) - 1  # a prime: uses in another order give another digest
-
-    def _record_use(self, unit: int) -> None:
-        self._uses_unchecked += 1
-        self._digest = (self._digest * 1_000_003 + unit + 2) % self._DIGEST_MODULUS
-
-    def _start_check(self, unit: int):
-        """Starts agreeing that every rank made the same uses since the last check and is about
-        to use ``unit`` (``_END``: ends the pass): a three-integers-per-rank all-gather;
-        ``_finish_check`` raises on every rank if not."""
-        mine = torch.tensor([unit, self._uses_unchecked, self._digest], dtype=torch.int64)
-        self._uses_unchecked = 0
-        self._digest = 0
-        if self.check_group is None:
-            return None
-        every = torch.empty(3 * self.world_size, dtype=torch.int64)
-        work = all_gather_flat(every, mine, self.check_group)
-        return work, every
-
-    def _finish_check(self, check) -> None:
-        if check is None:
-            return
-        work, every = check
-        with named_collective("all_gather of the ZeRO-3 unit check"):
-            work.wait()
-        rows = every.view(self.world_size, 3).tolist()
-        if all(row == rows[0] for row in rows):
-            return
-        uses = [row[0] for row in rows]
-        described = ", ".join(
-            f"rank {r}: {'end of the pass' if u == self._END else repr(self.unit_names[u])}"
-            for r, u in enumerate(uses)
-        )
-        raise RuntimeError(
-            f"ZeRO-3: the ranks ran different modules at the same point of a forward/backward "
-            f"pass ({described}); every rank must run the modules that have partitioned "
-            f"parameters in the same order, because their parameters are gathered collectively"
-        )
-
     def end_pass(self) -> None:
         """Releases every unit still held and lets the schedule adopt or drop its trace."""
         self._pass_open = False
-        self._settle()
-        self._finish_check(self._start_check(self._END))
-        for unit in self.schedule.end_pass():
-            if self._held[unit]:
-                self._release(unit)
+        if self.agreement.failed:  # every rank raised a disagreement: nothing pending pairs
+            self._pending = None
+        try:
+            self._settle()
+            self.agreement.end_pass(diverged=self.schedule.diverged())
+        finally:
+            # Also after a disagreement (raised on every rank, here or earlier in the pass):
+            # every rank then records its next pass afresh.
+            if self.agreement.failed:
+                self.schedule.invalidate()
+            for unit in self.schedule.end_pass():
+                if self._held[unit]:
+                    self._release(unit)
 
     # --- accounting and teardown ------------------------------------------------------------------
     def live_numel(self) -> int:

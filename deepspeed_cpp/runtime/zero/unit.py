@@ -17,8 +17,10 @@ Units prefetched together share one all-gather up to the prefetch bucket size
 
 A parameter that is already whole or in flight (tied to another unit, held by
 ``GatheredParameters``) is only counted as held, not gathered again: every rank holds the same
-parameters at the same point of a pass (the coordinator agrees on the uses first), so every rank
-gathers the same set in the same order.
+parameters at the same point of a pass (the ranks agree on the uses: ``pass_agreement.py``), so
+every rank gathers the same set in the same order. In a pass that folds that agreement into the
+gathers, each all-gather carries a 40-byte header after this rank's shards (and so goes through
+the copy-out even for one parameter), compared on every rank before the wait for it returns.
 
 Gradients are reduced per unit too: ``Stage3Optimizer`` hands the C++ reducer a unit's
 parameters as one bucket laid out rank by rank (the layout ``unshard`` gathers), so one
@@ -33,6 +35,7 @@ import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
 from . import partition_parameters as pp
+from .pass_agreement import header_bytes, read_headers
 from .shard_gather import all_gather_flat
 
 
@@ -68,7 +71,9 @@ class ZeroUnit:
             pp.release(param)
 
 
-def unshard_together(units: list[ZeroUnit], group, bucket_numel: int) -> None:
+def unshard_together(
+    units: list[ZeroUnit], group, bucket_numel: int, agreement=None, use: int = -1
+) -> None:
     """Starts gathering several units (the prefetches the schedule launches at one use) with as
     few collectives as their sizes allow: consecutive units share one all-gather up to
     ``bucket_numel`` shard elements per rank (``stage3_prefetch_bucket_size`` / world size), a
@@ -76,7 +81,10 @@ def unshard_together(units: list[ZeroUnit], group, bucket_numel: int) -> None:
     not its bytes, so this is what brings a deep model's gathers from one per block to a few per
     pass (DeepSpeed coalesces its prefetch bucket the same way). Memory: the send and receive
     buffers of one collective (at most ``bucket_numel`` times world size, or one unit), freed
-    once its parameters are copied out; the schedule already counted the units as live."""
+    once its parameters are copied out; the schedule already counted the units as live.
+
+    ``agreement`` (the coordinator's ``PassAgreement``, at a use of unit ``use``) decides whether
+    each all-gather carries a header (``pass_agreement.py``) and hears of it as it lands."""
     world = dist.get_world_size(group) if group is not None else 1
     # Per (dtype, device): the collectives being packed, each a list of parameters and its size.
     packs: dict[tuple, list[tuple[list[torch.nn.Parameter], int]]] = {}
@@ -94,38 +102,66 @@ def unshard_together(units: list[ZeroUnit], group, bucket_numel: int) -> None:
                 open_packs[-1] = (last + params, total + size)
             else:
                 open_packs.append((params, size))
-    for open_packs in packs.values():
-        for params, _size in open_packs:
-            if world == 1:
-                for param in params:
-                    pp.start_gather(param, group)
-            else:
-                _FlatGather(params, group, world).launch()
+    collectives = [params for open_packs in packs.values() for params, _size in open_packs]
+    if world == 1:
+        for params in collectives:
+            for param in params:
+                pp.start_gather(param, group)
+        return
+    headers = None
+    if agreement is not None and collectives:
+        layouts = [(_data_bytes(params), pp.device_of(params[0])) for params in collectives]
+        headers = agreement.headers_for(layouts, use)
+    for index, params in enumerate(collectives):
+        if headers is None:
+            _FlatGather(params, group, world).launch()
+        else:
+            gather = _FlatGather(params, group, world, headers[index], agreement)
+            gather.launch()
+            agreement.launched(gather)
+
+
+def _data_bytes(params: list[torch.nn.Parameter]) -> int:
+    return sum(p.ds_tensor.numel() for p in params) * params[0].ds_tensor.element_size()
 
 
 class _FlatGather:
     """One all-gather of several parameters' shards; ``finish`` (reached through any of them,
     ``pp.wait_gather``) makes all of them whole."""
 
-    def __init__(self, params: list[torch.nn.Parameter], group, world: int):
+    def __init__(
+        self, params: list[torch.nn.Parameter], group, world: int, header=None, agreement=None
+    ):
+        """``header``: int64 values sent after this rank's data and compared on every rank by
+        ``agreement.landed`` once the gather landed (``pass_agreement.py``)."""
         self.params = params
         self.group = group
         self.world = world
         self.sizes = [p.ds_tensor.numel() for p in params]
+        self.header = header
+        self.agreement = agreement
         self.work = None
         self.gathered = None
 
     def launch(self) -> None:
         rank = dist.get_rank(self.group)
         first = self.params[0]
-        if len(self.params) == 1:  # straight into the parameter's whole tensor
+        dtype, device = first.ds_tensor.dtype, pp.device_of(first)
+        total = sum(self.sizes)
+        if self.header is not None:  # bytes: the shards, then the header
+            data_bytes = total * first.ds_tensor.element_size()
+            send = torch.empty(data_bytes + header_bytes(), dtype=torch.uint8, device=device)
+            data = send[:data_bytes].view(dtype)
+            for param, piece in zip(self.params, data.split(self.sizes)):
+                _read_shard_into(param, piece)
+            send[data_bytes:].copy_(self.header.view(torch.uint8))
+            self.gathered = torch.empty(send.numel() * self.world, dtype=torch.uint8, device=device)
+        elif len(self.params) == 1:  # straight into the parameter's whole tensor
             size = self.sizes[0]
             self.gathered = pp.whole_buffer(first, size * self.world)
             send = self.gathered.narrow(0, rank * size, size)
             _read_shard_into(first, send)
         else:
-            total = sum(self.sizes)
-            dtype, device = first.ds_tensor.dtype, pp.device_of(first)
             send = torch.empty(total, dtype=dtype, device=device)
             for param, piece in zip(self.params, send.split(self.sizes)):
                 _read_shard_into(param, piece)
@@ -146,10 +182,18 @@ class _FlatGather:
         ):
             self.work.wait()
         self.work = None
-        if len(self.params) == 1:
+        headers = None
+        if self.header is not None:
+            first = self.params[0]
+            data_bytes = sum(self.sizes) * first.ds_tensor.element_size()
+            headers = read_headers(self.gathered, data_bytes, self.world)
+            data = self.gathered.view(self.world, -1)[:, :data_bytes].view(first.ds_tensor.dtype)
+        else:
+            data = self.gathered.view(self.world, -1)
+        if len(self.params) == 1 and self.header is None:
             wholes = [self.gathered]
         else:
-            rows = self.gathered.view(self.world, -1).split(self.sizes, dim=1)
+            rows = data.split(self.sizes, dim=1)
             wholes = []
             for param, size, row in zip(self.params, self.sizes, rows):
                 whole = pp.whole_buffer(param, size * self.world)
@@ -160,6 +204,8 @@ class _FlatGather:
             param.ds_works = None
             param.data = whole.narrow(0, 0, param.ds_numel).view(param.ds_shape)
             param.ds_status = pp.ZeroParamStatus.AVAILABLE
+        if headers is not None:  # the parameters are whole either way; raises if ranks differ
+            self.agreement.landed(self, headers)
 
 
 def _read_shard_into(param: torch.nn.Parameter, destination: torch.Tensor) -> None:
