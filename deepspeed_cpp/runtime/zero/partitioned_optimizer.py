@@ -512,6 +512,7 @@ class ZeroPartitionedOptimizer(
         if self.home.kind != "none":
             self._step_offloaded()
             return
+        self._relink_master_grads()
         if not (self._step_per_bucket and self.stage != 0 and len(self.masters) > 1):
             if can_step_in_chunks(self.optimizer):  # torch's Adam: cache-sized pieces
                 step_in_chunks(self.optimizer)
@@ -532,6 +533,15 @@ class ZeroPartitionedOptimizer(
                 for master, grad in zip(self.masters, self.shard_grads):
                     master.grad = grad
         self._finish_gathers(pending)
+
+    def _relink_master_grads(self) -> None:
+        """Makes every master's ``.grad`` its shard gradient again. At stage 0 ``initialize``
+        hands the torch optimizer itself to the script (as DeepSpeed does), and its
+        ``zero_grad()`` (set_to_none) drops these references; the values stay in
+        ``shard_grads``, where the reducer wrote them."""
+        for master, grad in zip(self.masters, self.shard_grads):
+            if master.grad is not grad:
+                master.grad = grad
 
     # --- what code holding "the optimizer" expects ------------------------------------------
     @property
