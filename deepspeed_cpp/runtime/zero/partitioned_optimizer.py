@@ -43,6 +43,7 @@ from ...ops.zero import (
 )
 from ...utils.timer import REDUCE_SCATTER_SUBMIT_TIMER, REDUCE_SCATTER_WAIT_TIMER, timed
 from .chunked_step import can_step_in_chunks, step_in_chunks
+from .deepspeed_group_views import DeepSpeedGroupViews
 from .in_place_grads import InPlaceGradients, grads_can_stay_in_place
 from .loss_scale_state import LossScaleState
 from .norm_ranges import counted_ranges, norm_of_ranges
@@ -72,7 +73,12 @@ class _Bucket:
 
 
 class ZeroPartitionedOptimizer(
-    OffloadedStepping, MasterGathers, ShardCheckpointState, ParamFragments, LossScaleState
+    OffloadedStepping,
+    MasterGathers,
+    ShardCheckpointState,
+    ParamFragments,
+    LossScaleState,
+    DeepSpeedGroupViews,
 ):
     """Owns the plan, fp32 master shards, shard gradients and the reducer for one engine."""
 
@@ -533,15 +539,6 @@ class ZeroPartitionedOptimizer(
                 for master, grad in zip(self.masters, self.shard_grads):
                     master.grad = grad
         self._finish_gathers(pending)
-
-    def _relink_master_grads(self) -> None:
-        """Makes every master's ``.grad`` its shard gradient again. At stage 0 ``initialize``
-        hands the torch optimizer itself to the script (as DeepSpeed does), and its
-        ``zero_grad()`` (set_to_none) drops these references; the values stay in
-        ``shard_grads``, where the reducer wrote them."""
-        for master, grad in zip(self.masters, self.shard_grads):
-            if master.grad is not grad:
-                master.grad = grad
 
     # --- what code holding "the optimizer" expects ------------------------------------------
     @property
