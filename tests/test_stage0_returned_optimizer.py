@@ -99,3 +99,47 @@ def test_stage0_hands_back_the_torch_optimizer_and_the_config_builds_deepspeeds_
         assert result["config-2-True"] == (
             "ZeroPartitionedOptimizer", "DeepSpeedCPUAdam", True, False
         )  # fmt: skip
+
+
+def resume_across_adam_classes_job(seed: int, folder: str) -> float:
+    """Trains with offload (DeepSpeedCPUAdam), saves, resumes without (FusedAdam) and takes one
+    more step on both: the largest difference of the parameters."""
+    import deepspeed_cpp as deepspeed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    part = slice(rank * MICRO, (rank + 1) * MICRO)
+    batches = _batches(seed, world)
+    engines = []
+    for offload in (True, False):
+        zero = {"stage": 2}
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero,
+                  "optimizer": {"type": "AdamW", "params": {"lr": LR}}}  # fmt: skip
+        model = _net(seed + len(engines))  # the resumed one starts from other weights
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+        engines.append(engine)
+    saved, resumed = engines
+    assert type(saved.optimizer.optimizer).__name__ == "DeepSpeedCPUAdam"
+    assert type(resumed.optimizer.optimizer).__name__ == "FusedAdam"
+    for x, y in batches[:2]:
+        saved.backward(torch.nn.functional.mse_loss(saved(x[part]), y[part]))
+        saved.step()
+    saved.save_checkpoint(folder, tag="t")
+    resumed.load_checkpoint(folder, tag="t")
+    x, y = batches[2]
+    for engine in engines:
+        engine.backward(torch.nn.functional.mse_loss(engine(x[part]), y[part]))
+        engine.step()
+    pairs = zip(saved.module.parameters(), resumed.module.parameters())
+    return max(float((a - b).abs().max()) for a, b in pairs)
+
+
+def test_checkpoint_of_deepspeed_cpu_adam_resumes_in_fused_adam(pool2, tmp_path):
+    """Checkpoints written while the config's Adam was DeepSpeedCPUAdam (before it became
+    FusedAdam, DeepSpeed's class) resume with their Adam state: both step in cpu_adam, so the
+    step after resuming is bit for bit the one the saving engine takes."""
+    seed = int(torch.randint(0, 2**31, ()))
+    assert pool2.run(resume_across_adam_classes_job, seed, str(tmp_path)) == [0.0, 0.0]
