@@ -642,7 +642,7 @@ def test_missing_incomplete_and_mismatching_checkpoints(pools, tmp_path):
     frozen = messages["now_frozen"]
     assert "the checkpoint trains parameter 'mid." in frozen and "this engine does not" in frozen
     sgd = messages["sgd"]
-    assert "optimizer is DeepSpeedCPUAdam, this engine's is SGD" in sgd
+    assert "optimizer is FusedAdam, this engine's is SGD" in sgd
     assert "load_optimizer_states=False" in sgd
     assert messages["sgd_weights_only"][1] == {}
 

@@ -278,7 +278,7 @@ def test_optimizer_and_schedule_from_either_side(pool2, tmp_path):
             }
             runs[optimizer_from, schedule_from] = pool2.run(run_trainer, spec)[0]
     for (optimizer_from, schedule_from), run in runs.items():
-        expected_optimizer = "DeepSpeedCPUAdam" if optimizer_from == "config" else "AdamW"
+        expected_optimizer = "FusedAdam" if optimizer_from == "config" else "AdamW"
         expected_schedule = "WarmupDecayLR" if schedule_from == "config" else "LambdaLR"
         assert run["engine_optimizer"] == expected_optimizer, (optimizer_from, schedule_from)
         assert run["engine_scheduler"] == expected_schedule, (optimizer_from, schedule_from)
@@ -653,7 +653,7 @@ def test_hyperparameter_search_builds_each_trials_engine_from_its_values(pool2, 
         SEARCH_CHOICES.values()
     )
     for mine, reference in zip(trials, theirs["trials"]):
-        assert mine["engine_optimizer"] == "DeepSpeedCPUAdam"
+        assert mine["engine_optimizer"] == "FusedAdam"
         assert mine["engine_config_lr"] == mine["learning_rate"] == reference["learning_rate"]
         assert mine["engine_micro_batch"] == mine["per_device_train_batch_size"]
         assert (

@@ -210,14 +210,23 @@ class DeepSpeedAccelerator(abc.ABC):
         """A page-locked copy of a host tensor where pinning helps (a no-op on the CPU)."""
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lives in page-locked host memory."""
-        return tensor.is_pinned()
+        """Whether ``tensor`` lives in page-locked host memory (torch's, or the native
+        backend's with ``DS_PIN_MEMORY_BACKEND=native``, views included)."""
+        from ..utils.pin_memory import get_active_native_pinned_memory
 
-    def unpin_memory(self, tensor: torch.Tensor) -> None:
-        """DeepSpeed's release of a natively pinned allocation. Our pinned tensors are torch's
-        (``tensor.pin_memory()``), released with the tensor, so there is nothing to do: None,
-        what DeepSpeed returns for torch-pinned memory."""
-        return None
+        pins = get_active_native_pinned_memory()
+        if pins is not None and pins.is_pinned(tensor):
+            return True
+        return tensor.device.type == "cpu" and tensor.is_pinned()
+
+    def unpin_memory(self, tensor: torch.Tensor) -> bool | None:
+        """DeepSpeed's release of a natively pinned allocation: with
+        ``DS_PIN_MEMORY_BACKEND=native`` True when ``tensor`` was one (False otherwise); torch's
+        pinned memory is released with the tensor, so None there, as DeepSpeed returns."""
+        from ..utils.pin_memory import get_active_native_pinned_memory
+
+        pins = get_active_native_pinned_memory()
+        return pins.unpin(tensor) if pins is not None else None
 
     @abc.abstractmethod
     def on_accelerator(self, tensor: torch.Tensor) -> bool:

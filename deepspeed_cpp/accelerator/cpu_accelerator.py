@@ -146,9 +146,24 @@ class CPUAccelerator(DeepSpeedAccelerator):
             return False
 
     # ---- tensors -------------------------------------------------------------------------
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        # Pinning only speeds host<->device copies, and there are none; it also needs a CUDA
-        # driver, which a CPU-only machine with a CUDA build of torch does not have.
+    def pin_memory(
+        self,
+        tensor: torch.Tensor,
+        align_bytes: int = 1,
+        *,
+        make_copy: bool = True,
+        match_shape: bool = True,
+    ) -> torch.Tensor:
+        """``tensor`` itself, unless ``DS_PIN_MEMORY_BACKEND=native`` asks for DeepSpeed's native
+        backend: then a page-locked copy (``make_copy``) or allocation, of ``tensor``'s shape
+        (``match_shape``) or flat (``deepspeed_cpp.utils.pin_memory``)."""
+        from ..utils.pin_memory import get_active_native_pinned_memory
+
+        pins = get_active_native_pinned_memory()
+        if pins is not None:
+            return pins.pin(tensor, make_copy=make_copy, match_shape=match_shape)
+        # torch's pinning only speeds host<->device copies, and there are none; it also needs a
+        # CUDA driver, which a CPU-only machine with a CUDA build of torch does not have.
         return tensor
 
     def on_accelerator(self, tensor: torch.Tensor) -> bool:

@@ -35,6 +35,11 @@ class FusedAdam(torch.optim.Optimizer):
     skips the update, without a host synchronisation, when an inf or NaN was found.
     """
 
+    # Each tensor has its own state and step count and tensors without a gradient are skipped,
+    # so stepping a subset of the tensors at a time equals one step over all: ZeRO steps (and
+    # all-gathers) bucket by bucket, as it does with DeepSpeedCPUAdam.
+    steps_tensors_independently = True
+
     def __init__(
         self,
         params,

@@ -13,14 +13,17 @@ from ..utils.logging import logger
 
 
 def config_optimizer_factory(
-    optimizer_type: str, params: dict, device: torch.device
+    optimizer_type: str, params: dict, device: torch.device, *, offloaded: bool = False
 ) -> Callable[[list[dict]], torch.optim.Optimizer]:
     """A function building the configured optimizer over param groups (of fp32 master shards).
 
     Adam/AdamW: DeepSpeed's ``adam_w_mode`` (default true: "Adam" with weight decay is AdamW)
-    and ``torch_adam`` are honoured. On CPU the step runs in ``cpu_adam``; on CUDA in our
-    ``FusedAdam`` (the multi-tensor op, as DeepSpeed picks its FusedAdam there) when the op can
-    run, else in torch's fused Adam/AdamW. SGD is torch's.
+    and ``torch_adam`` are honoured. The class is the one DeepSpeed 0.19.8 builds, so that
+    ``isinstance`` on ``engine.optimizer.optimizer`` answers the same: ``DeepSpeedCPUAdam`` for
+    ``offloaded`` master shards (``offload_optimizer``), else ``FusedAdam`` (DeepSpeed's CPU
+    accelerator builds FusedAdam too). On the CPU both step in ``cpu_adam``, bit for bit alike;
+    on CUDA ``FusedAdam`` runs the multi-tensor op when it can, else torch's fused Adam/AdamW
+    steps. SGD is torch's.
     """
     kind = optimizer_type.lower()
     params = dict(params)
@@ -34,11 +37,12 @@ def config_optimizer_factory(
             weight_decay=params.pop("weight_decay", 0.0),
         )
         bias_correction = bool(params.pop("bias_correction", True))
-        if device.type == "cpu" and not torch_adam:
+        if device.type == "cpu" and not torch_adam and offloaded:
             return lambda groups: DeepSpeedCPUAdam(
                 groups, adamw_mode=adamw_mode, bias_correction=bias_correction, **hyper
             )
-        if device.type == "cuda" and not torch_adam and fused_adam_available()[0]:
+        on_cpu = device.type == "cpu"
+        if not torch_adam and (on_cpu or (device.type == "cuda" and fused_adam_available()[0])):
             return lambda groups: FusedAdam(
                 groups, adam_w_mode=adamw_mode, bias_correction=bias_correction, **hyper
             )

@@ -378,7 +378,14 @@ class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, torch.nn.Module):
 
     def gradient_clipping(self) -> float:
         """The config's ``gradient_clipping`` (0: none)."""
-        return self.config.gradient_clipping
+        return self._config.gradient_clipping
+
+    @property
+    def _config(self):
+        """DeepSpeed's private name for the engine's config, which scripts read (e.g.
+        ``engine._config.train_micro_batch_size_per_gpu`` for their own DataLoader): the same
+        object as ``engine.config``, read-only."""
+        return self.config
 
     def get_global_grad_norm(self) -> float | None:
         return self.optimizer.global_grad_norm if self.optimizer is not None else None

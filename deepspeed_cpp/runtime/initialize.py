@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import torch
 import torch.distributed as dist
 
 from ..comm import init_distributed
@@ -112,7 +113,30 @@ def initialize(
         collate_fn=collate_fn,
         mpu=mpu,
     )
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    return engine, handed_back_optimizer(engine), engine.training_dataloader, engine.lr_scheduler
+
+
+def handed_back_optimizer(engine):
+    """The optimizer ``initialize`` returns, as DeepSpeed 0.19.8 chooses it.
+
+    At ZeRO stage 0 without fp16/bf16 DeepSpeed wraps nothing: it returns the torch optimizer
+    that steps (the client's own object, the one a callable built, or the config's FusedAdam),
+    and scripts compare it with theirs (``ds_optimizer is client_optimizer``) or test its class.
+    Ours steps that same object inside the stage-0 wrapper, whose hooks reduce the gradients
+    during ``engine.backward`` (its ``.grad`` tensors are the reduced flat gradients) and whose
+    ``step`` clips before calling it, so handing it back leaves the reduction in place;
+    ``engine.optimizer`` stays the wrapper. Otherwise (stages 1-3, fp16/bf16) DeepSpeed returns
+    its wrapper and so do we.
+    """
+    stage = engine.optimizer
+    if stage is None or getattr(stage, "stage", None) != 0 or stage.loss_scaler is not None:
+        return stage
+    inner = getattr(stage, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer):
+        return stage  # the expert-parallel composite steps several
+    if any(param.dtype != torch.float32 for param in getattr(stage, "params", ())):
+        return stage  # bf16 at stage 0: DeepSpeed's FP16_UnfusedOptimizer / FP16_Optimizer
+    return inner
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ from .cpu_adam import CPUAdamBuilder
 from .cpu_lion import CPULionBuilder
 from .fused_adam import FusedAdamBuilder, FusedAdamHostBuilder
 from .moe import MoEBuilder, MoECudaBuilder
+from .pin_memory import PinMemoryBuilder
 from .registry import RegistryBuilder
 from .unavailable import FusedLambBuilder
 from .zero import ZeroBuilder
@@ -40,6 +41,7 @@ __all__ = [
     "MoECudaBuilder",
     "OpBuilder",
     "OpNotAvailableError",
+    "PinMemoryBuilder",
     "RegistryBuilder",
     "ZeroBuilder",
 ]

@@ -141,6 +141,16 @@ def _check_deepspeed_optimizer(state_keys, group_count: int, zero) -> None:
         )
 
 
+# Classes whose state is the same (torch's Adam names, fp32, a step per tensor) and whose update
+# is the same cpu_adam code on the CPU: the config's Adam was DeepSpeedCPUAdam before it became
+# FusedAdam (DeepSpeed's class) without offload, and checkpoints of either load into the other.
+_SAME_STATE = {"DeepSpeedCPUAdam": "FusedAdam"}
+
+
+def _optimizer_kind(class_name: str) -> str:
+    return _SAME_STATE.get(class_name, class_name)
+
+
 def _check_optimizer_matches(metadata: dict, zero) -> None:
     saved = metadata.get("optimizer")
     if saved is not None and metadata.get(CONVERTED_FROM_KEY):
@@ -152,7 +162,7 @@ def _check_optimizer_matches(metadata: dict, zero) -> None:
             "optimizer); pass load_optimizer_states=False"
         )
     ours = type(zero.optimizer).__name__
-    if saved["type"] != ours:
+    if _optimizer_kind(saved["type"]) != _optimizer_kind(ours):
         raise CheckpointMismatchError(
             f"the checkpoint's optimizer is {saved['type']}, this engine's is {ours}; pass "
             f"load_optimizer_states=False to load the weights only"

@@ -93,7 +93,10 @@ def build_stage(
     if config_optimizer is None:
         return None  # inference or evaluation only; step() will say so
     factory = config_optimizer_factory(
-        config_optimizer.type, config_optimizer.params, optimizer_device
+        config_optimizer.type,
+        config_optimizer.params,
+        optimizer_device,
+        offloaded=offload is not None,
     )
     return stage_class(factory, param_groups_of(module, model_parameters), **common)
 
@@ -107,7 +110,10 @@ def _build_stage3(
         check_optimizer_covers_module(module, optimizer)
     if optimizer is None and config_optimizer is not None:
         optimizer = config_optimizer_factory(
-            config_optimizer.type, config_optimizer.params, optimizer_device
+            config_optimizer.type,
+            config_optimizer.params,
+            optimizer_device,
+            offloaded=common["offload"] is not None,
         )
     param_offload = ParamOffload.from_config(config.zero_optimization, config.aio)
     refuse_param_offload_alone(optimizer, param_offload, common["offload"])

@@ -5,8 +5,12 @@ stages 1-2, ``DeepSpeedZeroOptimizer_Stage3`` at stage 3, ``BF16_Optimizer`` / `
 / ``FP16_UnfusedOptimizer`` for low precision without ZeRO); scripts and DeepSpeed's tests test
 for them with ``isinstance``. Ours is one stage object per stage, so each name here is a class
 whose ``isinstance`` answers from the object's configuration: an engine's optimizer is an
-instance of exactly the name DeepSpeed would have returned for the same config (the two fp16
-names: an Adam-family optimizer is DeepSpeed's fused case, anything else its unfused one).
+instance of exactly the name DeepSpeed would have returned for the same config. Measured with
+DeepSpeed 0.19.8 (``DS_ACCELERATOR=cpu``, 2 ranks): at stage 0 fp16 and bf16 alike get
+``FP16_Optimizer`` when the optimizer is FusedAdam (the config's Adam/AdamW) and
+``FP16_UnfusedOptimizer`` for any other (a client's ``torch.optim.Adam`` included);
+``BF16_Optimizer`` is DeepSpeed's pipeline-engine bf16 wrapper, which a stage-0 data-parallel
+engine never returns. Stage 0 in fp32 returns no wrapper at all (``initialize.py``).
 
 They cannot be constructed: the stage objects are built by ``deepspeed.initialize``.
 """
@@ -40,9 +44,10 @@ def _param_dtypes(obj) -> set[torch.dtype]:
     return {p.dtype for p in getattr(obj, "params", ())}
 
 
-def _is_adam_family(obj) -> bool:
-    inner = getattr(obj, "optimizer", None)
-    return inner is not None and "adam" in type(inner).__name__.lower()
+def _steps_with_fused_adam(obj) -> bool:
+    from ...optim import FusedAdam
+
+    return isinstance(getattr(obj, "optimizer", None), FusedAdam)
 
 
 class _ConfigurationKind(ABCMeta):
@@ -82,34 +87,33 @@ class DeepSpeedZeroOptimizer_Stage3(_OptimizerKind):  # noqa: N801 - DeepSpeed's
         return _stage_of(obj) == 3
 
 
-def _stage0_in(obj, dtype: torch.dtype) -> bool:
+def _stage0_low_precision(obj) -> bool:
+    """Stage 0 with fp16 (a loss scaler) or bf16 parameters: DeepSpeed's fp16 wrappers."""
     if _stage_of(obj) != 0:
         return False
-    loss_scaler = getattr(obj, "loss_scaler", None)
-    if dtype == torch.float16:
-        return loss_scaler is not None
-    return loss_scaler is None and dtype in _param_dtypes(obj)
+    return getattr(obj, "loss_scaler", None) is not None or torch.bfloat16 in _param_dtypes(obj)
 
 
 class BF16_Optimizer(_OptimizerKind):  # noqa: N801 - DeepSpeed's name
-    """The optimizer of a bf16 engine without ZeRO (stage 0)."""
+    """DeepSpeed's bf16 wrapper of its pipeline engine (and of bf16 ZeRO-1 with fp32 gradient
+    accumulation); a data-parallel stage-0 engine's optimizer is not one."""
 
     @classmethod
     def _matches(cls, obj) -> bool:
-        return _stage0_in(obj, torch.bfloat16)
+        return False
 
 
 class FP16_Optimizer(_OptimizerKind):  # noqa: N801 - DeepSpeed's name
-    """The optimizer of an fp16 engine without ZeRO whose optimizer is of the Adam family."""
+    """The optimizer of an fp16 or bf16 engine without ZeRO that steps with FusedAdam."""
 
     @classmethod
     def _matches(cls, obj) -> bool:
-        return _stage0_in(obj, torch.float16) and _is_adam_family(obj)
+        return _stage0_low_precision(obj) and _steps_with_fused_adam(obj)
 
 
 class FP16_UnfusedOptimizer(_OptimizerKind):  # noqa: N801 - DeepSpeed's name
-    """The optimizer of an fp16 engine without ZeRO whose optimizer is not an Adam."""
+    """The optimizer of an fp16 or bf16 engine without ZeRO that steps with anything else."""
 
     @classmethod
     def _matches(cls, obj) -> bool:
-        return _stage0_in(obj, torch.float16) and not _is_adam_family(obj)
+        return _stage0_low_precision(obj) and not _steps_with_fused_adam(obj)

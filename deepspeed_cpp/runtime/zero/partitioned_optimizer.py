@@ -42,6 +42,7 @@ from ...ops.zero import (
     plan_buckets,
 )
 from ...utils.timer import REDUCE_SCATTER_SUBMIT_TIMER, REDUCE_SCATTER_WAIT_TIMER, timed
+from . import deepspeed_group_views as ds_views
 from .in_place_grads import InPlaceGradients, grads_can_stay_in_place
 from .loss_scale_state import LossScaleConfigView
 from .offload.optimizer_offload import OptimizerOffload
@@ -63,6 +64,11 @@ class ZeroPartitionedOptimizer(MasterGathers):
     (``shard_checkpoint_state.py``), its parameters' fragments (``param_fragments.py``) and the
     C++ reducer, which it drives from the gradient hooks. It is the ``ParamGathers``
     (``param_gathers.py``) its stepper writes updated values through."""
+
+    # DeepSpeed's names for the groups and fp32 partitions, read-only (deepspeed_group_views.py).
+    bit16_groups = property(ds_views.bit16_groups)
+    fp16_groups = property(ds_views.fp16_groups)
+    single_partition_of_fp32_groups = fp32_partitioned_groups_flat = property(ds_views.fp32_shards)
 
     def __init__(
         self,
