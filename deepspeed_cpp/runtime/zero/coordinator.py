@@ -204,15 +204,19 @@ class ParameterCoordinator:
             # A forward run again inside the backward (activation checkpointing recomputes):
             # its unit is held for this backward and released after it, not now.
             return
-        units = list(self._module_units[id(module)])
+        units = self._module_units[id(module)]
         for unit in units:
             self.done(unit)
         if units and torch.is_grad_enabled():
             tensors = [t for t in _tensors_in(output) if t.requires_grad]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grads: self._pre_backward(units), mode="any"
-                )
+                # One plain tensor hook per output, not register_multi_grad_hook: its lock,
+                # closures and handles, alive from the forward to the backward, were the deep
+                # model's largest ZeRO-3 cost (~1 ms per unit with the garbage collections that
+                # the objects kept alive set off; measured in benchmarks/zero3_step_profile.py).
+                entry = _PreBackward(self, tuple(units))
+                for tensor in tensors:
+                    tensor.register_hook(entry)
 
     def _fetch_on_access(self, param: torch.nn.Parameter) -> None:
         """A running module read a partitioned parameter it does not own (``MultiheadAttention``
@@ -528,6 +532,25 @@ def _destroyed_guard(name: str):
         )
 
     return guard
+
+
+class _PreBackward:
+    """The hook on a module's outputs that gathers its units again before its backward runs:
+    called with each output's gradient, it acts on the first of one backward (autograd's graph
+    task), as ``register_multi_grad_hook(mode="any")`` would."""
+
+    __slots__ = ("coordinator", "units", "task")
+
+    def __init__(self, coordinator: ParameterCoordinator, units: tuple[int, ...]):
+        self.coordinator = coordinator
+        self.units = units  # as they were at the forward
+        self.task = None
+
+    def __call__(self, grad):
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.task = task
+            self.coordinator._pre_backward(self.units)
 
 
 class _FetchOnAccess(dict):
