@@ -261,6 +261,36 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
             return torch.empty(shard.numel(), dtype=shard.dtype)
         return shard
 
+    def _step_and_gather(self) -> None:
+        """A partitioned bucket has nothing to gather after its step (the next forward gathers
+        its shard), so stepping bucket by bucket to overlap gathers gains nothing there and
+        costs one optimizer call per parameter (194 on the deep model: its ZeRO-3 step took
+        twice ZeRO-2's). With an optimizer that steps every tensor on its own, the partitioned
+        buckets take one call together (the same update: state and step count per tensor);
+        persistent buckets are still stepped one at a time, each gather overlapping the next
+        update."""
+        if self.home.kind != "none" or not self._step_per_bucket:
+            super()._step_and_gather()
+            return
+        together = [i for i, b in enumerate(self.buckets) if self._partitioned(b)]
+        calls = [together] if together else []
+        calls += [[i] for i, b in enumerate(self.buckets) if not self._partitioned(b)]
+        pending = []
+        for master in self.masters:
+            master.grad = None
+        try:
+            for call in calls:
+                for index in call:
+                    self.masters[index].grad = self.shard_grads[index]
+                self.optimizer.step()
+                for index in call:
+                    self.masters[index].grad = None
+                    pending.append(self._launch_gather(self.buckets[index], self.masters[index]))
+        finally:
+            for master, grad in zip(self.masters, self.shard_grads):
+                master.grad = grad
+        self._finish_gathers(pending)
+
     def _launch_gather(self, bucket: _Bucket, master: torch.Tensor):
         if not self._partitioned(bucket):
             return super()._launch_gather(bucket, master)

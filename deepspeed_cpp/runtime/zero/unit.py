@@ -127,8 +127,11 @@ class _FlatGather:
             total = sum(self.sizes)
             dtype, device = first.ds_tensor.dtype, pp.device_of(first)
             send = torch.empty(total, dtype=dtype, device=device)
-            for param, piece in zip(self.params, send.split(self.sizes)):
-                _read_shard_into(param, piece)
+            if any(getattr(p, "ds_home", None) is not None for p in self.params):
+                for param, piece in zip(self.params, send.split(self.sizes)):
+                    _read_shard_into(param, piece)
+            else:  # one op, not one copy per parameter (a deep model's units hold hundreds)
+                torch.cat([p.ds_tensor for p in self.params], out=send)
             self.gathered = torch.empty(total * self.world, dtype=dtype, device=device)
         self.work = all_gather_flat(self.gathered, send, self.group)
         for param in self.params:
@@ -149,12 +152,18 @@ class _FlatGather:
         if len(self.params) == 1:
             wholes = [self.gathered]
         else:
-            rows = self.gathered.view(self.world, -1).split(self.sizes, dim=1)
-            wholes = []
-            for param, size, row in zip(self.params, self.sizes, rows):
-                whole = pp.whole_buffer(param, size * self.world)
-                whole.view(self.world, size).copy_(row)
-                wholes.append(whole)
+            # Each parameter's pieces out of the rank-by-rank buffer into its whole tensor, all
+            # in one op (as FSDP2's copy-out), not one copy per parameter.
+            wholes = [
+                pp.whole_buffer(param, size * self.world)
+                for param, size in zip(self.params, self.sizes)
+            ]
+            torch.split_with_sizes_copy(
+                self.gathered.view(self.world, -1),
+                self.sizes,
+                dim=1,
+                out=[whole.view(self.world, -1) for whole in wholes],
+            )
         self.gathered = None  # frees the rank-by-rank buffer
         for param, whole in zip(self.params, wholes):
             param.ds_works = None
