@@ -166,11 +166,18 @@ class ParameterCoordinator:
         self._hooks.append(self.module.register_forward_pre_hook(self._root_pre_forward))
         # Units each module needs: its own (first), then those it was seen to borrow.
         self._module_units: dict[int, list[int]] = {}
+        self._checked_modules: dict[int, list[torch.nn.Module]] = {}
         self._running: list[int] = []  # ids of the modules whose forward is under way
         for submodule in self.module.modules():
             if id(submodule) not in self._inside_leaf:
                 unit = self.unit_of_module.get(id(submodule))
                 self._module_units[id(submodule)] = [] if unit is None else [unit]
+                # The modules whose parameters its forward checks (a whole unit's subtree),
+                # listed once: walking named_parameters(recurse=True) in every forward was a
+                # few ms per step on a deep model.
+                self._checked_modules[id(submodule)] = (
+                    list(submodule.modules()) if id(submodule) in self._whole_units else [submodule]
+                )
                 self._hooks.append(submodule.register_forward_pre_hook(self._pre_forward))
                 self._hooks.append(submodule.register_forward_hook(self._post_forward))
             if any(pp.is_partitioned(p) for p in submodule._parameters.values() if p is not None):
@@ -193,7 +200,7 @@ class ParameterCoordinator:
         self._running.clear()  # a forward that raised left its modules on the stack
 
     def _pre_forward(self, module, inputs) -> None:
-        _check_registered(module, recurse=id(module) in self._whole_units)
+        _check_registered(self._checked_modules[id(module)])
         self._running.append(id(module))
         for unit in self._module_units[id(module)]:
             self.fetch(unit)
@@ -572,15 +579,18 @@ class _FetchOnAccess(dict):
         return param
 
 
-def _check_registered(module: torch.nn.Module, recurse: bool) -> None:
-    for name, param in module.named_parameters(recurse=recurse):
-        if not pp.is_zero_param(param):
-            raise RuntimeError(
-                f"parameter '{name}' of {type(module).__name__} (shape {list(param.shape)}) is "
-                f"not a ZeRO-3 parameter: it was created after deepspeed_cpp.initialize "
-                f"partitioned the model, outside zero.Init; create it before initialize (or "
-                f"under zero.Init) so that it is partitioned"
-            )
+def _check_registered(modules: list[torch.nn.Module]) -> None:
+    for owner in modules:
+        # Through dict.values(): _FetchOnAccess reports reads by name only (``__getitem__``).
+        for param in dict.values(owner._parameters):
+            if param is not None and not pp.is_zero_param(param):
+                name = next(n for n, p in owner.named_parameters(recurse=False) if p is param)
+                raise RuntimeError(
+                    f"parameter '{name}' of {type(owner).__name__} (shape "
+                    f"{list(param.shape)}) is not a ZeRO-3 parameter: it was created after "
+                    f"deepspeed_cpp.initialize partitioned the model, outside zero.Init; create "
+                    f"it before initialize (or under zero.Init) so that it is partitioned"
+                )
 
 
 def _tensors_in(value):

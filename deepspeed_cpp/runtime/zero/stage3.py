@@ -285,7 +285,9 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
                 self.optimizer.step()
                 for index in call:
                     self.masters[index].grad = None
-                    pending.append(self._launch_gather(self.buckets[index], self.masters[index]))
+                    launched = self._launch_gather(self.buckets[index], self.masters[index])
+                    if launched[2] or not launched[3]:  # else nothing to wait for or copy
+                        pending.append(launched)
         finally:
             for master, grad in zip(self.masters, self.shard_grads):
                 master.grad = grad
