@@ -132,6 +132,8 @@ def worker(rank: int, args) -> dict:
     engines = {stage: build(stage, args.model, args.whole_layers) for stage in (2, 3)}
     generator = torch.Generator().manual_seed(100 + rank)
     times: dict[int, list[float]] = {2: [], 3: []}
+    cpu: dict[int, list[float]] = {2: [], 3: []}
+    thread: dict[int, list[float]] = {2: [], 3: []}
     for round_index in range(args.warmup + args.rounds):
         if args.model == "deep":
             batch = torch.randn(32, 256, generator=generator)
@@ -141,16 +143,22 @@ def worker(rank: int, args) -> dict:
             dist.barrier()
             measured = round_index >= args.warmup
             breakdown.on = measured and stage == 3
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            thread_start = time.thread_time()
             output = engine(batch)
             loss = output.square().mean() if args.model == "deep" else lm_loss(output, batch)
             engine.backward(loss)
             engine.step()
             if measured:
                 times[stage].append(time.perf_counter() - start)
+                cpu[stage].append(time.process_time() - cpu_start)
+                thread[stage].append(time.thread_time() - thread_start)
             breakdown.on = False
     return {
         "step": {stage: statistics.median(values) for stage, values in times.items()},
+        "mean": {stage: statistics.fmean(values) for stage, values in times.items()},
+        "cpu": {stage: statistics.median(values) for stage, values in cpu.items()},
+        "thread": {stage: statistics.median(values) for stage, values in thread.items()},
         "breakdown": {k: (v[0] / args.rounds, v[1] / args.rounds)
                       for k, v in breakdown.seconds.items()},
     }  # fmt: skip
@@ -165,14 +173,23 @@ def main() -> None:
     parser.add_argument("--whole-layers", action="store_true")
     args = parser.parse_args()
     ranks = run_on_ranks(2, worker, args)
-    zero2 = max(r["step"][2] for r in ranks)  # a step is as slow as its slowest rank
-    zero3 = max(r["step"][3] for r in ranks)
+
+    def slowest(key, stage):  # a step is as slow as its slowest rank
+        return max(r[key][stage] for r in ranks)
+
+    zero2, zero3 = slowest("step", 2), slowest("step", 3)
     units = ", whole-layer units" if args.whole_layers else ""
     print(f"{args.model} model, 2 gloo ranks x 1 thread, median of {args.rounds} interleaved "
           f"rounds after {args.warmup}{units}")  # fmt: skip
-    print(f"  deepspeed_cpp ZeRO-2 step {zero2 * 1e3:8.1f} ms")
-    print(f"  deepspeed_cpp ZeRO-3 step {zero3 * 1e3:8.1f} ms   ZeRO-3 / ZeRO-2 "
-          f"{zero3 / zero2:.2f}")  # fmt: skip
+    # CPU: the process's CPU time per step, all its threads (the work, whatever the load).
+    print(f"{'':22} {'median ms':>10} {'mean ms':>8} {'CPU ms':>7} {'main thread':>11}")
+    for stage in (2, 3):
+        print(f"deepspeed_cpp ZeRO-{stage}   {slowest('step', stage) * 1e3:10.1f} "
+              f"{slowest('mean', stage) * 1e3:8.1f} {slowest('cpu', stage) * 1e3:7.1f} "
+              f"{slowest('thread', stage) * 1e3:11.1f}")  # fmt: skip
+    print(f"ZeRO-3 / ZeRO-2        {zero3 / zero2:10.2f} "
+          f"{slowest('mean', 3) / slowest('mean', 2):8.2f} "
+          f"{slowest('cpu', 3) / slowest('cpu', 2):7.2f}")  # fmt: skip
     if args.breakdown:
         print("  ZeRO-3 per step (rank 0 / rank 1, inclusive ms; calls):")
         for label in sorted(ranks[0]["breakdown"]):

@@ -74,6 +74,7 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
         # sharing one reduction would hold every step back to the end of backward (see
         # _reduction_runs). Decided before the optimizer exists, so "maybe" (None) counts.
         offload = kwargs.get("offload")
+        self._step_calls: list[list[int]] | None = None  # see _step_and_gather
         self._units_reduced_apart = (
             offload is not None and offload.step_during_backward is not False
         )
@@ -272,9 +273,12 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
         if self.home.kind != "none" or not self._step_per_bucket:
             super()._step_and_gather()
             return
-        together = [i for i, b in enumerate(self.buckets) if self._partitioned(b)]
-        calls = [together] if together else []
-        calls += [[i] for i, b in enumerate(self.buckets) if not self._partitioned(b)]
+        calls = self._step_calls
+        if calls is None:  # the bucket indices stepped per optimizer call, fixed at set-up
+            together = [i for i, b in enumerate(self.buckets) if self._partitioned(b)]
+            calls = [together] if together else []
+            calls += [[i] for i, b in enumerate(self.buckets) if not self._partitioned(b)]
+            self._step_calls = calls
         pending = []
         for master in self.masters:
             master.grad = None
