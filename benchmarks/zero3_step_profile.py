@@ -12,7 +12,7 @@ those functions, inclusive), and Python's garbage collections by generation (``g
 the measurements behind the per-unit changes of issue 27.
 
     python benchmarks/zero3_step_profile.py [--model deep|transformer] [--rounds 20]
-        [--breakdown] [--whole-layers]
+        [--breakdown] [--whole-layers] [--prefetch 5e6]
 
 ``--whole-layers`` lifts the prefetch-bucket cap on repeated blocks (each transformer layer one
 unit whole, whatever ``stage3_prefetch_bucket_size``), for the comparison in coordinator.py.
@@ -94,7 +94,7 @@ class Breakdown:
         gc.callbacks.append(collections)
 
 
-def build(stage: int, model_name: str, whole_layers: bool):
+def build(stage: int, model_name: str, whole_layers: bool, prefetch: float):
     import deepspeed_cpp
 
     if model_name == "deep":
@@ -104,7 +104,7 @@ def build(stage: int, model_name: str, whole_layers: bool):
     zero = {"stage": stage, "reduce_bucket_size": 5_000_000}
     if stage == 3:
         zero.update({
-            "stage3_prefetch_bucket_size": 5_000_000,
+            "stage3_prefetch_bucket_size": int(prefetch),
             "stage3_param_persistence_threshold": 0 if model_name == "deep" else 100_000,
             "stage3_max_live_parameters": 1_000_000_000,
             "stage3_max_reuse_distance": 1_000_000_000,
@@ -129,7 +129,7 @@ def worker(rank: int, args) -> dict:
     breakdown = Breakdown()
     if args.breakdown:
         breakdown.install()
-    engines = {stage: build(stage, args.model, args.whole_layers) for stage in (2, 3)}
+    engines = {s: build(s, args.model, args.whole_layers, args.prefetch) for s in (2, 3)}
     generator = torch.Generator().manual_seed(100 + rank)
     times: dict[int, list[float]] = {2: [], 3: []}
     cpu: dict[int, list[float]] = {2: [], 3: []}
@@ -171,6 +171,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--whole-layers", action="store_true")
+    parser.add_argument("--prefetch", type=float, default=5e6, help="stage3_prefetch_bucket_size")
     args = parser.parse_args()
     ranks = run_on_ranks(2, worker, args)
 
@@ -178,7 +179,7 @@ def main() -> None:
         return max(r[key][stage] for r in ranks)
 
     zero2, zero3 = slowest("step", 2), slowest("step", 3)
-    units = ", whole-layer units" if args.whole_layers else ""
+    units = (", whole-layer units" if args.whole_layers else "") + f", prefetch {args.prefetch:g}"
     print(f"{args.model} model, 2 gloo ranks x 1 thread, median of {args.rounds} interleaved "
           f"rounds after {args.warmup}{units}")  # fmt: skip
     # CPU: the process's CPU time per step, all its threads (the work, whatever the load).
