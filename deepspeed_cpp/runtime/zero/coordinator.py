@@ -115,6 +115,12 @@ class ParameterCoordinator:
             # A block is gathered whole: within the live budget, and within the prefetch
             # bucket (measured: the 50M transformer's 5.95M-element layers as units with a 5e6
             # bucket made its step ~1.8x slower than per-module units, benchmarks/zero3_table.py).
+            # Not more work: benchmarks/zero3_step_profile.py --model transformer measured the
+            # same CPU time per step either way (1158-1253 vs 1166-1205 ms), but 392-552 ms per
+            # step blocked on gathers instead of 60-85 ms. A prefetch decided at a unit's use is
+            # launched only once its agreement check is settled, at the unit's release after
+            # its forward, so the next layer's gather starts just before that layer needs it;
+            # per-module units keep several smaller gathers in flight behind the modules between.
             min(int(max_live_parameters), int(prefetch_bucket_size)),
             self._whole_units,
         )
