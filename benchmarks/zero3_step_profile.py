@@ -16,6 +16,18 @@ the measurements behind the per-unit changes of issue 27.
 
 ``--whole-layers`` lifts the prefetch-bucket cap on repeated blocks (each transformer layer one
 unit whole, whatever ``stage3_prefetch_bucket_size``), for the comparison in coordinator.py.
+
+Measured 2026-11-27 18:31-18:33 (issue 27, branch s5-zero3-step; Intel Xeon, 2 cores shared
+with ~7 other jobs, load average 23: wall times vary several-fold between minutes, the CPU time
+per step does not), deep model, 20 rounds, main then the branch back to back:
+
+    checkout  ZeRO-2 CPU ms  ZeRO-3 CPU ms  ratio  ZeRO-3 main thread  wall-median ratio
+    main               52.5           96.6   1.84                77.9               2.04
+    branch             50.7           73.4   1.45                55.8               1.66
+
+On main, register_multi_grad_hook on each unit's outputs kept ~15 objects per unit alive from
+the forward to the backward: one garbage collection per step, and a full (generation 2) one
+every ~10-60 steps at 0.3-2 s each over the ~340K objects of a process with torch loaded.
 """
 
 from __future__ import annotations
