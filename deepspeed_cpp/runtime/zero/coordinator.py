@@ -112,6 +112,12 @@ class ParameterCoordinator:
             # A block is gathered whole: within the live budget, and within the prefetch
             # bucket (measured: the 50M transformer's 5.95M-element layers as units with a 5e6
             # bucket made its step ~1.8x slower than per-module units, benchmarks/zero3_table.py).
+            # Not more work: benchmarks/zero3_step_profile.py --model transformer measured the
+            # same CPU time per step either way (1158-1253 vs 1166-1205 ms), but 392-552 ms per
+            # step blocked on gathers instead of 60-85 ms. A prefetch decided at a unit's use is
+            # launched only once its agreement check is settled, at the unit's release after
+            # its forward, so the next layer's gather starts just before that layer needs it;
+            # per-module units keep several smaller gathers in flight behind the modules between.
             min(int(max_live_parameters), int(prefetch_bucket_size)),
             self._whole_units,
         )
@@ -164,11 +170,18 @@ class ParameterCoordinator:
         self._hooks.append(self.module.register_forward_pre_hook(self._root_pre_forward))
         # Units each module needs: its own (first), then those it was seen to borrow.
         self._module_units: dict[int, list[int]] = {}
+        self._checked_modules: dict[int, list[torch.nn.Module]] = {}
         self._running: list[int] = []  # ids of the modules whose forward is under way
         for submodule in self.module.modules():
             if id(submodule) not in self._inside_leaf:
                 unit = self.unit_of_module.get(id(submodule))
                 self._module_units[id(submodule)] = [] if unit is None else [unit]
+                # The modules whose parameters its forward checks (a whole unit's subtree),
+                # listed once: walking named_parameters(recurse=True) in every forward was a
+                # few ms per step on a deep model.
+                self._checked_modules[id(submodule)] = (
+                    list(submodule.modules()) if id(submodule) in self._whole_units else [submodule]
+                )
                 self._hooks.append(submodule.register_forward_pre_hook(self._pre_forward))
                 self._hooks.append(submodule.register_forward_hook(self._post_forward))
             if any(pp.is_partitioned(p) for p in submodule._parameters.values() if p is not None):
@@ -192,7 +205,7 @@ class ParameterCoordinator:
         self.agreement.begin_pass(replaying=not self.schedule.recording())
 
     def _pre_forward(self, module, inputs) -> None:
-        _check_registered(module, recurse=id(module) in self._whole_units)
+        _check_registered(self._checked_modules[id(module)])
         self._running.append(id(module))
         for unit in self._module_units[id(module)]:
             self.fetch(unit)
@@ -203,15 +216,19 @@ class ParameterCoordinator:
             # A forward run again inside the backward (activation checkpointing recomputes):
             # its unit is held for this backward and released after it, not now.
             return
-        units = list(self._module_units[id(module)])
+        units = self._module_units[id(module)]
         for unit in units:
             self.done(unit)
         if units and torch.is_grad_enabled():
             tensors = [t for t in _tensors_in(output) if t.requires_grad]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grads: self._pre_backward(units), mode="any"
-                )
+                # One plain tensor hook per output, not register_multi_grad_hook: its lock,
+                # closures and handles, alive from the forward to the backward, were the deep
+                # model's largest ZeRO-3 cost (~1 ms per unit with the garbage collections that
+                # the objects kept alive set off; measured in benchmarks/zero3_step_profile.py).
+                entry = _PreBackward(self, tuple(units))
+                for tensor in tensors:
+                    tensor.register_hook(entry)
 
     def _fetch_on_access(self, param: torch.nn.Parameter) -> None:
         """A running module read a partitioned parameter it does not own (``MultiheadAttention``
@@ -503,6 +520,25 @@ def _destroyed_guard(name: str):
     return guard
 
 
+class _PreBackward:
+    """The hook on a module's outputs that gathers its units again before its backward runs:
+    called with each output's gradient, it acts on the first of one backward (autograd's graph
+    task), as ``register_multi_grad_hook(mode="any")`` would."""
+
+    __slots__ = ("coordinator", "units", "task")
+
+    def __init__(self, coordinator: ParameterCoordinator, units: tuple[int, ...]):
+        self.coordinator = coordinator
+        self.units = units  # as they were at the forward
+        self.task = None
+
+    def __call__(self, grad):
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.task = task
+            self.coordinator._pre_backward(self.units)
+
+
 class _FetchOnAccess(dict):
     """A module's ``_parameters`` that reports reads of a partitioned, not gathered parameter
     (``module.weight`` goes through ``__getitem__``; iteration does not)."""
@@ -522,15 +558,18 @@ class _FetchOnAccess(dict):
         return param
 
 
-def _check_registered(module: torch.nn.Module, recurse: bool) -> None:
-    for name, param in module.named_parameters(recurse=recurse):
-        if not pp.is_zero_param(param):
-            raise RuntimeError(
-                f"parameter '{name}' of {type(module).__name__} (shape {list(param.shape)}) is "
-                f"not a ZeRO-3 parameter: it was created after deepspeed_cpp.initialize "
-                f"partitioned the model, outside zero.Init; create it before initialize (or "
-                f"under zero.Init) so that it is partitioned"
-            )
+def _check_registered(modules: list[torch.nn.Module]) -> None:
+    for owner in modules:
+        # Through dict.values(): _FetchOnAccess reports reads by name only (``__getitem__``).
+        for param in dict.values(owner._parameters):
+            if param is not None and not pp.is_zero_param(param):
+                name = next(n for n, p in owner.named_parameters(recurse=False) if p is param)
+                raise RuntimeError(
+                    f"parameter '{name}' of {type(owner).__name__} (shape "
+                    f"{list(param.shape)}) is not a ZeRO-3 parameter: it was created after "
+                    f"deepspeed_cpp.initialize partitioned the model, outside zero.Init; create "
+                    f"it before initialize (or under zero.Init) so that it is partitioned"
+                )
 
 
 def _tensors_in(value):

@@ -27,9 +27,16 @@ class MasterGathers:
         once, then each set gathers over its group)."""
         self.finish_gathers([self.launch_gather(b, m) for b, m in zip(self.buckets, self.masters)])
 
+    def bucket_step_calls(self) -> list[list[int]]:
+        """The bucket indices stepped per optimizer call when stepping bucket by bucket: one
+        bucket a call, so that each bucket's gather overlaps the next one's update."""
+        return [[index] for index in range(len(self.buckets))]
+
     @staticmethod
     def finish_gathers(pending) -> None:
         for index, (bucket, full, works, in_place) in enumerate(pending):
+            if not works and in_place:  # written in place already: nothing to wait for or copy
+                continue
             with named_collective(
                 lambda index=index: f"all_gather of parameter bucket {index} of {len(pending)}"
             ):

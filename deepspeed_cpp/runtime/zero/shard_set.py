@@ -67,6 +67,9 @@ class ParamGathers(Protocol):
         """Starts writing ``source`` (this rank's updated slice of ``bucket``) and the other
         ranks' slices into the bucket's parameters; a pending gather for ``finish_gathers``."""
 
+    def bucket_step_calls(self) -> list[list[int]]:
+        """The bucket indices stepped together per optimizer call, when stepping per bucket."""
+
     def finish_gathers(self, pending) -> None:
         """Waits for gathers ``launch_gather`` started and writes what they brought."""
 

@@ -124,11 +124,15 @@ class InMemoryStepper:
             for master in shards.masters:
                 master.grad = None
             try:
-                for bucket, master, grad in zip(shards.buckets, shards.masters, shards.shard_grads):
-                    master.grad = grad
+                for call in gathers.bucket_step_calls():
+                    for index in call:
+                        shards.masters[index].grad = shards.shard_grads[index]
                     self.optimizer.step()
-                    master.grad = None
-                    pending.append(gathers.launch_gather(bucket, master))
+                    for index in call:
+                        shards.masters[index].grad = None
+                        pending.append(
+                            gathers.launch_gather(shards.buckets[index], shards.masters[index])
+                        )
             finally:
                 for master, grad in zip(shards.masters, shards.shard_grads):
                     master.grad = grad

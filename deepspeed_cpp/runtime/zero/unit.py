@@ -62,8 +62,10 @@ class ZeroUnit:
 
     def wait(self) -> None:
         """Waits for the unit's gathers: afterwards every parameter is whole."""
+        inflight = pp.ZeroParamStatus.INFLIGHT
         for param in self.params:
-            pp.wait_gather(param)
+            if param.ds_status is inflight:  # a held unit (most uses) calls nothing
+                pp.wait_gather(param)
 
     def reshard(self) -> None:
         """Lets go of the unit's parameters (each freed when its last holder lets go)."""
@@ -151,9 +153,7 @@ class _FlatGather:
         if self.header is not None:  # bytes: the shards, then the header
             data_bytes = total * first.ds_tensor.element_size()
             send = torch.empty(data_bytes + header_bytes(), dtype=torch.uint8, device=device)
-            data = send[:data_bytes].view(dtype)
-            for param, piece in zip(self.params, data.split(self.sizes)):
-                _read_shard_into(param, piece)
+            self._pack_shards(send[:data_bytes].view(dtype))
             send[data_bytes:].copy_(self.header.view(torch.uint8))
             self.gathered = torch.empty(send.numel() * self.world, dtype=torch.uint8, device=device)
         elif len(self.params) == 1:  # straight into the parameter's whole tensor
@@ -163,13 +163,20 @@ class _FlatGather:
             _read_shard_into(first, send)
         else:
             send = torch.empty(total, dtype=dtype, device=device)
-            for param, piece in zip(self.params, send.split(self.sizes)):
-                _read_shard_into(param, piece)
+            self._pack_shards(send)
             self.gathered = torch.empty(total * self.world, dtype=dtype, device=device)
         self.work = all_gather_flat(self.gathered, send, self.group)
         for param in self.params:
             param.ds_works = self
             param.ds_status = pp.ZeroParamStatus.INFLIGHT
+
+    def _pack_shards(self, send: torch.Tensor) -> None:
+        """This rank's shards of every parameter, one after another, into ``send``."""
+        if any(getattr(p, "ds_home", None) is not None for p in self.params):
+            for param, piece in zip(self.params, send.split(self.sizes)):
+                _read_shard_into(param, piece)
+        else:  # one op, not one copy per parameter (a deep model's units hold hundreds)
+            torch.cat([p.ds_tensor for p in self.params], out=send)
 
     def finish(self) -> None:
         if self.work is None:
@@ -193,12 +200,15 @@ class _FlatGather:
         if len(self.params) == 1 and self.header is None:
             wholes = [self.gathered]
         else:
-            rows = data.split(self.sizes, dim=1)
-            wholes = []
-            for param, size, row in zip(self.params, self.sizes, rows):
-                whole = pp.whole_buffer(param, size * self.world)
-                whole.view(self.world, size).copy_(row)
-                wholes.append(whole)
+            # Each parameter's pieces out of the rank-by-rank buffer into its whole tensor, all
+            # in one op (as FSDP2's copy-out), not one copy per parameter.
+            wholes = [
+                pp.whole_buffer(param, size * self.world)
+                for param, size in zip(self.params, self.sizes)
+            ]
+            torch.split_with_sizes_copy(
+                data, self.sizes, dim=1, out=[whole.view(self.world, -1) for whole in wholes]
+            )
         self.gathered = None  # frees the rank-by-rank buffer
         for param, whole in zip(self.params, wholes):
             param.ds_works = None
