@@ -5,6 +5,7 @@ and partitioned shape, and the multi-node launcher's base class with its ``expor
 
 from __future__ import annotations
 
+import json
 import random
 import shlex
 import subprocess
@@ -92,3 +93,32 @@ def test_multinode_runner_add_export_quotes_only_what_a_shell_would_misread():
     assert out.stdout.splitlines() == list(values.values()), shlex.join(runner.get_cmd({}, {}))
     with pytest.raises(TypeError, match="abstract"):
         MultiNodeRunner(args, "")
+
+
+def test_deepspeed_config_positional_construction_as_in_deepspeed(tmp_path):
+    from deepspeed_cpp.runtime.config import DeepSpeedConfig
+
+    micro, gas, world = random.randint(1, 6), random.randint(1, 4), random.randint(2, 5)
+    raw = {"train_batch_size": micro * gas * world, "gradient_accumulation_steps": gas}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(raw))
+
+    # No process group: a world of one, as DeepSpeed's DeepSpeedConfig(config) assumes.
+    alone = DeepSpeedConfig(str(path))
+    assert isinstance(alone, DeepSpeedConfig)
+    assert (alone.train_micro_batch_size_per_gpu, alone.gradient_accumulation_steps) == (
+        micro * world, gas)  # fmt: skip
+    assert alone.raw == raw and alone.model_dump() == DeepSpeedConfig.load(raw).model_dump()
+
+    # mpu: its data-parallel size sets the micro-batch.
+    mpu = SimpleNamespace(get_data_parallel_world_size=lambda: world)
+    split = DeepSpeedConfig(dict(raw), mpu=mpu)
+    assert split.train_micro_batch_size_per_gpu == micro
+    assert split.model_dump() == DeepSpeedConfig.load(raw, world_size=world).model_dump()
+
+    # Keyword fields alone still build the model as pydantic does; mixing is refused by name.
+    assert DeepSpeedConfig(train_batch_size=8).train_batch_size == 8
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['steps_per_print'\]"):
+        DeepSpeedConfig(raw, steps_per_print=3)
+    with pytest.raises(ValueError, match="train_batch_size"):
+        DeepSpeedConfig({"train_batch_size": 0})

@@ -67,6 +67,14 @@ from .source import choose_config, read_config
 from .values import ConfigSection, boolean, choice, integer, is_auto, number, print_interval
 
 
+def _data_parallel_world_size(mpu: Any) -> int:
+    import torch.distributed as dist
+
+    if mpu is not None:
+        return int(mpu.get_data_parallel_world_size())
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class DeepSpeedConfig(ConfigSection):
     """A DeepSpeed config (``ds_config.json``), validated; attributes are its sections.
 
@@ -131,6 +139,33 @@ class DeepSpeedConfig(ConfigSection):
     _world_size: int | None = PrivateAttr(None)
 
     # --- construction -------------------------------------------------------------------------
+    def __init__(self, config: Any = None, /, mpu: Any = None, mesh_device: Any = None, **fields):
+        """``DeepSpeedConfig(config, mpu=None)``, DeepSpeed's own construction (scripts and the
+        HF integration's users call it): ``config`` a JSON file path, a dict or base64 JSON,
+        finalised for the data-parallel world: ``mpu.get_data_parallel_world_size()``, else the
+        process group's size, else 1, as DeepSpeed does. Without ``config`` the fields are
+        pydantic's (``DeepSpeedConfig(train_batch_size=8)``), as for every section."""
+        if config is None:
+            if mpu is not None or mesh_device is not None:
+                raise TypeError("DeepSpeedConfig(config, mpu=...): mpu given without a config")
+            super().__init__(**fields)
+            return
+        if fields:
+            raise TypeError(
+                f"DeepSpeedConfig(config, ...): unexpected keyword arguments {sorted(fields)}; "
+                f"expected DeepSpeedConfig(config, mpu=None) or DeepSpeedConfig(**fields)"
+            )
+        if mesh_device is not None:
+            raise ValueError(
+                "DeepSpeedConfig(config, mesh_device=...): device meshes (sequence parallelism) "
+                "are not supported; pass mpu= or nothing"
+            )
+        loaded = type(self).load(config, world_size=_data_parallel_world_size(mpu))
+        # Become the loaded model (pydantic keeps an instance's state in these four slots).
+        for slot in ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__"):
+            object.__setattr__(self, slot, getattr(loaded, slot))
+        object.__setattr__(self, "__pydantic_private__", loaded.__pydantic_private__)
+
     @classmethod
     def load(cls, config: Any = None, args: Any = None, world_size: int = 1) -> "DeepSpeedConfig":
         """The finalised config from ``config`` (a JSON file path, a dict, base64 JSON) or from
