@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 import weakref
@@ -307,6 +308,14 @@ class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, torch.nn.Module):
         engine_ref = getattr(self.module, "_deepspeed_cpp_engine", None)
         if engine_ref is not None and engine_ref() is self:
             del self.module._deepspeed_cpp_engine
+
+    def empty_partition_cache(self) -> None:
+        """Frees the whole ZeRO-3 parameters still gathered (after an evaluation forward, say),
+        as DeepSpeed's engine method does; nothing to free at the other stages."""
+        release = getattr(self._zero_stage, "empty_partition_cache", None)
+        if release is not None:
+            release()
+            gc.collect()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:
