@@ -1,6 +1,8 @@
-"""DeepSpeed names that its own unit tests (the conformance sample of issue 26) showed missing,
-each checked for what it does under DeepSpeed's module path: the ZeRO-3 gather-handle combinator
-and partitioned shape, and the multi-node launcher's base class with its ``export`` quoting.
+"""DeepSpeed names and behaviours that its own unit tests (the conformance sample of issue 26)
+showed missing, each checked for what it does under DeepSpeed's module path: the ZeRO-3
+gather-handle combinator and partitioned shape, the multi-node launcher's base class with its
+``export`` quoting, ``DeepSpeedConfig(config, mpu)``, and ``save_checkpoint`` refusing an empty
+``save_dir``.
 """
 
 from __future__ import annotations
@@ -122,3 +124,13 @@ def test_deepspeed_config_positional_construction_as_in_deepspeed(tmp_path):
         DeepSpeedConfig(raw, steps_per_print=3)
     with pytest.raises(ValueError, match="train_batch_size"):
         DeepSpeedConfig({"train_batch_size": 0})
+
+
+@pytest.mark.parametrize("save_dir", [None, ""])
+def test_save_checkpoint_refuses_an_empty_save_dir_before_any_collective(save_dir):
+    from deepspeed_cpp.runtime.checkpoint.saver import save_checkpoint
+
+    # DeepSpeed raises ValueError here; Path("") would have saved into the working folder. The
+    # subject is never read: the check comes before the ranks' first collective.
+    with pytest.raises(ValueError, match=rf"save_dir is {save_dir!r}; expected the folder"):
+        save_checkpoint(None, save_dir)
