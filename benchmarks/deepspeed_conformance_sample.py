@@ -55,12 +55,16 @@ _outcomes = {}
 
 
 def _reason(report):
-    crash = getattr(report.longrepr, "reprcrash", None)
-    if crash is not None:
-        return crash.message.strip().splitlines()[0][:160] if crash.message.strip() else "failed"
     if isinstance(report.longrepr, tuple):
         return str(report.longrepr[2])[:160]
-    return str(report.longrepr).strip().splitlines()[-1][:160] if report.longrepr else ""
+    text = str(report.longrepr or "").strip().splitlines()
+    errors = [line[1:].strip() for line in text if line.startswith("E ")]
+    if errors:  # the exception's own lines, not the location pytest's crash line may give
+        return errors[-1][:160]
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None and crash.message.strip():
+        return crash.message.strip().splitlines()[0][:160]
+    return text[-1][:160] if text else report.outcome
 
 
 def pytest_runtest_logreport(report):
