@@ -60,7 +60,8 @@ def _reason(report):
     text = str(report.longrepr or "").strip().splitlines()
     errors = [line[1:].strip() for line in text if line.startswith("E ")]
     if errors:  # the exception's own lines, not the location pytest's crash line may give
-        return errors[-1][:160]
+        named = [line for line in errors if "Error" in line or "Exception" in line]
+        return (named or errors)[-1 if named else 0][:160]
     crash = getattr(report.longrepr, "reprcrash", None)
     if crash is not None and crash.message.strip():
         return crash.message.strip().splitlines()[0][:160]
