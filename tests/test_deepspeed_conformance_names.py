@@ -134,3 +134,30 @@ def test_save_checkpoint_refuses_an_empty_save_dir_before_any_collective(save_di
     # subject is never read: the check comes before the ranks' first collective.
     with pytest.raises(ValueError, match=rf"save_dir is {save_dir!r}; expected the folder"):
         save_checkpoint(None, save_dir)
+
+
+def test_gradient_allreduce_op_read_as_deepspeed_reads_it():
+    from deepspeed_cpp.runtime.config import DeepSpeedConfig
+
+    base = {"train_batch_size": 2}
+    assert DeepSpeedConfig.load(base).gradient_allreduce_op == "mean"
+    spelled = random.choice(["mean", "MEAN", "Mean"])
+    assert DeepSpeedConfig.load({**base, "gradient_allreduce_op": spelled}).raw == {
+        **base, "gradient_allreduce_op": spelled}  # fmt: skip
+    assert (
+        DeepSpeedConfig(dict(base, gradient_allreduce_op=spelled)).gradient_allreduce_op == "mean"
+    )
+    with pytest.raises(ValueError, match=r"Invalid gradient_allreduce_op = \"max\": expected"):
+        DeepSpeedConfig.load({**base, "gradient_allreduce_op": "max"})
+    # "sum" is refused (gradients are averaged here), naming DeepSpeed's own conflicts too.
+    conflicts = {
+        "ZeRO stage 3": {"zero_optimization": {"stage": 3}},
+        "ZenFlow": {"zero_optimization": {"stage": 2, "zenflow": {}}},
+        "DeepCompile": {"zero_optimization": {"stage": 1}, "compile": {"deepcompile": True}},
+    }
+    for name, extra in conflicts.items():
+        with pytest.raises(ValueError, match=f"'sum' is not supported with {name}") as caught:
+            DeepSpeedConfig.load({**base, **extra, "gradient_allreduce_op": "SUM"})
+        assert "not supported yet by deepspeed_cpp" in str(caught.value)
+    with pytest.raises(ValueError, match=r"gradient_allreduce_op = \"sum\": not supported yet"):
+        DeepSpeedConfig.load({**base, "gradient_allreduce_op": "sum"})

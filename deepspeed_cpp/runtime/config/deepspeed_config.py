@@ -34,6 +34,7 @@ from .auto_values import (
 from .batch_size import resolve_batch_sizes
 from .errors import DeepSpeedConfigError, describe_validation_error, join_path
 from .field_policy import judge_fields
+from .gradient_allreduce_op import read_gradient_allreduce_op
 from .key_names import model_key_paths, model_keys, section_model_at, unknown_key_problem
 from .key_policy import (
     apply_key_policies,
@@ -126,6 +127,9 @@ class DeepSpeedConfig(ConfigSection):
     """``deepspeed.checkpointing``'s settings; None when the config has no such section."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """What a ``PipelineEngine`` reads (``runtime/pipe/engine.py``); plain engines ignore it."""
+    gradient_allreduce_op: choice(("mean",)) = "mean"
+    """How gradients are combined over data-parallel ranks: averaged (DeepSpeed's "mean"; its
+    "sum" is refused by ``gradient_allreduce_op.py``)."""
     nonfinite_gradients: choice(("skip", "raise")) = "skip"
     """deepspeed_cpp extension: a step whose global gradient holds NaN or inf is skipped on
     every rank (parameters, optimizer state and LR schedule unchanged, counted in
@@ -198,8 +202,10 @@ class DeepSpeedConfig(ConfigSection):
         cls, raw: dict, source: str, warnings: list[str], already_warned: set[str]
     ) -> "DeepSpeedConfig":
         work = copy.deepcopy(raw)
+        allreduce_problems = read_gradient_allreduce_op(work)  # before "compile" is dropped
         policy = apply_key_policies(work)
-        problems, warnings = list(policy.problems), warnings + policy.warnings
+        problems = allreduce_problems + list(policy.problems)
+        warnings = warnings + policy.warnings
         # The params are checked against their type even when other keys are wrong, so that
         # one run reports everything.
         known = _known_key_paths()
