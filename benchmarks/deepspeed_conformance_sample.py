@@ -201,7 +201,8 @@ def report(args) -> int:
     by_library = {}
     for path in args.results:
         loaded = json.loads(Path(path).read_text())
-        by_library[loaded["library"]] = loaded["outcomes"]
+        # Several files of one library merge (runs split over the file list, reruns later).
+        by_library.setdefault(loaded["library"], {}).update(loaded["outcomes"])
     libraries = [lib for lib in LIBRARIES if lib in by_library]
     print(f"DeepSpeed tests commit {record['commit']}, seed {record['seed']}, "
           f"{record['per_file']} per file\n")  # fmt: skip
@@ -270,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     execute.add_argument("--timeout", type=float, default=1800.0, help="seconds per file")
     summarize = commands.add_parser("report", help="tables, reasons and the estimate")
     summarize.add_argument("--ids", required=True, help="the JSON file `sample` wrote")
-    summarize.add_argument("--results", nargs="+", required=True, help="`run` outputs")
+    summarize.add_argument("--results", nargs="+", required=True,
+                           help="`run` outputs; a later file wins per id")  # fmt: skip
     args = parser.parse_args(argv)
     return {"sample": sample, "run": run, "report": report}[args.command](args)
 
