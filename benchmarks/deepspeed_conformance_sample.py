@@ -171,18 +171,20 @@ def run(args) -> int:
 def estimate(record: dict, ours: dict, theirs: dict) -> dict:
     """The stratified ratio estimate (see the module docstring) of the share of DeepSpeed-passing
     in-scope tests that pass under deepspeed_cpp, with its standard error."""
-    strata = []
+    strata, covered = [], 0
     for entry in record["files"].values():
         ids = entry["ids"]
-        if not ids:
-            continue
+        if not ids or not all(i in ours and i in theirs for i in ids):
+            continue  # a file not (yet) run under both libraries is left out of the estimate
+        covered += entry["collected"]
         x = [1.0 if theirs[i][0] == "passed" else 0.0 for i in ids]
         y = [1.0 if theirs[i][0] == "passed" and ours[i][0] == "passed" else 0.0 for i in ids]
         strata.append((entry["collected"], x, y))
     big_x = sum(n * sum(x) / len(x) for n, x, _ in strata)
     big_y = sum(n * sum(y) / len(y) for n, _, y in strata)
     if big_x == 0:
-        return {"ratio": float("nan"), "se": float("nan"), "x": 0.0, "y": 0.0}
+        return {"ratio": float("nan"), "se": float("nan"), "x": 0.0, "y": 0.0,
+                "files": len(strata), "covered": covered}  # fmt: skip
     ratio = big_y / big_x
     variance = 0.0
     for n, x, y in strata:
@@ -193,7 +195,8 @@ def estimate(record: dict, ours: dict, theirs: dict) -> dict:
         mean = sum(e) / k
         s2 = sum((ei - mean) ** 2 for ei in e) / (k - 1)
         variance += n * n * (1 - k / n) * s2 / k
-    return {"ratio": ratio, "se": math.sqrt(variance) / big_x, "x": big_x, "y": big_y}
+    return {"ratio": ratio, "se": math.sqrt(variance) / big_x, "x": big_x, "y": big_y,
+            "files": len(strata), "covered": covered}  # fmt: skip
 
 
 def report(args) -> int:
@@ -234,13 +237,18 @@ def report(args) -> int:
     if set(LIBRARIES) <= set(libraries):
         ours, theirs = by_library["deepspeed_cpp"], by_library["DeepSpeed"]
         lost = [i for e in record["files"].values() for i in e["ids"]
-                if theirs[i][0] == "passed" and ours[i][0] != "passed"]  # fmt: skip
+                if theirs.get(i, ["not run"])[0] == "passed"
+                and ours.get(i, ["not run"])[0] != "passed"]  # fmt: skip
         print(f"\npassing under DeepSpeed, not under deepspeed_cpp ({len(lost)}):")
         for nodeid in lost:
-            print(f"  {nodeid}  [{ours[nodeid][0]}: {ours[nodeid][1]}]")
+            outcome, reason = ours.get(nodeid, ["not run", ""])
+            print(f"  {nodeid}  [{outcome}: {reason}]")
         figures = estimate(record, ours, theirs)
-        print(f"\nestimated in-scope tests passing under DeepSpeed: {figures['x']:.0f} of "
-              f"{collected}; under both: {figures['y']:.0f}")  # fmt: skip
+        files = sum(1 for e in record["files"].values() if e["ids"])
+        print(f"\nestimate over the {figures['files']} of {files} sampled files run under both "
+              f"libraries ({figures['covered']} of {collected} in-scope tests):")  # fmt: skip
+        print(f"estimated tests passing under DeepSpeed: {figures['x']:.0f}; under both: "
+              f"{figures['y']:.0f}")  # fmt: skip
         share, error = 100 * figures["ratio"], 100 * figures["se"]
         print(f"estimated share of DeepSpeed-passing tests that pass under deepspeed_cpp: "
               f"{share:.1f}% (standard error {error:.1f} points)")  # fmt: skip
