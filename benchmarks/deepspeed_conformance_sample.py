@@ -17,7 +17,8 @@ real DeepSpeed, the share that pass under deepspeed_cpp. Three steps, each a com
         --results ours.json theirs.json
 
 ``run --only-failed ours.json`` reruns only the ids that did not pass in an earlier result (after
-a fix) and merges the new outcomes over the old ones in ``--results-out``.
+a fix) and merges the new outcomes over the old ones in ``--results-out``; ``run --resume``
+continues an interrupted run, skipping the ids its ``--results-out`` already holds.
 
 The estimate: files are strata. In file f, N_f tests collected under DeepSpeed, n_f sampled; x = 1
 where the test passes under DeepSpeed, y = 1 where it passes under both. The ratio R = sum_f N_f
@@ -151,8 +152,12 @@ def run(args) -> int:
                 raise SystemExit("run --library DeepSpeed needs --deepspeed-python")
             python, env = args.deepspeed_python, _environment(None)
         results = dict(previous["outcomes"]) if previous else {}
+        done = {}
+        if args.resume and Path(args.results_out).is_file():
+            done = json.loads(Path(args.results_out).read_text())["outcomes"]
+            results.update(done)
         for path, entry in record["files"].items():
-            ids = entry["ids"]
+            ids = [i for i in entry["ids"] if i not in done]
             if previous:
                 ids = [i for i in ids if previous["outcomes"].get(i, ["failed"])[0] != "passed"]
             if not ids:
@@ -277,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     execute.add_argument("--results-out", required=True, help="JSON file for the outcomes")
     execute.add_argument("--only-failed", help="rerun only ids not passed in this results file")
     execute.add_argument("--timeout", type=float, default=1800.0, help="seconds per file")
+    execute.add_argument("--resume", action="store_true",
+                         help="skip ids --results-out already holds")  # fmt: skip
     summarize = commands.add_parser("report", help="tables, reasons and the estimate")
     summarize.add_argument("--ids", required=True, help="the JSON file `sample` wrote")
     summarize.add_argument("--results", nargs="+", required=True,
