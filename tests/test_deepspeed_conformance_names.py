@@ -161,3 +161,45 @@ def test_gradient_allreduce_op_read_as_deepspeed_reads_it():
         assert "not supported yet by deepspeed_cpp" in str(caught.value)
     with pytest.raises(ValueError, match=r"gradient_allreduce_op = \"sum\": not supported yet"):
         DeepSpeedConfig.load({**base, "gradient_allreduce_op": "sum"})
+
+
+def engine_passthrough_job(hidden: int):
+    import deepspeed_cpp as ds
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe_1 = torch.nn.Linear(hidden, hidden)
+            self.head = torch.nn.Linear(hidden, 1)
+            self.label_smoothing = 0.125
+            self.step = "the model's own step attribute"
+
+        def forward(self, x):
+            return self.head(self.moe_1(x))
+
+    model = Net()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    engine, _, _, _ = ds.initialize(model=model, config=config)
+    found = {
+        "submodule": engine.moe_1 is model.moe_1,
+        "value": engine.label_smoothing,
+        "engine_wins": callable(engine.step),  # the engine's own names come first
+        "weight": engine.moe_1.weight is model.moe_1.weight,
+    }
+    try:
+        _ = engine.no_such_name
+    except AttributeError as error:
+        found["missing"] = str(error)
+    engine.destroy()
+    return found
+
+
+def test_engine_passes_unknown_attributes_through_to_the_model(pool2):
+    hidden = random.randint(2, 9)
+    for found in pool2.run(engine_passthrough_job, hidden):
+        assert found["submodule"] and found["weight"] and found["engine_wins"]
+        assert found["value"] == 0.125
+        assert "no attribute 'no_such_name' (nor has its model, Net)" in found["missing"]

@@ -190,6 +190,23 @@ class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, torch.nn.Module):
         return self.optimizer.optimizer if self.optimizer is not None else None
 
     # --- the training step --------------------------------------------------------------------
+    def __getattr__(self, name: str):
+        """An attribute the engine lacks is looked up on the model, as DeepSpeed's engine does
+        (scripts write ``engine.some_layer`` or ``engine.config_of_my_model``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and name != "module":
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}' (nor has its model, "
+                f"{type(module).__name__ if module is not None else 'not set yet'})"
+            ) from None
+
     def forward(self, *inputs, **kwargs):
         self._failed_step.check("engine.forward")
         self._report.before_forward(self)
