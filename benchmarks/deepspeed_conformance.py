@@ -11,6 +11,8 @@ that calls ``deepspeed_cpp.compat.activate()``, so spawned ranks see the alias t
 suite's ``DistributedTest`` runs world sizes up to 2 on a CPU) are set for both. Prints per file:
 collected / passed / skipped / failed for each library, then the failure reasons grouped (the
 exception's first line), and the DeepSpeed commit of the checkout when it is a git folder.
+A stratified random sample of every in-scope file, with an estimate over all of them:
+``benchmarks/deepspeed_conformance_sample.py``.
 """
 
 from __future__ import annotations
@@ -103,8 +105,9 @@ def pytest_collection_finish(session):
 def collect_files(python: str, tests: Path, paths: list[str], env: dict, timeout: float) -> dict:
     """Collection only, every file in one pytest process (each DistributedTest run spawns fresh
     ranks, ~25 s a test on 2 busy cores, so a full run of every file takes hours): per file,
-    the tests collected and, where the file does not import, the error's last line."""
-    results = {path: {"collected": 0, "error": ""} for path in paths}
+    the tests collected (count and node ids) and, where the file does not import, the error's
+    last line."""
+    results = {path: {"collected": 0, "error": "", "ids": []} for path in paths}
     with tempfile.TemporaryDirectory() as scratch:
         Path(scratch, "conformance_collect.py").write_text(COLLECT_PLUGIN)
         out = Path(scratch, "collected.json")
@@ -115,14 +118,16 @@ def collect_files(python: str, tests: Path, paths: list[str], env: dict, timeout
         try:
             subprocess.run(command, cwd=tests, env=env, capture_output=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {p: {"collected": 0, "error": f"timed out after {timeout:g} s"} for p in paths}
+            error = f"timed out after {timeout:g} s"
+            return {p: {"collected": 0, "error": error, "ids": []} for p in paths}
         if not out.is_file():
-            return {p: {"collected": 0, "error": "pytest wrote no collection"} for p in paths}
+            return {p: {"collected": 0, "error": "no collection", "ids": []} for p in paths}
         found = json.loads(out.read_text())
     for nodeid in found["items"]:
         path = nodeid.split("::", 1)[0]
         if path in results:
             results[path]["collected"] += 1
+            results[path]["ids"].append(nodeid)
     for nodeid, error in found["errors"].items():
         if nodeid in results:
             results[nodeid]["error"] = error[:160]

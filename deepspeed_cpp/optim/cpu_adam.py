@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..ops.cpu_adam import cpu_adam_step_multi, load_cpu_adam
+from .cpu_adam_subgroups import SubgroupSteps
 from .cpu_optimizer_base import CPUOptimizerBase
 from .torch_adam_state import complete_adam_group, refuse_unsupported_adam_flags
 
@@ -22,7 +23,7 @@ def check_adam_hyper_params(lr: float, betas: tuple[float, float], eps: float, w
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
 
 
-class DeepSpeedCPUAdam(CPUOptimizerBase):
+class DeepSpeedCPUAdam(SubgroupSteps, CPUOptimizerBase):
     """Adam (``adamw_mode=False``: L2 added to the gradient) or AdamW (decoupled weight decay).
 
     The constructor is DeepSpeed's. Parameters are float32, bfloat16 or float16 CPU tensors; the
@@ -32,6 +33,8 @@ class DeepSpeedCPUAdam(CPUOptimizerBase):
     ``torch.optim.Adam``/``AdamW`` in both directions. Each param group may set its own ``lr``,
     ``betas``, ``eps``, ``weight_decay``, ``bias_correction`` and ``adamw_mode``.
     ``step(fp16_param_groups=...)`` also writes low-precision copies of float32 parameters.
+    ``step_subgroup``/``rollback_subgroup``: DeepSpeed's per-sub-group steps
+    (``cpu_adam_subgroups.py``).
     """
 
     STATE_KEYS = ("exp_avg", "exp_avg_sq")

@@ -17,6 +17,7 @@ from .call_order import CallOrder
 from .config import DeepSpeedConfig
 from .dataloader import make_distributed_loader
 from .engine_checkpoints import EngineCheckpoints
+from .engine_model_lookup import EngineModelLookup
 from .engine_refusals import (
     refuse_expert_parallel_with,
     refuse_partitioned_parameters,
@@ -38,7 +39,7 @@ from .zero.moe_stage import needs_expert_sets
 from .zero.offload.host_heap import give_back_free_heap
 
 
-class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, torch.nn.Module):
+class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, EngineModelLookup, torch.nn.Module):
     """Wraps the user's module; ``backward`` and ``step`` run ZeRO stage 0, 1, 2 or 3.
 
     ``step()`` is called after every micro-batch, as with DeepSpeed: it steps the optimizer only
@@ -379,13 +380,6 @@ class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, torch.nn.Module):
     def gradient_clipping(self) -> float:
         """The config's ``gradient_clipping`` (0: none)."""
         return self._config.gradient_clipping
-
-    @property
-    def _config(self):
-        """DeepSpeed's private name for the engine's config, which scripts read (e.g.
-        ``engine._config.train_micro_batch_size_per_gpu`` for their own DataLoader): the same
-        object as ``engine.config``, read-only."""
-        return self.config
 
     def get_global_grad_norm(self) -> float | None:
         return self.optimizer.global_grad_norm if self.optimizer is not None else None

@@ -12,6 +12,7 @@ engine to the host is not supported yet: refused by name rather than done halfwa
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
 
 from ..utils.logging import logger
@@ -53,7 +54,16 @@ def _device(device) -> OffloadDeviceEnum:
 
 
 class EngineStateMoves:
-    """``offload_states`` / ``reload_states`` for ``DeepSpeedEngine``."""
+    """``offload_states`` / ``reload_states`` / ``empty_partition_cache`` for
+    ``DeepSpeedEngine``."""
+
+    def empty_partition_cache(self) -> None:
+        """Frees the whole ZeRO-3 parameters still gathered (after an evaluation forward, say),
+        as DeepSpeed's engine method does; nothing to free at the other stages."""
+        release = getattr(self._zero_stage, "empty_partition_cache", None)
+        if release is not None:
+            release()
+            gc.collect()
 
     def _check_states_can_move(self) -> None:
         if self.optimizer is None:

@@ -336,6 +336,11 @@ def save_checkpoint(
 
     ``client_state`` may hold tensors and plain data; other objects only with ``allow_pickle``
     (then loading needs ``allow_pickle`` too, see ``client_state.py``)."""
+    if save_dir is None or str(save_dir) == "":
+        # Path("") is the working folder: a checkpoint would land wherever the job was started.
+        raise ValueError(
+            f"save_checkpoint: save_dir is {save_dir!r}; expected the folder to save into"
+        )
     rank, group = subject.dp_rank, subject.group
     tag = check_tag(f"global_step{subject.train_state.global_steps}" if tag is None else tag)
     # Over the whole world: every model-parallel part is saved under the same tag.

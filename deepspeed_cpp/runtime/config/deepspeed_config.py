@@ -34,6 +34,7 @@ from .auto_values import (
 from .batch_size import resolve_batch_sizes
 from .errors import DeepSpeedConfigError, describe_validation_error, join_path
 from .field_policy import judge_fields
+from .gradient_allreduce_op import read_gradient_allreduce_op
 from .key_names import model_key_paths, model_keys, section_model_at, unknown_key_problem
 from .key_policy import (
     apply_key_policies,
@@ -65,6 +66,14 @@ from .sections import (
 )
 from .source import choose_config, read_config
 from .values import ConfigSection, boolean, choice, integer, is_auto, number, print_interval
+
+
+def _data_parallel_world_size(mpu: Any) -> int:
+    import torch.distributed as dist
+
+    if mpu is not None:
+        return int(mpu.get_data_parallel_world_size())
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class DeepSpeedConfig(ConfigSection):
@@ -118,6 +127,9 @@ class DeepSpeedConfig(ConfigSection):
     """``deepspeed.checkpointing``'s settings; None when the config has no such section."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """What a ``PipelineEngine`` reads (``runtime/pipe/engine.py``); plain engines ignore it."""
+    gradient_allreduce_op: choice(("mean",)) = "mean"
+    """How gradients are combined over data-parallel ranks: averaged (DeepSpeed's "mean"; its
+    "sum" is refused by ``gradient_allreduce_op.py``)."""
     nonfinite_gradients: choice(("skip", "raise")) = "skip"
     """deepspeed_cpp extension: a step whose global gradient holds NaN or inf is skipped on
     every rank (parameters, optimizer state and LR schedule unchanged, counted in
@@ -131,6 +143,33 @@ class DeepSpeedConfig(ConfigSection):
     _world_size: int | None = PrivateAttr(None)
 
     # --- construction -------------------------------------------------------------------------
+    def __init__(self, config: Any = None, /, mpu: Any = None, mesh_device: Any = None, **fields):
+        """``DeepSpeedConfig(config, mpu=None)``, DeepSpeed's own construction (scripts and the
+        HF integration's users call it): ``config`` a JSON file path, a dict or base64 JSON,
+        finalised for the data-parallel world: ``mpu.get_data_parallel_world_size()``, else the
+        process group's size, else 1, as DeepSpeed does. Without ``config`` the fields are
+        pydantic's (``DeepSpeedConfig(train_batch_size=8)``), as for every section."""
+        if config is None:
+            if mpu is not None or mesh_device is not None:
+                raise TypeError("DeepSpeedConfig(config, mpu=...): mpu given without a config")
+            super().__init__(**fields)
+            return
+        if fields:
+            raise TypeError(
+                f"DeepSpeedConfig(config, ...): unexpected keyword arguments {sorted(fields)}; "
+                f"expected DeepSpeedConfig(config, mpu=None) or DeepSpeedConfig(**fields)"
+            )
+        if mesh_device is not None:
+            raise ValueError(
+                "DeepSpeedConfig(config, mesh_device=...): device meshes (sequence parallelism) "
+                "are not supported; pass mpu= or nothing"
+            )
+        loaded = type(self).load(config, world_size=_data_parallel_world_size(mpu))
+        # Become the loaded model (pydantic keeps an instance's state in these four slots).
+        for slot in ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__"):
+            object.__setattr__(self, slot, getattr(loaded, slot))
+        object.__setattr__(self, "__pydantic_private__", loaded.__pydantic_private__)
+
     @classmethod
     def load(cls, config: Any = None, args: Any = None, world_size: int = 1) -> "DeepSpeedConfig":
         """The finalised config from ``config`` (a JSON file path, a dict, base64 JSON) or from
@@ -163,8 +202,10 @@ class DeepSpeedConfig(ConfigSection):
         cls, raw: dict, source: str, warnings: list[str], already_warned: set[str]
     ) -> "DeepSpeedConfig":
         work = copy.deepcopy(raw)
+        allreduce_problems = read_gradient_allreduce_op(work)  # before "compile" is dropped
         policy = apply_key_policies(work)
-        problems, warnings = list(policy.problems), warnings + policy.warnings
+        problems = allreduce_problems + list(policy.problems)
+        warnings = warnings + policy.warnings
         # The params are checked against their type even when other keys are wrong, so that
         # one run reports everything.
         known = _known_key_paths()

@@ -102,6 +102,11 @@ FIELDS: dict[str, FieldUse] = {
     "tensor_parallel.preset_model": _read("runtime/tensor_parallel/setup.py"),
     "dataloader_drop_last": _read(_ENGINE),
     "nonfinite_gradients": _read(_ENGINE),
+    "gradient_allreduce_op": FieldUse(
+        Use.FIXED,
+        value="mean",
+        reason="gradients are averaged over the data-parallel ranks (gradient_allreduce_op.py)",
+    ),
     "zero_force_ds_cpu_optimizer": _read("runtime/zero/build.py"),
     "zero_allow_untested_optimizer": FieldUse(
         Use.FIXED, value=True, reason="ZeRO runs any optimizer passed to initialize()"

@@ -145,7 +145,6 @@ POLICIES: tuple[KeyPolicy, ...] = (
     # --- gradient communication ---------------------------------------------------------------
     _harmless_at("prescale_gradients", (False,), "gradients are averaged after the reduction"),
     _harmless_at("gradient_predivide_factor", (1.0,), "gradients are not pre-divided"),
-    _harmless_at("gradient_allreduce_op", ("mean",), "gradients are averaged over ranks"),
     _harmless_at(
         "communication_data_type", (None,), "gradients are communicated in their own dtype"
     ),

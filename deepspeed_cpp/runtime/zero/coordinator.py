@@ -342,6 +342,19 @@ class ParameterCoordinator:
                 if self._held[unit]:
                     self._release(unit)
 
+    def release_held(self) -> None:
+        """Ends an open pass, releasing every unit it still holds (an evaluation forward
+        leaves its prefetches held until the next forward): DeepSpeed's
+        ``empty_partition_cache``. Collective: every rank calls it at the same point. A
+        backward still to come gathers its units again."""
+        if self._running:
+            raise RuntimeError(
+                "empty_partition_cache() inside a forward of the model (a module is still "
+                "running); call it between forwards, as after an evaluation loop"
+            )
+        if self._pass_open:
+            self.end_pass()
+
     # --- accounting and teardown ------------------------------------------------------------------
     def live_numel(self) -> int:
         return int(self.schedule.live_numel())

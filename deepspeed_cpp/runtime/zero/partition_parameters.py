@@ -33,6 +33,10 @@ from .external_parameters import (  # noqa: F401  (DeepSpeed's module path for t
     register_external_parameter,
     unregister_external_parameter,
 )
+from .gather_handles import (  # noqa: F401  (DeepSpeed's module path for them)
+    MultipleAllGatherHandles,
+    partitioned_param_data_shape,
+)
 from .shard_gather import backend_for, launch_all_gather
 
 # DeepSpeed's module-level names that transformers reads (and swaps) here while it builds a model

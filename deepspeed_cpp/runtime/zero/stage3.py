@@ -402,6 +402,10 @@ class ZeroStage3:
                 self.param_home.read_ahead_first()
         self.partitioned.end_backward()
 
+    def empty_partition_cache(self) -> None:
+        """Releases the whole parameters a pass still holds (see ``release_held``)."""
+        self.coordinator.release_held()
+
     def set_timers(self, timers) -> None:
         """Times the gathers, the gradient reduce-scatters and the optimizer step under
         ``timers`` (the engine's, with ``wall_clock_breakdown``; see ``utils/timer.py``)."""
