@@ -9,7 +9,8 @@ DeepSpeed 0.19.8 does (measured with ``DS_ACCELERATOR=cpu`` on 2 gloo ranks, tor
 Ours steps the returned object inside the stage-0 wrapper, which reduces the gradients during
 ``engine.backward``; the test trains with the script calling ``returned.zero_grad()`` each step
 (the torch habit, which drops the ``.grad`` references) and compares with torch's Adam on the
-whole batch in float64.
+whole batch in float64, and again with the script stepping and clearing the returned optimizer
+itself instead of calling ``engine.step()`` (which, on DeepSpeed, is plain torch training).
 """
 
 from __future__ import annotations
@@ -56,6 +57,18 @@ def returned_optimizer_job(seed: int) -> dict:
         engine.step()
     out["params"] = [p.detach().clone() for p in model.parameters()]
 
+    # The script steps and clears the handed-back optimizer itself, without engine.step() (on
+    # DeepSpeed that is the torch optimizer over the model): the same training.
+    model = _net(seed)
+    client = torch.optim.Adam(model.parameters(), lr=LR)
+    engine, returned, _, _ = deepspeed.initialize(model=model, optimizer=client, config=config)
+    for x, y in _batches(seed, world):
+        part = slice(rank * MICRO, (rank + 1) * MICRO)
+        engine.backward(torch.nn.functional.mse_loss(engine(x[part]), y[part]))
+        returned.step()
+        returned.zero_grad()
+    out["params_direct"] = [p.detach().clone() for p in model.parameters()]
+
     model = _net(seed)
     engine, returned, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config,
@@ -90,8 +103,9 @@ def test_stage0_hands_back_the_torch_optimizer_and_the_config_builds_deepspeeds_
         adam.step()
     for result in results:
         assert result["client"] == (True, "Adam", True)
-        for ours, theirs in zip(result["params"], reference.parameters()):
-            torch.testing.assert_close(ours.double(), theirs.detach(), rtol=1e-5, atol=1e-6)
+        for key in ("params", "params_direct"):
+            for ours, theirs in zip(result[key], reference.parameters()):
+                torch.testing.assert_close(ours.double(), theirs.detach(), rtol=1e-5, atol=1e-6)
         assert result["callable"] == ("AdamW", True)
         assert result["config-0-False"] == ("FusedAdam", "FusedAdam", True, True)
         # Stages 1-3 hand back the ZeRO wrapper (DeepSpeedZeroOptimizer), as DeepSpeed does.

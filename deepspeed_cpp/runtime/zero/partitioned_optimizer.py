@@ -379,6 +379,10 @@ class ZeroPartitionedOptimizer(MasterGathers):
     # --- backward -----------------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
         """Stages 2/3 reduce every micro-step; 0/1 accumulate locally until the boundary."""
+        if self.stage == 0 and self.shards.masters_cleared():
+            # The script stepped and cleared the optimizer initialize handed back itself
+            # (optimizer.step(); optimizer.zero_grad()): start from zero as after zero_grad().
+            self._shard_grads_zero_pending = True
         if self._in_place_grads is not None and not all(
             map(self.params_still_view_flat, self.buckets)
         ):
@@ -406,6 +410,7 @@ class ZeroPartitionedOptimizer(MasterGathers):
             self._in_place_grads.adopt()
             if self._boundary_backward:
                 self._in_place_grads.finish_reduction()
+                self.shards.link_master_grads()  # for a script stepping the handed-back optimizer
             self.fragments.gradients_ready = self._boundary_backward
             return
         self.stepper.end_backward()
@@ -423,6 +428,8 @@ class ZeroPartitionedOptimizer(MasterGathers):
         self._reduce_during_backward = False
         # The shard gradients are final (and readable through param_fragments) until the step.
         self.fragments.gradients_ready = self._boundary_backward
+        if self._boundary_backward and self.stage == 0:
+            self.shards.link_master_grads()  # for a script stepping the handed-back optimizer
 
     def accumulated_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         """``param``'s gradient accumulated locally over the micro-steps since the last

@@ -53,6 +53,19 @@ class ShardSet:
     rank: int
     world_size: int
 
+    def link_master_grads(self) -> None:
+        """Makes every master's ``.grad`` its shard gradient again. At stage 0 ``initialize``
+        hands the torch optimizer itself to the script (as DeepSpeed does); its ``zero_grad()``
+        (set_to_none) drops these links, while the reducer keeps writing the shard gradients."""
+        for master, grad in zip(self.masters, self.shard_grads):
+            if master.grad is not grad:
+                master.grad = grad
+
+    def masters_cleared(self) -> bool:
+        """Whether a master lost its ``.grad`` link: the script cleared the optimizer
+        ``initialize`` handed back, so the last step's gradients are spent."""
+        return any(master.grad is None for master in self.masters)
+
     def sub_group_of(self, bucket: int) -> list[int]:
         """The members of the home's sub-group holding ``bucket``."""
         return next(members for members in self.home.sub_groups if bucket in members)

@@ -107,12 +107,7 @@ class InMemoryStepper:
         user's may keep per-group counters) step once, then everything is gathered.
         """
         shards, gathers = self.shards, self.gathers
-        # At stage 0 ``initialize`` hands the torch optimizer itself to the script (as DeepSpeed
-        # does); its ``zero_grad()`` (set_to_none) drops the masters' ``.grad`` links, while the
-        # values stay in the shard gradients, where the reducer wrote them.
-        for master, grad in zip(shards.masters, shards.shard_grads):
-            if master.grad is not grad:
-                master.grad = grad
+        shards.link_master_grads()
         if not (self.step_per_bucket and shards.stage != 0 and len(shards.masters) > 1):
             if can_step_in_chunks(self.optimizer):  # torch's Adam: cache-sized pieces
                 step_in_chunks(self.optimizer)
