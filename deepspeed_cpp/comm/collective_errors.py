@@ -54,7 +54,17 @@ def new_group(ranks, **kwargs) -> dist.ProcessGroup:
     ``init_distributed(timeout=...)`` said."""
     if _configured_timeout is not None:
         kwargs.setdefault("timeout", _configured_timeout)
-    return dist.new_group(ranks, **kwargs)
+    group = dist.new_group(ranks, **kwargs)
+    # torch no longer waits after making a group (TORCH_DIST_INIT_BARRIER unset): on gloo a
+    # member that returns from its half of the connection set-up and destroys the group at once
+    # (an engine built and destroyed in a few milliseconds) closes the sockets its peer is still
+    # connecting ("Gloo connectFullMesh failed ... Connection closed by peer", seen once in CI).
+    # A barrier over the new group returns only once every member is connected.
+    if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        if dist.get_backend(group) == "gloo":
+            with named_collective("barrier after creating a process group"):
+                dist.barrier(group=group)
+    return group
 
 
 def _is_peer_failure(error: BaseException) -> bool:
