@@ -18,6 +18,14 @@ the measurements behind the per-unit changes of issue 27.
 with the block cap lifted (each transformer layer one unit whole, whatever
 ``stage3_prefetch_bucket_size``), for the comparison in coordinator.py. ``--timeline`` prints,
 per ZeRO-3 engine, rank 0's fetches and gathers (start, end) in the last measured step.
+Since the cap follows ``stage3_max_live_parameters`` alone, the 50M transformer's layers are
+whole units by default and ``--whole-layers`` changes nothing there. Measured before that change
+(issue 27, branch s5-layers, 2026-11-27, transformer, 5e6 prefetch bucket, ZeRO-3 per module vs
+whole layers in the same processes; per step, slowest rank; blocked: gather.finish rank 0 / 1):
+
+    run (load avg)        rounds  median ms      CPU ms         blocked on gathers ms
+    19:10 (16)               6    4489 / 4867    1319 / 1340    1005/735 vs 848/843
+    19:14 (3-13)             8    1742 / 1694    1216 / 1221    137/115 vs 209/193
 
 Measured 2026-11-27 18:31-18:33 (issue 27, branch s5-zero3-step; Intel Xeon, 2 cores shared
 with ~7 other jobs, load average 23: wall times vary several-fold between minutes, the CPU time
