@@ -12,10 +12,20 @@ those functions, inclusive), and Python's garbage collections by generation (``g
 the measurements behind the per-unit changes of issue 27.
 
     python benchmarks/zero3_step_profile.py [--model deep|transformer] [--rounds 20]
-        [--breakdown] [--whole-layers] [--prefetch 5e6]
+        [--breakdown] [--whole-layers] [--timeline] [--prefetch 5e6]
 
-``--whole-layers`` lifts the prefetch-bucket cap on repeated blocks (each transformer layer one
-unit whole, whatever ``stage3_prefetch_bucket_size``), for the comparison in coordinator.py.
+``--whole-layers`` adds a third engine in the same processes, taking its turn in each round: ZeRO-3
+with the block cap lifted (each transformer layer one unit whole, whatever
+``stage3_prefetch_bucket_size``), for the comparison in coordinator.py. ``--timeline`` prints,
+per ZeRO-3 engine, rank 0's fetches and gathers (start, end) in the last measured step.
+Since the cap follows ``stage3_max_live_parameters`` alone, the 50M transformer's layers are
+whole units by default and ``--whole-layers`` changes nothing there. Measured before that change
+(issue 27, branch s5-layers, 2026-11-27, transformer, 5e6 prefetch bucket, ZeRO-3 per module vs
+whole layers in the same processes; per step, slowest rank; blocked: gather.finish rank 0 / 1):
+
+    run (load avg)        rounds  median ms      CPU ms         blocked on gathers ms
+    19:10 (16)               6    4489 / 4867    1319 / 1340    1005/735 vs 848/843
+    19:14 (3-13)             8    1742 / 1694    1216 / 1221    137/115 vs 209/193
 
 Measured 2026-11-27 18:31-18:33 (issue 27, branch s5-zero3-step; Intel Xeon, 2 cores shared
 with ~7 other jobs, load average 23: wall times vary several-fold between minutes, the CPU time
@@ -53,39 +63,58 @@ TIMED = {
     "coordinator": ("_pre_forward", "_post_forward", "_pre_backward", "_after_accumulate",
                     "fetch", "done", "end_pass"),
     "gather": ("launch", "finish"),
-    "optimizer": ("_hand_over", "end_backward", "_global_norm", "_step_and_gather"),
+    "optimizer": ("_hand_over", "end_backward", "step"),
 }  # fmt: skip
 
 
 class Breakdown:
-    """Inclusive wall-clock seconds and calls per wrapped function, and per gc generation."""
+    """Inclusive wall-clock seconds and calls per wrapped function, and per gc generation; with
+    ``timeline``, also each call's start and end (ms from the step's start) and, for a gather,
+    its size, in the last measured step."""
 
-    def __init__(self):
+    def __init__(self, timeline: bool = False):
         self.seconds: dict[str, list] = {}
         self.on = False
-
-    def wrap(self, owner, name: str, label: str) -> None:
-        original = getattr(owner, name)
-
-        @functools.wraps(original)
-        def timed(*args, **kwargs):
-            if not self.on:
-                return original(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.add(label, time.perf_counter() - start)
-
-        setattr(owner, name, timed)
+        self.timeline = timeline
+        self.events: list[tuple] = []
+        self.step_start = 0.0
 
     def add(self, label: str, seconds: float) -> None:
         entry = self.seconds.setdefault(label, [0.0, 0])
         entry[0] += seconds
         entry[1] += 1
 
-    def install(self) -> None:
+    @staticmethod
+    def install_all(breakdowns: dict[str, Breakdown]) -> None:
+        """Wraps the timed functions once; each call counts in the breakdown that is on (the
+        engine stepping now), if any."""
         from deepspeed_cpp.runtime.zero import coordinator, partitioned_optimizer, unit
+
+        def active():
+            return next((b for b in breakdowns.values() if b.on), None)
+
+        def wrap(owner, name: str, label: str) -> None:
+            original = getattr(owner, name)
+
+            @functools.wraps(original)
+            def timed(*args, **kwargs):
+                breakdown = active()
+                if breakdown is None:
+                    return original(*args, **kwargs)
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    end = time.perf_counter()
+                    breakdown.add(label, end - start)
+                    if breakdown.timeline and label.startswith(("gather.", "coordinator.fetch")):
+                        what = sum(args[0].sizes) if label.startswith("gather.") else args[1]
+                        since = breakdown.step_start
+                        breakdown.events.append(
+                            (label, (start - since) * 1e3, (end - since) * 1e3, what)
+                        )
+
+            setattr(owner, name, timed)
 
         owners = {
             "coordinator": coordinator.ParameterCoordinator,
@@ -94,20 +123,22 @@ class Breakdown:
         }
         for kind, names in TIMED.items():
             for name in names:
-                self.wrap(owners[kind], name, f"{kind}.{name}")
+                wrap(owners[kind], name, f"{kind}.{name}")
         started = {}
 
         def collections(phase, info):
             if phase == "start":
                 started["at"] = time.perf_counter()
-            elif self.on:
-                self.add(f"gc generation {info['generation']}", time.perf_counter() - started["at"])
+            elif (breakdown := active()) is not None:
+                elapsed = time.perf_counter() - started["at"]
+                breakdown.add(f"gc generation {info['generation']}", elapsed)
 
         gc.callbacks.append(collections)
 
 
 def build(stage: int, model_name: str, whole_layers: bool, prefetch: float):
     import deepspeed_cpp
+    from deepspeed_cpp.runtime.zero import coordinator
 
     if model_name == "deep":
         model = make_small_model("deep")
@@ -121,40 +152,57 @@ def build(stage: int, model_name: str, whole_layers: bool, prefetch: float):
             "stage3_max_live_parameters": 1_000_000_000,
             "stage3_max_reuse_distance": 1_000_000_000,
         })  # fmt: skip
-        if whole_layers:
-            from deepspeed_cpp.runtime.zero import coordinator
-
-            capped = coordinator._repeated_blocks
-            coordinator._repeated_blocks = lambda c, m, cap: capped(c, m, 1 << 62)
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
-    engine, *_ = deepspeed_cpp.initialize(model=model, config=config)
+    capped = coordinator._repeated_blocks
+    if whole_layers:  # the block cap lifted for this engine only
+        coordinator._repeated_blocks = lambda c, m, cap: capped(c, m, 1 << 62)
+    try:
+        engine, *_ = deepspeed_cpp.initialize(model=model, config=config)
+    finally:
+        coordinator._repeated_blocks = capped
     return engine
+
+
+def engine_labels(args) -> list[str]:
+    """ZeRO-2, ZeRO-3 as configured, and with ``--whole-layers`` ZeRO-3 with whole-layer units
+    too, all in the same processes."""
+    return [ZERO2, ZERO3] + ([WHOLE] if args.whole_layers else [])
+
+
+ZERO2, ZERO3, WHOLE = "ZeRO-2", "ZeRO-3", "ZeRO-3 whole layers"
 
 
 def worker(rank: int, args) -> dict:
     torch.set_num_threads(1)
-    breakdown = Breakdown()
-    if args.breakdown:
-        breakdown.install()
-    engines = {s: build(s, args.model, args.whole_layers, args.prefetch) for s in (2, 3)}
+    breakdowns = {label: Breakdown(args.timeline) for label in engine_labels(args)[1:]}
+    if args.breakdown or args.timeline:
+        Breakdown.install_all(breakdowns)
+    engines = {
+        label: build(2 if label == ZERO2 else 3, args.model, label == WHOLE, args.prefetch)
+        for label in engine_labels(args)
+    }
     generator = torch.Generator().manual_seed(100 + rank)
-    times: dict[int, list[float]] = {2: [], 3: []}
-    cpu: dict[int, list[float]] = {2: [], 3: []}
-    thread: dict[int, list[float]] = {2: [], 3: []}
+    times: dict[str, list[float]] = {label: [] for label in engines}
+    cpu: dict[str, list[float]] = {label: [] for label in engines}
+    thread: dict[str, list[float]] = {label: [] for label in engines}
     for round_index in range(args.warmup + args.rounds):
         if args.model == "deep":
             batch = torch.randn(32, 256, generator=generator)
         else:
             batch = torch.randint(0, VOCAB, (4, SEQ), generator=generator)
-        for stage, engine in engines.items():
+        for label, engine in engines.items():
             dist.barrier()
             measured = round_index >= args.warmup
-            breakdown.on = measured and stage == 3
+            breakdown = breakdowns.get(label)
+            if breakdown is not None and measured:
+                breakdown.on = True
+                breakdown.events.clear()  # the timeline keeps the last measured step's
+                breakdown.step_start = time.perf_counter()
             start, cpu_start = time.perf_counter(), time.process_time()
             thread_start = time.thread_time()
             output = engine(batch)
@@ -162,17 +210,20 @@ def worker(rank: int, args) -> dict:
             engine.backward(loss)
             engine.step()
             if measured:
-                times[stage].append(time.perf_counter() - start)
-                cpu[stage].append(time.process_time() - cpu_start)
-                thread[stage].append(time.thread_time() - thread_start)
-            breakdown.on = False
+                times[label].append(time.perf_counter() - start)
+                cpu[label].append(time.process_time() - cpu_start)
+                thread[label].append(time.thread_time() - thread_start)
+            if breakdown is not None:
+                breakdown.on = False
     return {
-        "step": {stage: statistics.median(values) for stage, values in times.items()},
-        "mean": {stage: statistics.fmean(values) for stage, values in times.items()},
-        "cpu": {stage: statistics.median(values) for stage, values in cpu.items()},
-        "thread": {stage: statistics.median(values) for stage, values in thread.items()},
-        "breakdown": {k: (v[0] / args.rounds, v[1] / args.rounds)
-                      for k, v in breakdown.seconds.items()},
+        "step": {label: statistics.median(values) for label, values in times.items()},
+        "mean": {label: statistics.fmean(values) for label, values in times.items()},
+        "cpu": {label: statistics.median(values) for label, values in cpu.items()},
+        "thread": {label: statistics.median(values) for label, values in thread.items()},
+        "breakdown": {label: {k: (v[0] / args.rounds, v[1] / args.rounds)
+                              for k, v in b.seconds.items()}
+                      for label, b in breakdowns.items()},
+        "timeline": {label: b.events for label, b in breakdowns.items()},
     }  # fmt: skip
 
 
@@ -183,32 +234,44 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--whole-layers", action="store_true")
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print rank 0's fetches and gathers in the last measured step",
+    )
     parser.add_argument("--prefetch", type=float, default=5e6, help="stage3_prefetch_bucket_size")
     args = parser.parse_args()
     ranks = run_on_ranks(2, worker, args)
+    labels = engine_labels(args)
 
-    def slowest(key, stage):  # a step is as slow as its slowest rank
-        return max(r[key][stage] for r in ranks)
+    def slowest(key, label):  # a step is as slow as its slowest rank
+        return max(r[key][label] for r in ranks)
 
-    zero2, zero3 = slowest("step", 2), slowest("step", 3)
-    units = (", whole-layer units" if args.whole_layers else "") + f", prefetch {args.prefetch:g}"
     print(f"{args.model} model, 2 gloo ranks x 1 thread, median of {args.rounds} interleaved "
-          f"rounds after {args.warmup}{units}")  # fmt: skip
+          f"rounds after {args.warmup}, prefetch {args.prefetch:g}")  # fmt: skip
     # CPU: the process's CPU time per step, all its threads (the work, whatever the load).
-    print(f"{'':22} {'median ms':>10} {'mean ms':>8} {'CPU ms':>7} {'main thread':>11}")
-    for stage in (2, 3):
-        print(f"deepspeed_cpp ZeRO-{stage}   {slowest('step', stage) * 1e3:10.1f} "
-              f"{slowest('mean', stage) * 1e3:8.1f} {slowest('cpu', stage) * 1e3:7.1f} "
-              f"{slowest('thread', stage) * 1e3:11.1f}")  # fmt: skip
-    print(f"ZeRO-3 / ZeRO-2        {zero3 / zero2:10.2f} "
-          f"{slowest('mean', 3) / slowest('mean', 2):8.2f} "
-          f"{slowest('cpu', 3) / slowest('cpu', 2):7.2f}")  # fmt: skip
+    print(f"{'':33} {'median ms':>10} {'mean ms':>8} {'CPU ms':>7} {'main thread':>11}")
+    for label in labels:
+        print(f"deepspeed_cpp {label:19} {slowest('step', label) * 1e3:10.1f} "
+              f"{slowest('mean', label) * 1e3:8.1f} {slowest('cpu', label) * 1e3:7.1f} "
+              f"{slowest('thread', label) * 1e3:11.1f}")  # fmt: skip
+    for label in labels[1:]:
+        print(f"{label + ' / ZeRO-2':33} {slowest('step', label) / slowest('step', ZERO2):10.2f} "
+              f"{slowest('mean', label) / slowest('mean', ZERO2):8.2f} "
+              f"{slowest('cpu', label) / slowest('cpu', ZERO2):7.2f}")  # fmt: skip
     if args.breakdown:
-        print("  ZeRO-3 per step (rank 0 / rank 1, inclusive ms; calls):")
-        for label in sorted(ranks[0]["breakdown"]):
-            cells = [r["breakdown"].get(label, (0.0, 0)) for r in ranks]
-            print(f"    {label:34} {cells[0][0] * 1e3:8.2f} / {cells[1][0] * 1e3:8.2f}"
-                  f"   {cells[0][1]:6.1f}")  # fmt: skip
+        for label in labels[1:]:
+            print(f"  {label} per step (rank 0 / rank 1, inclusive ms; calls):")
+            for name in sorted(ranks[0]["breakdown"][label]):
+                cells = [r["breakdown"][label].get(name, (0.0, 0)) for r in ranks]
+                print(f"    {name:34} {cells[0][0] * 1e3:8.2f} / {cells[1][0] * 1e3:8.2f}"
+                      f"   {cells[0][1]:6.1f}")  # fmt: skip
+    if args.timeline:
+        for label in labels[1:]:
+            print(f"  {label}, rank 0, last measured step (ms from its start; fetch: unit, "
+                  "gather: shard elements):")  # fmt: skip
+            for name, start, end, what in ranks[0]["timeline"][label]:
+                print(f"    {name:20} {start:9.1f} {end:9.1f} {end - start:8.1f}  {what}")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ prefetch what comes next, as the C++ fetch schedule (csrc/zero/fetch_schedule) d
 Fetch units: a model's repeated blocks (the children of an ``nn.ModuleList`` or ``nn.Sequential``
 that repeat one class: transformer layers) are one unit each, with all their parameters, as
 FSDP's transformer auto-wrap makes them, unless a block holds more than
-``stage3_max_live_parameters`` or ``stage3_prefetch_bucket_size`` elements (a unit is gathered
-whole) or fewer than
+``stage3_max_live_parameters`` elements (a unit is gathered whole; a block above
+``stage3_prefetch_bucket_size`` is still one unit, prefetched alone) or fewer than
 ``stage3_unit_min_numel`` (0: no blocks, DeepSpeed's unit per module). Elsewhere, every module
 with partitioned parameters of its own (or registered with
 ``register_external_parameter``) is one unit, except small ones (norms, bias-only modules: fewer
@@ -109,16 +109,16 @@ class ParameterCoordinator:
             module,
             self._inside_leaf,
             int(unit_min_numel),
-            # A block is gathered whole: within the live budget, and within the prefetch
-            # bucket (measured: the 50M transformer's 5.95M-element layers as units with a 5e6
-            # bucket made its step ~1.8x slower than per-module units, benchmarks/zero3_table.py).
-            # Not more work: benchmarks/zero3_step_profile.py --model transformer measured the
-            # same CPU time per step either way (1158-1253 vs 1166-1205 ms), but 392-552 ms per
-            # step blocked on gathers instead of 60-85 ms. A prefetch decided at a unit's use is
-            # launched only once its agreement check is settled, at the unit's release after
-            # its forward, so the next layer's gather starts just before that layer needs it;
-            # per-module units keep several smaller gathers in flight behind the modules between.
-            min(int(max_live_parameters), int(prefetch_bucket_size)),
+            # A block is gathered whole within the live budget, whatever the prefetch bucket
+            # (the schedule always takes one unit ahead, even one above the bucket). Measured
+            # (benchmarks/zero3_step_profile.py --model transformer --whole-layers, both in the
+            # same processes, 8 rounds): the 50M transformer's 5.95M-element layers as units
+            # with a 5e6 bucket step in 1694 ms against 1742 ms per module (CPU 1221 vs 1216
+            # ms, gathers waited for 209/193 vs 137/115 ms per step), with 25 collectives per
+            # step instead of 43 (FSDP2: 26). Before the agreement rode with the gathers
+            # (pass_agreement.py), a prefetch launched only when the use check settled, at the
+            # unit's release, and whole layers were ~1.8x slower.
+            int(max_live_parameters),
             self._whole_units,
         )
         for name, submodule, params, leaf in units:
@@ -488,9 +488,8 @@ def _repeated_blocks(container: torch.nn.Module, min_numel: int, block_cap: int)
     """Ids of the children of an ``nn.ModuleList`` / ``nn.Sequential`` that are blocks of a
     repeated class (at least two children of that class with partitioned parameters: transformer
     layers), each holding at least ``min_numel`` partitioned elements (smaller ones follow the
-    merge rules) and at most ``block_cap`` (the smaller of ``stage3_max_live_parameters`` and
-    ``stage3_prefetch_bucket_size``: a unit is gathered whole, so a larger block is split by the
-    per-module rules instead)."""
+    merge rules) and at most ``block_cap`` (``stage3_max_live_parameters``: a unit is gathered
+    whole, so a larger block is split by the per-module rules instead)."""
     if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
         return []
     sizes = {id(child): _partitioned_numel(child) for child in container.children()}
