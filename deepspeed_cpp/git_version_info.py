@@ -70,8 +70,15 @@ def _read_ref(git_dir: Path, common: Path, ref: str) -> str | None:
 git_hash, git_branch = _git_head(Path(__file__).resolve().parent)
 
 
+# CUDA and NCCL versions count only where CUDA can run: a CUDA build of torch on a machine without
+# a GPU reads "0.0", as DeepSpeed's torch_info does for a CPU-only install. DeepSpeed's test helper
+# (bf16_required_version_check) and scripts that copy it run CUDA-only bf16 checks when these are
+# set; on such a machine DeepSpeed 0.19.8 skips them (measured), and so must we.
+_CUDA_USABLE = torch.version.cuda is not None and torch.cuda.is_available()
+
+
 def _nccl_version() -> str:
-    if torch.version.cuda is None:
+    if not _CUDA_USABLE:
         return "0.0"
     try:
         major, minor, *_ = torch.cuda.nccl.version()
@@ -82,8 +89,8 @@ def _nccl_version() -> str:
 
 torch_info = {
     "version": ".".join(torch.__version__.split("+")[0].split(".")[:2]),
-    "bf16_support": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
-    "cuda_version": torch.version.cuda or "0.0",
+    "bf16_support": _CUDA_USABLE and torch.cuda.is_bf16_supported(),
+    "cuda_version": ".".join(torch.version.cuda.split(".")[:2]) if _CUDA_USABLE else "0.0",
     "nccl_version": _nccl_version(),
     "hip_version": getattr(torch.version, "hip", None) or "0.0",
 }

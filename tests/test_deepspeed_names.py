@@ -82,6 +82,12 @@ def test_git_version_info_reports_without_compiling():
     assert info.torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
     for key in ("cuda_version", "nccl_version", "hip_version", "bf16_support"):
         assert key in info.torch_info
+    # CUDA counts only where it can run (DeepSpeed's tests skip their CUDA bf16 checks on "0.0").
+    if torch.cuda.is_available():
+        assert info.torch_info["cuda_version"] == ".".join(torch.version.cuda.split(".")[:2])
+    else:
+        assert info.torch_info["cuda_version"] == info.torch_info["nccl_version"] == "0.0"
+        assert info.torch_info["bf16_support"] is False
     assert info.compatible_ops["cpu_adam"] is True
     # DeepSpeed ops we do not have read as not compatible (tests skip on them), not KeyError.
     assert info.compatible_ops["fused_lamb"] is False

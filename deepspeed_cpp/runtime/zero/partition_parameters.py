@@ -37,6 +37,7 @@ from .gather_handles import (  # noqa: F401  (DeepSpeed's module path for them)
     MultipleAllGatherHandles,
     partitioned_param_data_shape,
 )
+from .param_summary import attach_summary
 from .shard_gather import backend_for, launch_all_gather
 
 # DeepSpeed's module-level names that transformers reads (and swaps) here while it builds a model
@@ -130,6 +131,7 @@ def partition_parameter(
         param.ds_group = group
         param.ds_works = None
         param.ds_whole = None
+        attach_summary(param)
         if persist:
             param.data = data
             param.ds_tensor = data
