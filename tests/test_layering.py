@@ -8,7 +8,10 @@
   only as a ``PipeCheckpointSubject``: no name ``engine`` in them, no engine import;
 - ZeRO stages are composed, not inherited: no class in ``runtime/zero`` has more than one
   deepspeed_cpp base class, and the pieces a stage is composed of (its ``ShardSet``, steppers,
-  checkpoint view, fragments, gathers) read no private attribute of another object.
+  checkpoint view, fragments, gathers) read no private attribute of another object;
+- a stage's ``ShardSet``, bucket plan and C++ reducer are built in one place
+  (``shard_set_builder.py``, with ZeRO-3's layout in ``partitioned_buckets.py``), and no class
+  subclasses ``ZeroPartitionedOptimizer`` to build them differently.
 
 Relative imports are resolved, and imports inside functions count as well."""
 
@@ -24,7 +27,9 @@ PACKAGE = Path(deepspeed_cpp.__file__).parent
 STAGE_MODULES = {
     "deepspeed_cpp.runtime.zero.build",
     "deepspeed_cpp.runtime.zero.moe_stage",
+    "deepspeed_cpp.runtime.zero.partitioned_buckets",
     "deepspeed_cpp.runtime.zero.partitioned_optimizer",
+    "deepspeed_cpp.runtime.zero.shard_set_builder",
     "deepspeed_cpp.runtime.zero.stage3",
     "deepspeed_cpp.runtime.zero.stage_1_and_2",
     "deepspeed_cpp.runtime.engine",
@@ -129,10 +134,12 @@ COMPOSED = [
     "runtime/zero/offload/stepping.py",
     "runtime/zero/param_fragments.py",
     "runtime/zero/param_gathers.py",
+    "runtime/zero/partitioned_buckets.py",
     "runtime/zero/partitioned_optimizer.py",
     "runtime/zero/shard_checkpoint_state.py",
     "runtime/zero/shard_norms.py",
     "runtime/zero/shard_set.py",
+    "runtime/zero/shard_set_builder.py",
     "runtime/zero/steppers.py",
 ]
 
@@ -172,6 +179,47 @@ def test_stage_pieces_read_no_private_attribute_of_another_object():
         "import torch\nclass A:\n    def f(self, stage):\n        return stage._steps, self._x\n"
     )
     assert _private_reads(sample) == ["4: stage._steps"]  # the check can fail
+
+
+# Where each construction call of a stage's storage may appear (runtime/zero, relative paths).
+BUILT_ONLY_IN = {
+    "ShardSet": {"shard_set_builder.py"},
+    "make_gradient_reducer": {"shard_set_builder.py"},
+    "plan_buckets": {"shard_set_builder.py", "partitioned_buckets.py"},
+}
+
+
+def _construction_calls(source: str) -> set[str]:
+    """The names of ``BUILT_ONLY_IN`` that ``source`` calls, and ``subclass`` where a class
+    derives from ``ZeroPartitionedOptimizer`` (a stage kind built by overriding its
+    construction)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func).rsplit(".", 1)[-1]
+            if name in BUILT_ONLY_IN:
+                found.add(name)
+        elif isinstance(node, ast.ClassDef):
+            bases = {ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases}
+            if "ZeroPartitionedOptimizer" in bases:
+                found.add("subclass")
+    return found
+
+
+def test_shard_sets_are_built_in_one_place():
+    zero = PACKAGE / "runtime" / "zero"
+    misplaced = sorted(
+        (str(path.relative_to(zero)), name)
+        for path in zero.rglob("*.py")
+        for name in _construction_calls(path.read_text(encoding="utf-8"))
+        if str(path.relative_to(zero)) not in BUILT_ONLY_IN.get(name, set())
+    )
+    assert misplaced == []
+    sample = (
+        "from .ops import zero\nclass Stage3(ZeroPartitionedOptimizer):\n"
+        "    def _make_reducer(self):\n        return zero.make_gradient_reducer(self.plan)\n"
+    )
+    assert _construction_calls(sample) == {"subclass", "make_gradient_reducer"}  # can fail
 
 
 PIPE_CHECKPOINT = ["runtime/pipe/checkpoint.py", "runtime/pipe/optimizer_reshard.py"]

@@ -1,13 +1,18 @@
 """``build_stage``: the ZeRO stage of a config, over a module, with the optimizer a user passed
 to ``initialize`` (or the config's), in one place, so the engine holds no stage construction.
 
-Stages 0-2 are a ``ZeroPartitionedOptimizer`` (an ``ExpertParallelZeroStage`` where MoE experts
-need sets of their own), stage 3 a ``ZeroStage3``; every one gets the same settings from the
-config (bucket size, clipping, loss scaler, offload). ``None``: no optimizer anywhere, so nothing
-to train (inference or evaluation; a stage-3 model is still partitioned and gathered).
+Stages 0-2 are a ``ZeroPartitionedOptimizer`` over flat buckets (an ``ExpertParallelZeroStage``
+of several, where MoE experts need sets of their own), stage 3 a ``ZeroStage3`` holding one over
+ZeRO-3's partitioned buckets (``partitioned_buckets.py``), its parameter coordinator and its
+parameter home; each ``ZeroPartitionedOptimizer`` (its ``ShardSet``, reducer and stepper) is built
+by ``shard_set_builder.build_zero_stage`` with the same settings from the config (bucket size,
+clipping, loss scaler, offload). ``None``: no optimizer anywhere, so nothing to train (inference
+or evaluation; a stage-3 model is still partitioned and gathered).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -16,9 +21,10 @@ from ..call_order import refuse_foreign_parameters
 from ..config.deepspeed_config import offload_param_needs_offload_optimizer
 from ..config.errors import DeepSpeedConfigError
 from ..config_optimizer import client_optimizer_wins, config_optimizer_factory
+from . import partition_parameters as pp
 from .moe_stage import ExpertParallelZeroStage
 from .offload.optimizer_offload import OptimizerOffload, ParamOffload
-from .partitioned_optimizer import ZeroPartitionedOptimizer
+from .shard_set_builder import FlatBuckets, build_zero_stage
 from .utils import ZeRORuntimeException
 
 
@@ -77,19 +83,19 @@ def build_stage(
     )
     if parallel is not None and parallel.mp_world_size > 1:
         common.update(norm_group=parallel.mp_group, counts_in_norm=parallel.counts_in_norm)
-    stage_class = ZeroPartitionedOptimizer
+    make_stage = partial(build_zero_stage, layout=FlatBuckets())
     if expert_parallel:
         # Expert parameters of ep_size > 1 get sets of their own, each reduced and sharded over
         # its expert-data-parallel group, offloaded to a home of its own (a partial offload,
         # which needs a device optimizer, is refused there).
-        stage_class = ExpertParallelZeroStage
+        make_stage = ExpertParallelZeroStage
     else:
         common["device_optimizer"] = device_part
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
             optimizer = optimizer(param_groups_of(module, model_parameters))
         check_optimizer_covers_module(module, optimizer)
-        return stage_class(optimizer, **common)
+        return make_stage(optimizer, **common)
     if config_optimizer is None:
         return None  # inference or evaluation only; step() will say so
     factory = config_optimizer_factory(
@@ -98,13 +104,18 @@ def build_stage(
         optimizer_device,
         offloaded=offload is not None,
     )
-    return stage_class(factory, param_groups_of(module, model_parameters), **common)
+    return make_stage(factory, param_groups_of(module, model_parameters), **common)
 
 
 def _build_stage3(
     config, config_optimizer, module, optimizer, device, optimizer_device, model_parameters, common
 ):
-    from .stage3 import ZeroStage3
+    """Partitions ``module``'s parameters (adopting them into their offload home), hooks the
+    parameter coordinator in, then builds the optimizer over the shards; a failure leaves no
+    hooks on the model and puts adopted shards back on the device."""
+    from .coordinator import ParameterCoordinator
+    from .partitioned_buckets import PartitionedBuckets
+    from .stage3 import ZeroStage3, partition_module
 
     if isinstance(optimizer, torch.optim.Optimizer):
         check_optimizer_covers_module(module, optimizer)
@@ -115,21 +126,72 @@ def _build_stage3(
             optimizer_device,
             offloaded=common["offload"] is not None,
         )
-    param_offload = ParamOffload.from_config(config.zero_optimization, config.aio)
+    zero = config.zero_optimization
+    param_offload = ParamOffload.from_config(zero, config.aio)
     refuse_param_offload_alone(optimizer, param_offload, common["offload"])
     dtype = (
         torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
     )
-    return ZeroStage3(
+    param_groups = param_groups_of(module, model_parameters) if optimizer is not None else None
+    group = common["group"]
+    partition_module(
         module,
-        optimizer,
-        param_groups_of(module, model_parameters) if optimizer is not None else None,
-        zero=config.zero_optimization,
+        group,
         device=device,
         dtype=dtype,
-        param_offload=param_offload,
-        **common,
+        param_threshold=int(zero.param_persistence_threshold),
+        model_threshold=int(zero.model_persistence_threshold),
     )
+    param_home = None
+    if param_offload is not None:
+        param_home = param_offload.make_home(device, rank=dist.get_rank(group))
+        adopted = [
+            p
+            for p in module.parameters()
+            if pp.is_partitioned(p) and getattr(p, "ds_home", None) is None
+        ]
+        try:
+            param_home.check_fits(adopted)
+            for param in adopted:
+                param_home.adopt(param)
+        except BaseException:
+            param_home.close()  # shards adopted so far go back to the device
+            raise
+    coordinator = ParameterCoordinator(
+        module,
+        group,
+        prefetch_bucket_size=zero.prefetch_bucket_size,
+        max_live_parameters=zero.max_live_parameters,
+        max_reuse_distance=zero.max_reuse_distance,
+        unit_min_numel=zero.unit_min_numel,
+    )
+    if optimizer is None:
+        return ZeroStage3(group, coordinator, None, param_home)
+    offload = common["offload"]
+    # step_during_backward steps a sub-group once its unit's gradients are reduced: units
+    # sharing one reduction would hold every step back to the end of backward. Decided before
+    # the optimizer exists, so "maybe" (None) counts.
+    layout = PartitionedBuckets(
+        model_order={id(p): i for i, p in enumerate(module.parameters())},
+        unit_of_param=coordinator.unit_of_param(),
+        units_reduced_apart=offload is not None and offload.step_during_backward is not False,
+    )
+    try:
+        partitioned = build_zero_stage(
+            optimizer,
+            param_groups,
+            layout=layout,
+            stage=3,
+            reduce_bucket_size=int(zero.reduce_bucket_size),
+            reduce_scatter=zero.reduce_scatter,
+            **common,
+        )
+    except BaseException:
+        coordinator.destroy()  # no hooks left behind on the model
+        if param_home is not None:
+            param_home.close()
+        raise
+    return ZeroStage3(group, coordinator, partitioned, param_home)
 
 
 def _refuse_unless_cpu_optimizer(optimizer):

@@ -28,19 +28,19 @@ import torch.distributed as dist
 from ...comm.collective_errors import named_collective
 
 
-def grads_can_stay_in_place(stage_object, scale: float) -> bool:
-    """Whether ``stage_object`` (a ``ZeroPartitionedOptimizer`` after its buckets, masters and
-    offload are set up) can skip the reducer: stage 0, nothing offloaded or stepped during
-    backward, fp32 parameters that view their buckets' flat tensors, and with one replica
-    gradients scaled by exactly 1 (several replicas: any scale, applied after the all-reduce)."""
+def grads_can_stay_in_place(shards, stepper, scale: float) -> bool:
+    """Whether a stage over ``shards`` (a ``ShardSet``) stepped by ``stepper`` can skip the
+    reducer: stage 0, nothing offloaded or stepped during backward, fp32 parameters that view
+    their buckets' flat tensors, and with one replica gradients scaled by exactly 1 (several
+    replicas: any scale, applied after the all-reduce)."""
     return (
-        stage_object.stage == 0
-        and (stage_object.world_size > 1 or scale == 1.0)
-        and stage_object.home.kind == "none"
-        and not stage_object.steps_during_backward
+        shards.stage == 0
+        and (shards.world_size > 1 or scale == 1.0)
+        and shards.home.kind == "none"
+        and not stepper.steps_during_backward
         and all(
             bucket.flat is not None and bucket.flat.dtype == torch.float32
-            for bucket in stage_object.buckets
+            for bucket in shards.buckets
         )
     )
 

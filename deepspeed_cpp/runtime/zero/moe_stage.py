@@ -43,6 +43,7 @@ from ...moe.expert_names import expert_layers, gather_experts_to_rank0, to_local
 from ...utils import groups
 from .offload.optimizer_offload import OptimizerOffload
 from .partitioned_optimizer import ZeroPartitionedOptimizer
+from .shard_set_builder import FlatBuckets, build_zero_stage
 from .stage import LayoutPart
 from .stage_setup import init_stage_fields, optimizer_over_masters
 
@@ -126,9 +127,10 @@ class ExpertParallelZeroStage:
         self.sets: list[ZeroPartitionedOptimizer] = []
         for key in self.keys:
             self.sets.append(
-                ZeroPartitionedOptimizer(
+                build_zero_stage(  # the builder of every stage's sets
                     _Collect,
                     split[key][0],
+                    layout=FlatBuckets(),
                     stage=stage,
                     group=group if key == DENSE else groups._get_expert_data_parallel_group(key),
                     reduce_bucket_size=reduce_bucket_size,

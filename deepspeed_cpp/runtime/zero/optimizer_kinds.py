@@ -26,14 +26,14 @@ def _stage_objects() -> tuple[type, ...]:
     # Imported on use: these modules import torch.distributed and the ops.
     from .moe_stage import ExpertParallelZeroStage
     from .partitioned_optimizer import ZeroPartitionedOptimizer
-    from .stage3 import Stage3Optimizer, ZeroStage3
+    from .stage3 import ZeroStage3
 
-    return ZeroPartitionedOptimizer, ExpertParallelZeroStage, ZeroStage3, Stage3Optimizer
+    return ZeroPartitionedOptimizer, ExpertParallelZeroStage, ZeroStage3
 
 
 def _stage_of(obj) -> int | None:
-    partitioned, expert_parallel, stage3, stage3_inner = _stage_objects()
-    if isinstance(obj, (stage3, stage3_inner)):
+    partitioned, expert_parallel, stage3 = _stage_objects()
+    if isinstance(obj, stage3):
         return 3
     if isinstance(obj, (partitioned, expert_parallel)):
         return getattr(obj, "stage", None)

@@ -1,8 +1,11 @@
-"""ZeRO stages 0, 1 and 2 over flat fp32 master buckets.
+"""ZeRO stages 0, 1 and 2 over flat fp32 master buckets (and stage 3's shards, laid out by
+``partitioned_buckets.py``): the object that drives a built ``ShardSet``, its reducer and its
+stepper through backward and the step.
 
-Every trainable parameter is planned once, at construction, into a flat bucket (csrc/zero's
-planner: same plan on every rank, buckets never mix parameter groups). Each bucket is padded to a
-multiple of the world size and split into equal shards; rank r owns shard r of every bucket:
+Every trainable parameter is planned once, when the stage is built (``shard_set_builder.py``),
+into a flat bucket (csrc/zero's planner: same plan on every rank, buckets never mix parameter
+groups). Each bucket is padded to a multiple of the world size and split into equal shards; rank
+r owns shard r of every bucket:
 
 - stage 0: every rank owns whole buckets; gradients are all-reduced;
 - stage 1: a rank keeps fp32 master weights and optimizer state for its shards only; the full
@@ -27,43 +30,49 @@ DeepSpeed does.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
-from ...comm.reducer_tap import logged_if_enabled
-from ...ops.zero import (
-    BucketPlan,
-    flatten_into,
-    make_gradient_reducer,
-    plan_buckets,
-)
 from ...utils.timer import REDUCE_SCATTER_SUBMIT_TIMER, REDUCE_SCATTER_WAIT_TIMER, timed
 from . import deepspeed_group_views as ds_views
-from .in_place_grads import InPlaceGradients, grads_can_stay_in_place
+from .in_place_grads import InPlaceGradients
 from .loss_scale_state import LossScaleConfigView
 from .offload.optimizer_offload import OptimizerOffload
-from .offload.stepping import OffloadedStepper, make_device_optimizer
 from .param_fragments import ParamFragments
-from .param_gathers import MasterGathers
+from .param_gathers import params_view_flat
 from .shard_checkpoint_state import ShardCheckpoint
-from .shard_gather import backend_for
 from .shard_norms import ShardGradientChecks
-from .shard_set import Bucket, ShardSet
-from .stage_setup import init_stage_fields, optimizer_over_masters
+from .shard_set import ParamGathers, ShardSet
+from .stage_setup import set_stage_fields
 from .steppers import InMemoryStepper
 
 
-class ZeroPartitionedOptimizer(MasterGathers):
-    """One engine's ZeRO stage 0-2, composed of its ``ShardSet`` (plan, buckets, fp32 master
-    shards, shard gradients, home), a stepper (``steppers.py``: in memory, or offloaded with the
-    delayed update and steps during backward), the checkpoint view of its shards
-    (``shard_checkpoint_state.py``), its parameters' fragments (``param_fragments.py``) and the
-    C++ reducer, which it drives from the gradient hooks. It is the ``ParamGathers``
-    (``param_gathers.py``) its stepper writes updated values through."""
+@dataclass
+class StageParts:
+    """What ``shard_set_builder.build_zero_stage`` builds for a stage: its ``ShardSet``, the C++
+    reducer over it, the ``ParamGathers`` writing updated masters into the parameters, the
+    stepper, and (stage 0 where gradients can stay in their flat buffers) the in-place
+    gradients that replace the reducer's copies."""
+
+    shards: ShardSet
+    reducer: object
+    gathers: ParamGathers
+    stepper: InMemoryStepper
+    in_place_grads: InPlaceGradients | None
+
+
+class ZeroPartitionedOptimizer:
+    """One engine's ZeRO stage 0-3 optimizer, composed of its ``ShardSet`` (plan, buckets, fp32
+    master shards, shard gradients, home), a stepper (``steppers.py``: in memory, or offloaded
+    with the delayed update and steps during backward), the ``ParamGathers`` the stepper writes
+    updated values through (``param_gathers.py``; ZeRO-3's in ``partitioned_buckets.py``), the
+    checkpoint view of its shards (``shard_checkpoint_state.py``), its parameters' fragments
+    (``param_fragments.py``) and the C++ reducer, which it drives from the gradient hooks. All
+    but the last three come built (``shard_set_builder.py``)."""
 
     # DeepSpeed's names for the groups and fp32 partitions, read-only (deepspeed_group_views.py).
     bit16_groups = property(ds_views.bit16_groups)
@@ -72,126 +81,31 @@ class ZeroPartitionedOptimizer(MasterGathers):
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer | Callable[[list[dict]], torch.optim.Optimizer],
-        param_groups: list[dict] | None = None,
+        parts: StageParts,
         *,
-        stage: int,
-        group: dist.ProcessGroup,
-        reduce_bucket_size: int,
         gradient_clipping: float = 0.0,
         loss_scaler=None,
-        reduce_scatter: bool = True,
-        offload: OptimizerOffload | None = None,
-        device_optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
-        grad_divisor: int | None = None,
         norm_group: dist.ProcessGroup | None = None,
         counts_in_norm: Callable[[torch.nn.Parameter], bool] | None = None,
     ):
-        """`optimizer` is either a torch optimizer over the model's parameters (the user's: its
-        param groups are re-pointed at the master shards in place) or a factory that builds one
-        from param groups of master shards (a config optimizer); `param_groups` (dicts with
-        "params" and hyper-parameters) is then required. `reduce_scatter=False` (DeepSpeed's
-        ``zero_optimization.reduce_scatter``) reduces stage 1/2 gradients with all-reduce.
-        ``offload`` puts the master shards and optimizer state on the host or NVMe (see
-        ``offload/optimizer_homes.py``); with ``ratio`` < 1 the buckets left on the device are
-        stepped by ``device_optimizer`` (a factory like a config ``optimizer``).
-        ``grad_divisor`` (default: the size of ``group``) is what the summed gradients are divided
-        by: expert parameters are reduced over their expert-data-parallel group but averaged over
-        the whole data-parallel world (``moe_stage.py``). ``norm_group`` (model parallelism,
-        ``runtime/model_parallel.py``): the gradient norm's partial sums are summed over it too,
-        after ``group``, each rank adding the parameters for which ``counts_in_norm`` is true (all
-        when None), so that the norm and the skip decision are the whole model's."""
-        if stage not in self.STAGES:
-            raise ValueError(f"{type(self).__name__} handles stages {self.STAGES}, got {stage}")
-        param_groups = init_stage_fields(
+        """``parts``: see ``StageParts``; ``norm_group`` and ``counts_in_norm``: see
+        ``shard_norms.py``."""
+        shards = parts.shards
+        set_stage_fields(
             self,
-            optimizer,
-            param_groups,
-            stage=stage,
-            group=group,
+            stage=shards.stage,
+            group=shards.group,
             gradient_clipping=gradient_clipping,
             loss_scaler=loss_scaler,
         )
-
-        owned_whole = stage == 0
-        if offload is not None and owned_whole:
-            raise ValueError(
-                f"zero_optimization.offload_optimizer.device = {offload.device!r} needs ZeRO "
-                f"stage 1, 2 or 3 (it offloads the partitioned optimizer state); got stage 0"
-            )
-        self.params, self.plan = self._plan(param_groups, reduce_bucket_size, owned_whole)
-        self.buckets = self._make_buckets(owned_whole)
-        for bucket in self.buckets:
-            self._view_params_in_flat(bucket)
-        device = self.params[0].device
-        # Per-element optimizer state tensors a home reserves room for (Adam's two).
-        self.home = (offload or OptimizerOffload()).make_home(
-            [b.owned_size for b in self.buckets], device, rank=self.rank, state_slots=2
-        )
-        self.masters, self.shard_grads = self._make_masters(device)
-        self.shards = ShardSet(
-            params=self.params,
-            plan=self.plan,
-            buckets=self.buckets,
-            masters=self.masters,
-            shard_grads=self.shard_grads,
-            home=self.home,
-            stage=stage,
-            group=group,
-            rank=self.rank,
-            world_size=self.world_size,
-        )
-        on_device = getattr(self.home, "on_device", None)  # a partial offload's device buckets
-        offloaded = [b for b in range(len(self.buckets)) if b not in set(on_device or ())]
-        master_groups = self._master_param_groups(param_groups, offloaded)
-        device_part = make_device_optimizer(
-            device_optimizer,
-            on_device,
-            optimizer,
-            offload is not None and offload.delayed_update_after is not None,
-            self._master_param_groups(param_groups, list(on_device or ())),
-        )
-        optimizer = optimizer_over_masters(optimizer, master_groups)
-        # The stepper and the checkpoint view call back through a proxy: no reference cycle, so
-        # the stage is freed as soon as its engine lets go of it.
-        gathers = weakref.proxy(self)
-        if offload is None:
-            self.stepper = InMemoryStepper(self.shards, gathers, optimizer)
-        else:
-            self.stepper = OffloadedStepper(
-                self.shards,
-                gathers,
-                optimizer,
-                offload,
-                device_optimizer=device_part,
-                gradient_clipping=self.gradient_clipping,
-                loss_scaled=self.loss_scaler is not None,
-            )
-        self.checkpoint_state = ShardCheckpoint(self.shards, self.stepper, gathers)
-        self.gradient_checks = ShardGradientChecks(self.shards, norm_group, counts_in_norm)
-        self.home.attach(self.masters, optimizer)
-
-        scale = 1.0 / (grad_divisor or self.world_size)
-        self.reducer = self._make_reducer(
-            scatter=not owned_whole,
-            scatter_method="auto" if reduce_scatter else "all_reduce",
-            device=device,
-            scale=scale,
-        )
-        # Stage 0: the parameters' .grad are views of the flat gradients, reduced in place.
-        self._in_place_grads = (
-            InPlaceGradients(
-                self.buckets,
-                self.shard_grads,
-                [self.plan.members(b) for b in range(len(self.buckets))],
-                group=self.group,
-                world_size=self.world_size,
-                scale=scale,
-            )
-            if grads_can_stay_in_place(self, scale)
-            else None
-        )
-        self._gather_by_broadcast = backend_for(group, device) == "gloo"
+        self.shards, self.reducer, self.gathers = shards, parts.reducer, parts.gathers
+        self.stepper = parts.stepper
+        # The shard set's fields, under the names code reading a stage uses.
+        self.params, self.plan, self.buckets = shards.params, shards.plan, shards.buckets
+        self.masters, self.shard_grads, self.home = shards.masters, shards.shard_grads, shards.home
+        self.checkpoint_state = ShardCheckpoint(shards, self.stepper, self.gathers)
+        self.gradient_checks = ShardGradientChecks(shards, norm_group, counts_in_norm)
+        self._in_place_grads = parts.in_place_grads
         # Shard gradients are zeroed lazily: the first reduction after zero_grad() writes them
         # instead of adding to zeros (a full pass over every shard saved per step).
         self._shard_grads_zero_pending = False
@@ -199,141 +113,22 @@ class ZeroPartitionedOptimizer(MasterGathers):
         self._reduce_during_backward = False
         low_precision = any(p.dtype != torch.float32 for p in self.params)
         self._fp32_accumulators: list[torch.Tensor | None] | None = (
-            [None] * len(self.params) if low_precision and stage in (0, 1) else None
+            [None] * len(self.params) if low_precision and self.stage in (0, 1) else None
         )
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(index))
             for index, p in enumerate(self.params)
         ]
         self._boundary_backward = False
-        self.fragments = ParamFragments(self.shards, self.stepper, loss_scaler)
+        self.fragments = ParamFragments(shards, self.stepper, loss_scaler)
         self.fragments.link()  # deepspeed_cpp.utils.safe_get_full_fp32_param & co.
         # The engine's wall-clock timers, set at ZeRO-3 with ``wall_clock_breakdown`` (None:
         # nothing timed, no cost in the gradient hooks).
         self.timers = None
 
-    STAGES = (0, 1, 2)
     trains = True
 
-    # --- construction -------------------------------------------------------------------------
-    def _plan(
-        self, param_groups: list[dict], reduce_bucket_size: int, owned_whole: bool
-    ) -> tuple[list[torch.nn.Parameter], BucketPlan]:
-        """The trainable parameters in the order their gradients usually become ready (reverse
-        registration order), grouped by param group so that a bucket never mixes groups, and
-        their bucket plan."""
-        ordered: list[tuple[int, torch.nn.Parameter]] = []
-        for group_index, param_group in enumerate(param_groups):
-            trainable = [p for p in param_group["params"] if p.requires_grad]
-            ordered.extend((group_index, p) for p in reversed(trainable))
-        if not ordered:
-            raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
-        plan = plan_buckets(
-            [p.numel() for _, p in ordered],
-            [g for g, _ in ordered],
-            capacity=max(1, int(reduce_bucket_size)),
-            world_size=1 if owned_whole else self.world_size,
-        )
-        return [p for _, p in ordered], plan
-
-    def _make_buckets(self, owned_whole: bool) -> list[Bucket]:
-        buckets = []
-        for b, size in enumerate(self.plan.bucket_sizes):
-            members = self.plan.members(b)
-            if owned_whole:
-                start, owned = 0, size
-            else:
-                owned = size // self.world_size
-                start = self.rank * owned
-            params = [self.params[p] for p in members]
-            dtypes = {p.dtype for p in params}
-            buckets.append(
-                Bucket(
-                    params=params,
-                    offsets=[self.plan.param_offset[p] for p in members],
-                    size=size,
-                    owned_start=start,
-                    owned_size=owned,
-                    # Low-precision parameters are gathered in their own dtype: half the bytes,
-                    # and the same values as gathering fp32 and casting afterwards.
-                    gather_dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
-                )
-            )
-        return buckets
-
-    def _make_masters(self, device) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
-        masters, grads = [], []
-        shard_grads = self._make_shard_grads(device)
-        for bucket in self.buckets:
-            values = self.home.make_master(len(masters), self._master_slice(bucket))
-            master = torch.nn.Parameter(values, requires_grad=True)
-            # The reducer writes shard gradients on the device; offloaded masters get theirs
-            # copied to the host for each step.
-            grad = shard_grads[len(masters)]
-            if not self.home.offloaded(len(masters)):
-                master.grad = grad
-            masters.append(master)
-            grads.append(grad)
-        return masters, grads
-
-    def _make_shard_grads(self, device) -> list[torch.Tensor]:
-        """One fp32 gradient per bucket: this rank's shard of it, where the reducer adds."""
-        return [torch.zeros(b.owned_size, dtype=torch.float32, device=device) for b in self.buckets]
-
-    def _make_reducer(self, *, scatter: bool, scatter_method: str, device, scale: float):
-        """The C++ reducer over the bucket plan; each reduced bucket is averaged (``scale``)
-        straight into this rank's shard gradient as soon as its collective completes, during
-        backward."""
-        reducer = make_gradient_reducer(
-            self.group, self.plan, scatter=scatter, scatter_method=scatter_method, device=device
-        )
-        reducer = logged_if_enabled(reducer, self.plan, self.group)  # only with comms_logger on
-        reducer.accumulate_into(self.shard_grads, scale)
-        return reducer
-
-    def buckets_reduced(self) -> int:
-        """How many leading buckets have their shard gradient reduced in this backward (final
-        at an accumulation boundary)."""
-        return self.reducer.harvested()
-
-    def _master_slice(self, bucket: Bucket) -> torch.Tensor:
-        if bucket.flat is not None and bucket.flat.dtype == torch.float32:
-            # fp32 parameters are their own master weights: the master slice is this rank's
-            # part of the flat parameters, so the optimizer updates the parameters in place
-            # and the all-gather only brings the other ranks' slices.
-            return bucket.flat.narrow(0, bucket.owned_start, bucket.owned_size)
-        return self.owned_slice_of_params(bucket, self.params[0].device)
-
-    def _view_params_in_flat(self, bucket: Bucket) -> None:
-        dtypes = {p.dtype for p in bucket.params}
-        devices = {p.device for p in bucket.params}
-        if len(dtypes) != 1 or len(devices) != 1:
-            return
-        flat = torch.zeros(bucket.size, dtype=dtypes.pop(), device=devices.pop())
-        flatten_into([p.detach() for p in bucket.params], flat, bucket.offsets)
-        for param, offset in zip(bucket.params, bucket.offsets):
-            param.data = flat.narrow(0, offset, param.numel()).view(param.shape)
-        bucket.flat = flat
-        bucket.view_pointers = tuple(p.data_ptr() for p in bucket.params)
-
-    def owned_slice_of_params(self, bucket: Bucket, device: torch.device) -> torch.Tensor:
-        """The model parameters' current values over this rank's slice of `bucket`, in fp32."""
-        flat = torch.zeros(bucket.size, dtype=torch.float32, device=device)
-        flatten_into([p.detach() for p in bucket.params], flat, bucket.offsets)
-        return flat.narrow(0, bucket.owned_start, bucket.owned_size).clone()
-
-    def _master_param_groups(self, param_groups: list[dict], buckets: list[int]) -> list[dict]:
-        """The given param groups' hyper-parameters over this rank's master shards of
-        ``buckets``."""
-        by_group: dict[int, list[torch.nn.Parameter]] = {}
-        for bucket_index in buckets:
-            master = self.masters[bucket_index]
-            by_group.setdefault(self.plan.bucket_groups[bucket_index], []).append(master)
-        return [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": by_group.get(i, [])}
-            for i, group in enumerate(param_groups)
-        ]
-
+    # --- gradient hooks -----------------------------------------------------------------------
     def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:
@@ -383,9 +178,7 @@ class ZeroPartitionedOptimizer(MasterGathers):
             # The script stepped and cleared the optimizer initialize handed back itself
             # (optimizer.step(); optimizer.zero_grad()): start from zero as after zero_grad().
             self._shard_grads_zero_pending = True
-        if self._in_place_grads is not None and not all(
-            map(self.params_still_view_flat, self.buckets)
-        ):
+        if self._in_place_grads is not None and not all(map(params_view_flat, self.buckets)):
             self._in_place_grads = None  # data replaced (module.half()...): reduce as usual
         if self._in_place_grads is not None:  # autograd accumulates into the flat gradients
             self._boundary_backward, self.fragments.gradients_ready = boundary, False
@@ -548,6 +341,14 @@ class ZeroPartitionedOptimizer(MasterGathers):
 
     def write_params_from_masters(self) -> None:
         self.stepper.write_params_from_masters()
+
+    def gather_params(self) -> None:
+        """Writes every in-memory master into every rank's parameters (``param_gathers.py``)."""
+        self.gathers.gather_params()
+
+    def buckets_reduced(self) -> int:
+        """How many leading buckets have their shard gradient reduced in this backward."""
+        return self.gathers.buckets_reduced()
 
     def use_optimizer(self, optimizer, offload: OptimizerOffload | None) -> None:
         """Steps the masters with ``optimizer``, made over several sets' masters by the stage
