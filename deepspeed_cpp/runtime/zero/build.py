@@ -22,7 +22,7 @@ from ..config.deepspeed_config import offload_param_needs_offload_optimizer
 from ..config.errors import DeepSpeedConfigError
 from ..config_optimizer import client_optimizer_wins, config_optimizer_factory
 from . import partition_parameters as pp
-from .moe_stage import ExpertParallelZeroStage
+from .moe_stage import build_expert_parallel_stage
 from .offload.optimizer_offload import OptimizerOffload, ParamOffload
 from .shard_set_builder import FlatBuckets, build_zero_stage
 from .utils import ZeRORuntimeException
@@ -88,7 +88,7 @@ def build_stage(
         # Expert parameters of ep_size > 1 get sets of their own, each reduced and sharded over
         # its expert-data-parallel group, offloaded to a home of its own (a partial offload,
         # which needs a device optimizer, is refused there).
-        make_stage = ExpertParallelZeroStage
+        make_stage = build_expert_parallel_stage
     else:
         common["device_optimizer"] = device_part
     if optimizer is not None:

@@ -45,7 +45,7 @@ from .offload.optimizer_offload import OptimizerOffload
 from .partitioned_optimizer import ZeroPartitionedOptimizer
 from .shard_set_builder import FlatBuckets, build_zero_stage
 from .stage import LayoutPart
-from .stage_setup import init_stage_fields, optimizer_over_masters
+from .stage_setup import optimizer_over_masters, set_stage_fields, trained_param_groups
 
 DENSE = ""  # the set key of dense parameters (expert sets are keyed by their group name)
 
@@ -79,81 +79,112 @@ class _Collect:
         self.state: dict = {}
 
 
+def build_expert_parallel_stage(
+    optimizer: torch.optim.Optimizer | Callable[[list[dict]], torch.optim.Optimizer],
+    param_groups: list[dict] | None = None,
+    *,
+    stage: int,
+    group: dist.ProcessGroup,
+    reduce_bucket_size: int,
+    gradient_clipping: float = 0.0,
+    loss_scaler=None,
+    reduce_scatter: bool = True,
+    offload: OptimizerOffload | None = None,
+) -> ExpertParallelZeroStage:
+    """The ``ExpertParallelZeroStage`` over ``optimizer``'s (or ``param_groups``') trainable
+    parameters: one set per expert group name and one for the dense parameters, each built by
+    the builder of every stage (``shard_set_builder.build_zero_stage``) over its own group, and
+    one torch optimizer over every set's masters, its groups in the user's order."""
+    offload = _checked_offload_options(offload)
+    param_groups = trained_param_groups(optimizer, param_groups)
+    world_size = dist.get_world_size(group)
+    # Per set: the part of each user group in it, and which user group each part came from.
+    split: dict[str, tuple[list[dict], list[int]]] = {}
+    for index, param_group in enumerate(param_groups):
+        by_set: dict[str, list[torch.nn.Parameter]] = {}
+        for param in param_group["params"]:
+            if param.requires_grad:
+                by_set.setdefault(expert_set_of(param), []).append(param)
+        options = {k: v for k, v in param_group.items() if k != "params"}
+        for key, params in by_set.items():
+            parts, origins = split.setdefault(key, ([], []))
+            parts.append({**options, "params": params})
+            origins.append(index)
+    # Sets are built (their reducers are collective) in the same order on every rank.
+    keys = sorted(split)
+    sets = [
+        build_zero_stage(
+            _Collect,
+            split[key][0],
+            layout=FlatBuckets(),
+            stage=stage,
+            group=group if key == DENSE else groups._get_expert_data_parallel_group(key),
+            reduce_bucket_size=reduce_bucket_size,
+            reduce_scatter=reduce_scatter,
+            grad_divisor=world_size,
+            offload=offload,
+        )
+        for key in keys
+    ]
+    # One optimizer over every set's masters, its groups in the user's order.
+    masters_of: list[list[torch.nn.Parameter]] = [[] for _ in param_groups]
+    for key, member in zip(keys, sets):
+        for origin, master_group in zip(split[key][1], member.optimizer.param_groups):
+            masters_of[origin].extend(master_group["params"])
+    optimizer = optimizer_over_masters(
+        optimizer,
+        [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": masters}
+            for g, masters in zip(param_groups, masters_of)
+        ],
+    )
+    for member in sets:
+        member.use_optimizer(optimizer, offload)
+    return ExpertParallelZeroStage(
+        sets,
+        keys,
+        [split[key][1] for key in keys],
+        optimizer,
+        stage=stage,
+        group=group,
+        gradient_clipping=gradient_clipping,
+        loss_scaler=loss_scaler,
+        offloaded=offload is not None,
+    )
+
+
 class ExpertParallelZeroStage:
-    """``ZeroStage`` over a dense set and one set per expert group (see the module docstring)."""
+    """``ZeroStage`` over a dense set and one set per expert group (see the module docstring),
+    built by ``build_expert_parallel_stage``."""
 
     trains = True
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer | Callable[[list[dict]], torch.optim.Optimizer],
-        param_groups: list[dict] | None = None,
+        sets: list[ZeroPartitionedOptimizer],
+        keys: list[str],
+        origins: list[list[int]],
+        optimizer: torch.optim.Optimizer,
         *,
         stage: int,
         group: dist.ProcessGroup,
-        reduce_bucket_size: int,
-        gradient_clipping: float = 0.0,
-        loss_scaler=None,
-        reduce_scatter: bool = True,
-        offload: OptimizerOffload | None = None,
+        gradient_clipping: float,
+        loss_scaler,
+        offloaded: bool,
     ):
-        offload = _checked_offload_options(offload)
-        param_groups = init_stage_fields(
+        """``sets[i]``: the set of ``keys[i]`` (``DENSE`` or an expert group name), whose param
+        groups came from the user's groups ``origins[i]``; ``optimizer`` steps every set's
+        masters."""
+        set_stage_fields(
             self,
-            optimizer,
-            param_groups,
             stage=stage,
             group=group,
             gradient_clipping=gradient_clipping,
             loss_scaler=loss_scaler,
         )
-
-        # Per set: the part of each user group in it, and which user group each part came from.
-        split: dict[str, tuple[list[dict], list[int]]] = {}
-        for index, param_group in enumerate(param_groups):
-            by_set: dict[str, list[torch.nn.Parameter]] = {}
-            for param in param_group["params"]:
-                if param.requires_grad:
-                    by_set.setdefault(expert_set_of(param), []).append(param)
-            options = {k: v for k, v in param_group.items() if k != "params"}
-            for key, params in by_set.items():
-                parts, origins = split.setdefault(key, ([], []))
-                parts.append({**options, "params": params})
-                origins.append(index)
-        # Sets are built (their reducers are collective) in the same order on every rank.
-        self.keys = sorted(split)
-        # Per set, the user's param group of each of its groups (checkpoints record those).
-        self.origins = [split[key][1] for key in self.keys]
-        self.sets: list[ZeroPartitionedOptimizer] = []
-        for key in self.keys:
-            self.sets.append(
-                build_zero_stage(  # the builder of every stage's sets
-                    _Collect,
-                    split[key][0],
-                    layout=FlatBuckets(),
-                    stage=stage,
-                    group=group if key == DENSE else groups._get_expert_data_parallel_group(key),
-                    reduce_bucket_size=reduce_bucket_size,
-                    reduce_scatter=reduce_scatter,
-                    grad_divisor=self.world_size,
-                    offload=offload,
-                )
-            )
-        # One optimizer over every set's masters, its groups in the user's order.
-        masters_of: list[list[torch.nn.Parameter]] = [[] for _ in param_groups]
-        for key, member in zip(self.keys, self.sets):
-            for origin, master_group in zip(split[key][1], member.optimizer.param_groups):
-                masters_of[origin].extend(master_group["params"])
-        self.optimizer = optimizer_over_masters(
-            optimizer,
-            [
-                {**{k: v for k, v in g.items() if k != "params"}, "params": masters}
-                for g, masters in zip(param_groups, masters_of)
-            ],
-        )
-        self.offloaded = offload is not None
-        for member in self.sets:
-            member.use_optimizer(self.optimizer, offload)
+        self.sets, self.keys, self.origins = sets, keys, origins
+        self.optimizer = optimizer
+        self.offloaded = offloaded
 
     # --- training -------------------------------------------------------------------------------
     @property

@@ -47,28 +47,6 @@ def set_stage_fields(
     stage_object.overflow = False
 
 
-def init_stage_fields(
-    stage_object,
-    optimizer: OptimizerOrFactory,
-    param_groups: list[dict] | None,
-    *,
-    stage: int,
-    group: dist.ProcessGroup,
-    gradient_clipping: float,
-    loss_scaler,
-) -> list[dict]:
-    """Sets the common fields on ``stage_object``; returns the param groups it trains."""
-    param_groups = trained_param_groups(optimizer, param_groups)
-    set_stage_fields(
-        stage_object,
-        stage=stage,
-        group=group,
-        gradient_clipping=gradient_clipping,
-        loss_scaler=loss_scaler,
-    )
-    return param_groups
-
-
 def optimizer_over_masters(
     optimizer: OptimizerOrFactory, master_groups: list[dict]
 ) -> torch.optim.Optimizer:
