@@ -173,8 +173,8 @@ class ExpertParallelZeroStage:
         offloaded: bool,
     ):
         """``sets[i]``: the set of ``keys[i]`` (``DENSE`` or an expert group name), whose param
-        groups came from the user's groups ``origins[i]``; ``optimizer`` steps every set's
-        masters."""
+        groups came from the user's groups ``origins[i]`` (checkpoints record those);
+        ``optimizer`` steps every set's masters."""
         set_stage_fields(
             self,
             stage=stage,

@@ -1,12 +1,13 @@
 """The storage side of a ZeRO stage: what its steppers and its checkpoint state operate on.
 
-A ``ShardSet`` is plain state, made once by ``ZeroPartitionedOptimizer`` (or stage 3's variant of
-it) at construction: the trainable parameters in plan order, their bucket plan, the buckets (the
-slice of each this rank owns), this rank's fp32 master shards and shard gradients, and the home
-the masters and optimizer state live in (the device, the host or NVMe). The lists are the
-stage's own: a stepper writing a master writes the stage's master. Nothing here communicates or
-steps; the steppers (``steppers.py``, ``offload/stepping.py``) do that, through the stage's
-``ParamGathers`` for whatever depends on how the stage lays its parameters out.
+A ``ShardSet`` is plain state, made once when the stage is built (``shard_set_builder.py``, over
+the stage kind's bucket layout): the trainable parameters in plan order, their bucket plan, the
+buckets (the slice of each this rank owns), this rank's fp32 master shards and shard gradients,
+and the home the masters and optimizer state live in (the device, the host or NVMe). The lists
+are the stage's own: a stepper writing a master writes the stage's master. Nothing here
+communicates or steps; the steppers (``steppers.py``, ``offload/stepping.py``) do that, through the
+``ParamGathers`` (``param_gathers.py``, ZeRO-3's ``partitioned_buckets.py``) for whatever depends
+on how the stage lays its parameters out.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""How a ZeRO stage steps its master shards: the stepper it holds, chosen once at construction
-(``ZeroPartitionedOptimizer``: offloaded where ``offload_optimizer`` is set, else in memory).
+"""How a ZeRO stage steps its master shards: the stepper it holds, chosen once when the stage is
+built (``shard_set_builder.py``: offloaded where ``offload_optimizer`` is set, else in memory).
 ``InMemoryStepper`` is also the interface every stepper has.
 
 - ``InMemoryStepper``: the masters live next to their shard gradients (no offload); the
