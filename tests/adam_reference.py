@@ -5,8 +5,11 @@ import torch
 
 
 def reference_adam_steps(param, grads, *, lr, betas, eps, weight_decay, adamw_mode,
-                         bias_correction, dtype=torch.float64):  # fmt: skip
+                         bias_correction, dtype=torch.float64, return_path_max=False):  # fmt: skip
     """Runs len(grads) steps in `dtype` (float64 by default) and returns the final parameter.
+
+    With return_path_max, also the largest |parameter| any step passed through (per element): the
+    magnitude a float32 implementation rounds at, which start and end alone can understate.
 
     weight_decay is used at its float32 value, the one every float32 implementation receives: in
     L2 mode gradient + weight_decay * param nearly cancels for some elements, and there the
@@ -14,6 +17,7 @@ def reference_adam_steps(param, grads, *, lr, betas, eps, weight_decay, adamw_mo
     """
     weight_decay = float(torch.tensor(weight_decay, dtype=torch.float32))
     p = param.detach().to(dtype).clone()
+    path_max = p.abs()
     if bias_correction:
         cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
         p.requires_grad_(True)
@@ -21,7 +25,8 @@ def reference_adam_steps(param, grads, *, lr, betas, eps, weight_decay, adamw_mo
         for g in grads:
             p.grad = g.to(dtype)
             opt.step()
-        return p.detach()
+            path_max = torch.maximum(path_max, p.detach().abs())
+        return (p.detach(), path_max) if return_path_max else p.detach()
     beta1, beta2 = betas
     m = torch.zeros_like(p)
     v = torch.zeros_like(p)
@@ -34,4 +39,5 @@ def reference_adam_steps(param, grads, *, lr, betas, eps, weight_decay, adamw_mo
         m.mul_(beta1).add_(g, alpha=1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
-    return p
+        path_max = torch.maximum(path_max, p.abs())
+    return (p, path_max) if return_path_max else p
