@@ -20,7 +20,14 @@ def pytest_sessionstart(session):
     import shutil
     import subprocess
 
-    if os.environ.get("DS_TEST_PREBUILD", "1") == "0" or session.config.option.collectonly:
+    if session.config.option.collectonly:
+        return
+    # The 2-rank pool most modules use starts now, its workers importing torch beside the
+    # collection (tests/dist_pool.py), not when its first test asks for it.
+    from dist_pool import prestart
+
+    prestart(2)
+    if os.environ.get("DS_TEST_PREBUILD", "1") == "0":
         return
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
     # This checkout's deepspeed_cpp, as the tests import it (not another one installed).

@@ -22,6 +22,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 HERE = Path(__file__).resolve().parent
 REPORTS = Path(os.environ["REPORT_DIR"])
+TRAINER_ARGUMENTS = sys.argv[1:]  # read before the jobs' own sys.argv replace it
 
 
 def run_job(name: str, report_dir: Path | None, argv: list[str]) -> None:
@@ -36,4 +37,4 @@ def run_job(name: str, report_dir: Path | None, argv: list[str]) -> None:
 
 run_job("hf_zero3_guide_job.py", REPORTS / "guide", [])
 run_job("hf_zero3_half_job.py", REPORTS / "half", [])
-run_job("hf_zero3_trainer_job.py", None, sys.argv[1:])
+run_job("hf_zero3_trainer_job.py", None, TRAINER_ARGUMENTS)

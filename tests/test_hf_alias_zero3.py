@@ -197,6 +197,7 @@ def test_run_clm_shaped_trainer_script_at_zero3_matches_one_process(
     ``from_pretrained`` returns, and the Trainer's losses equal transformers' Trainer in one
     process, without DeepSpeed, on the same global batch within 1e-5."""
     output, folder = zero3_launch(end)
+    assert (folder / "zero3" / "summary.json").is_file(), output[-8000:]
     summary = json.loads((folder / "zero3" / "summary.json").read_text())
     assert summary["world_size"] == WORLD
     assert summary["partitioned_at_construction"], output[-4000:]
