@@ -8,9 +8,9 @@ collective mismatch) fails after `timeout` seconds and the pool is torn down.
 `shared_pool(world_size)` hands out one pool per world size for the whole test session (started
 once, ~5 s of process start and torch import per pool on 2 cores, not once per module; conftest.py
 prestarts the 2-rank pool when the session starts, beside the collection); a pool torn down by a
-hung job is replaced by a fresh one at the next request. Jobs therefore must leave
-no state behind that changes another module's results (a process group of their own, a global
-setting) without undoing it.
+hung job is replaced by a fresh one at the next request. Jobs therefore must leave no state
+behind that changes another module's results (a process group of their own, a global setting)
+without undoing it.
 """
 
 from __future__ import annotations
