@@ -70,7 +70,7 @@ def _launch(script: Path, args: list[str], pythonpath: str, cwd: Path, **env) ->
         stderr=subprocess.STDOUT,
         text=True,
         cwd=cwd,
-        timeout=400,
+        timeout=800,  # three scripts in one launch; pytest-timeout's 900 s bounds the test
     )
     assert run.returncode == 0, run.stdout[-8000:]
     return run.stdout
