@@ -9,6 +9,51 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 
 
+# The op libraries compiled in the background while the session runs (tests/prebuild_ops.py): a
+# fresh checkout compiles every op, and most of the suite leaves one of the two cores idle.
+# Niced, so the tests keep the CPU they ask for; stopped (its whole process group, compilers
+# included) when the session ends, a half-done build being cleared by the next one that needs it.
+_PREBUILD: list = []
+
+
+def pytest_sessionstart(session):
+    import shutil
+    import subprocess
+
+    if session.config.option.collectonly:
+        return
+    # The 2-rank pool most modules use starts now, its workers importing torch beside the
+    # collection (tests/dist_pool.py), not when its first test asks for it.
+    from dist_pool import prestart
+
+    prestart(2)
+    if os.environ.get("DS_TEST_PREBUILD", "1") == "0":
+        return
+    nice = ["nice", "-n", "10"] if shutil.which("nice") else []
+    # This checkout's deepspeed_cpp, as the tests import it (not another one installed).
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    _PREBUILD.append(
+        subprocess.Popen(
+            [*nice, sys.executable, str(REPO_ROOT / "tests" / "prebuild_ops.py")],
+            env=dict(os.environ, PYTHONPATH=path),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import signal
+
+    for process in _PREBUILD:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    _PREBUILD.clear()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
     """Fresh random inputs on every run; a failure prints DS_TEST_SEED to reproduce it."""

@@ -6,10 +6,11 @@ A job that raises on any rank raises here with that rank's traceback; a job that
 collective mismatch) fails after `timeout` seconds and the pool is torn down.
 
 `shared_pool(world_size)` hands out one pool per world size for the whole test session (started
-once, ~5 s of process start and torch import per pool on 2 cores, not once per module); a pool
-torn down by a hung job is replaced by a fresh one at the next request. Jobs therefore must leave
-no state behind that changes another module's results (a process group of their own, a global
-setting) without undoing it.
+once, ~5 s of process start and torch import per pool on 2 cores, not once per module; conftest.py
+prestarts the 2-rank pool when the session starts, beside the collection); a pool torn down by a
+hung job is replaced by a fresh one at the next request. Jobs therefore must leave no state
+behind that changes another module's results (a process group of their own, a global setting)
+without undoing it.
 """
 
 from __future__ import annotations
@@ -68,8 +69,16 @@ class DistributedPool:
 
     def run(self, function, *args, timeout: float = 300.0) -> list:
         """Runs function(*args) on every rank; returns the per-rank results in rank order."""
+        self.submit(function, *args)
+        return self.collect(function, timeout)
+
+    def submit(self, function, *args) -> None:
+        """Hands function(*args) to every rank without waiting; collect() gets the results."""
         for jobs in self._jobs:
             jobs.put((function, args))
+
+    def collect(self, function, timeout: float = 300.0) -> list:
+        """The per-rank results of the job submitted last, in rank order."""
         outcomes = {}
         try:
             for _ in range(self.world_size):
@@ -101,6 +110,13 @@ class DistributedPool:
 
 
 def _ready() -> int:
+    """The first job: the process group is up, and what nearly every job's first run would pay
+    is paid here: deepspeed_cpp's import and torch._dynamo's, which the first call into a torch
+    optimizer imports (as long as importing torch itself)."""
+    import torch._dynamo  # noqa: F401
+
+    import deepspeed_cpp  # noqa: F401
+
     return dist.get_rank()
 
 
@@ -119,10 +135,27 @@ def start_pool(world_size: int, attempts: int = 3) -> DistributedPool:
 
 
 _SHARED: dict[int, DistributedPool] = {}
+# Pools started ahead of their first use (prestart), their first job not yet collected.
+_STARTING: dict[int, DistributedPool] = {}
+
+
+def prestart(world_size: int) -> None:
+    """Starts the session's pool of `world_size` ranks and its first job without waiting: while
+    pytest collects the tests on one core, the workers import torch on the other."""
+    if world_size not in _SHARED and world_size not in _STARTING:
+        pool = _STARTING[world_size] = DistributedPool(world_size)
+        pool.submit(_ready)
 
 
 def shared_pool(world_size: int) -> DistributedPool:
     """The session's pool of `world_size` ranks, started on first use or after a hung job."""
+    started = _STARTING.pop(world_size, None)
+    if started is not None:
+        try:
+            started.collect(_ready, timeout=120.0)
+            _SHARED[world_size] = started
+        except TimeoutError:  # closed by collect(); started afresh below
+            pass
     pool = _SHARED.get(world_size)
     if pool is None or not pool.alive:
         if pool is not None:
@@ -146,4 +179,7 @@ class SessionPool:
 def close_shared_pools() -> None:
     for pool in _SHARED.values():
         pool.close()
+    for pool in _STARTING.values():  # never used: no need to wait for its imports to finish
+        pool.close(force=True)
     _SHARED.clear()
+    _STARTING.clear()

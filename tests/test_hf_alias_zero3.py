@@ -6,7 +6,9 @@ While a stage-3 ``HfDeepSpeedConfig`` is alive, transformers' ``from_pretrained`
 the weights one module at a time through ``GatheredParameters(..., modifier_rank=0)``. Both the
 guide's non-Trainer pattern and a ``run_clm.py``-shaped Trainer script run here as their users run
 them: unmodified, under ``python -m deepspeed_cpp.launcher --alias-deepspeed``, with the newest
-transformers of the venv and the lowest supported one (scripts/hf_lowest.txt).
+transformers of the venv and the lowest supported one (scripts/hf_lowest.txt). One launch per end
+runs the three scripts one after the other in the same two ranks (tests/hf_zero3_jobs.py, which
+checks that no stage-3 config outlives a script); the tests read what each wrote.
 """
 
 import json
@@ -68,7 +70,7 @@ def _launch(script: Path, args: list[str], pythonpath: str, cwd: Path, **env) ->
         stderr=subprocess.STDOUT,
         text=True,
         cwd=cwd,
-        timeout=400,
+        timeout=800,  # three scripts in one launch; pytest-timeout's 900 s bounds the test
     )
     assert run.returncode == 0, run.stdout[-8000:]
     return run.stdout
@@ -76,7 +78,7 @@ def _launch(script: Path, args: list[str], pythonpath: str, cwd: Path, **env) ->
 
 @pytest.mark.parametrize("end", ["newest", "lowest"])
 def test_guide_pattern_builds_partitioned_from_pretrained_and_from_config(
-    saved_gpt2, tmp_path, end
+    saved_gpt2, zero3_launch, end
 ):
     """``HfDeepSpeedConfig(ds_config)`` kept alive, then ``AutoModelForCausalLM.from_pretrained``:
     every parameter is partitioned (an empty local tensor, a shard of the padded size) and its
@@ -86,11 +88,8 @@ def test_guide_pattern_builds_partitioned_from_pretrained_and_from_config(
     import torch
     from safetensors.torch import load_file
 
-    reports = tmp_path / "reports"
-    output = _launch(
-        TESTS / "hf_zero3_guide_job.py", [], _transformers_paths(end), tmp_path,
-        MODEL_DIR=str(saved_gpt2), REPORT_DIR=str(reports),
-    )  # fmt: skip
+    output, folder = zero3_launch(end)
+    reports = folder / "reports" / "guide"
     # Nothing that reads as failure: zero.Init's wrapped __init__ looks like the class's own to
     # transformers' @auto_docstring (test_zero_init_wrapping.py has the case that printed
     # "[ERROR] `module` is part of Init._wrap..." once per model class).
@@ -150,34 +149,56 @@ def one_process_reference(tmp_path_factory) -> list[float]:
     return run_trainer(spec)["losses"]
 
 
+@pytest.fixture(scope="module")
+def zero3_launch(saved_gpt2, tmp_path_factory):
+    """zero3_launch(end): the launch of the guide, half-precision and trainer scripts at that
+    end of the transformers range (tests/hf_zero3_jobs.py), once per module; its output and
+    folder (reports/guide, reports/half, zero3/summary.json)."""
+    launched, failed = {}, {}
+
+    def launch(end: str) -> tuple[str, Path]:
+        if end in failed:  # one failed launch fails its three tests, not three launches
+            raise failed[end]
+        if end not in launched:
+            paths = _transformers_paths(end)
+            folder = tmp_path_factory.mktemp(f"zero3_{end}")
+            arguments = [
+                "--deepspeed", str(_trainer_config(folder)),
+                "--output_dir", str(folder / "zero3"),
+                "--per_device_train_batch_size", str(GLOBAL_BATCH // WORLD),
+                "--max_steps", str(STEPS),
+                "--learning_rate", "1e-3",
+                "--logging_steps", "1",
+                "--save_strategy", "no",
+                "--report_to", "none",
+                "--disable_tqdm", "true",
+                "--dataloader_pin_memory", "false",
+            ]  # fmt: skip
+            try:
+                output = _launch(
+                    TESTS / "hf_zero3_jobs.py", arguments, paths, folder,
+                    MODEL_DIR=str(saved_gpt2), REPORT_DIR=str(folder / "reports"),
+                )  # fmt: skip
+            except AssertionError as error:
+                failed[end] = error
+                raise
+            launched[end] = (output, folder)
+        return launched[end]
+
+    return launch
+
+
 @pytest.mark.parametrize("end", ["newest", "lowest"])
 def test_run_clm_shaped_trainer_script_at_zero3_matches_one_process(
-    saved_gpt2, one_process_reference, tmp_path, end
+    one_process_reference, zero3_launch, end
 ):
     """The run_clm.py order (TrainingArguments with ``--deepspeed`` first, then
     ``from_pretrained``) under the alias at ZeRO-3 on 2 ranks: the model is partitioned when
     ``from_pretrained`` returns, and the Trainer's losses equal transformers' Trainer in one
     process, without DeepSpeed, on the same global batch within 1e-5."""
-    output_dir = tmp_path / "zero3"
-    output = _launch(
-        TESTS / "hf_zero3_trainer_job.py",
-        [
-            "--deepspeed", str(_trainer_config(tmp_path)),
-            "--output_dir", str(output_dir),
-            "--per_device_train_batch_size", str(GLOBAL_BATCH // WORLD),
-            "--max_steps", str(STEPS),
-            "--learning_rate", "1e-3",
-            "--logging_steps", "1",
-            "--save_strategy", "no",
-            "--report_to", "none",
-            "--disable_tqdm", "true",
-            "--dataloader_pin_memory", "false",
-        ],
-        _transformers_paths(end),
-        tmp_path,
-        MODEL_DIR=str(saved_gpt2),
-    )  # fmt: skip
-    summary = json.loads((output_dir / "summary.json").read_text())
+    output, folder = zero3_launch(end)
+    assert (folder / "zero3" / "summary.json").is_file(), output[-8000:]
+    summary = json.loads((folder / "zero3" / "summary.json").read_text())
     assert summary["world_size"] == WORLD
     assert summary["partitioned_at_construction"], output[-4000:]
     assert len(summary["losses"]) == STEPS
@@ -185,17 +206,16 @@ def test_run_clm_shaped_trainer_script_at_zero3_matches_one_process(
 
 
 @pytest.mark.parametrize("end", ["newest", "lowest"])
-def test_half_precision_construction_is_partitioned_and_equals_the_cast(saved_gpt2, tmp_path, end):
+def test_half_precision_construction_is_partitioned_and_equals_the_cast(
+    saved_gpt2, zero3_launch, end
+):
     """bf16 and fp16 stage-3 configs, ``from_pretrained(..., dtype=)`` and ``from_config``: every
     parameter partitioned at construction, its shard in that dtype, and gathered equal to the
     saved fp32 weights cast to it (what transformers gives without ZeRO) bit for bit."""
     from safetensors.torch import load_file
 
-    reports = tmp_path / "reports"
-    output = _launch(
-        TESTS / "hf_zero3_half_job.py", [], _transformers_paths(end), tmp_path,
-        MODEL_DIR=str(saved_gpt2), REPORT_DIR=str(reports),
-    )  # fmt: skip
+    output, folder = zero3_launch(end)
+    reports = folder / "reports" / "half"
     assert "[ERROR]" not in output, output[-8000:]
     ranks = [json.loads((reports / f"rank{r}.json").read_text()) for r in range(WORLD)]
     expected = {name for name in load_file(str(saved_gpt2 / "model.safetensors"))}

@@ -6,10 +6,15 @@ it stays on the regular ABI and is compiled just in time for 2.13.0 there.
 
 torch 2.13.0 comes from the wheel cache scripts/setup_env.sh fills (.cache/other-torch) or from
 pip's configured indexes; when neither has it the test fails saying so, it never skips.
+
+torch 2.13.0 does not depend on this checkout: it is unpacked once per machine (about 10 s) into
+~/.cache/deepspeed_cpp/other-torch and reused; the venv, the wheel, its install and the zero op's
+JIT build for 2.13.0 are new on every run.
 """
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -72,11 +77,44 @@ def _run(args, cwd, timeout=900, **env):
     )
 
 
+def _other_torch_site() -> Path:
+    """torch 2.13.0 unpacked into a folder of its own, once per machine: installed into a
+    temporary sibling first and renamed into place complete, so a run that stops half-way or a
+    second run at the same time never sees a partial torch."""
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    root = Path.home() / ".cache" / "deepspeed_cpp" / "other-torch"
+    site = root / f"torch-{OTHER_TORCH}-{python}"
+    if (site / "torch" / "version.py").is_file():
+        return site
+    root.mkdir(parents=True, exist_ok=True)
+    partial = root / f".partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    find_links = ["--find-links", WHEEL_CACHE] if WHEEL_CACHE.is_dir() else []
+    torch_install = _run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:",
+         *find_links, "--target", partial, f"torch=={OTHER_TORCH}"],
+        cwd=root,
+    )  # fmt: skip
+    if torch_install.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        pytest.fail(
+            f"torch {OTHER_TORCH} could not be installed into {partial}, so the stable-ABI wheel "
+            f"cannot be tried under another torch. Run scripts/setup_env.sh (it downloads the "
+            f"wheel into {WHEEL_CACHE}) or set DS_OTHER_TORCH_WHEELS to a folder holding "
+            f"torch-{OTHER_TORCH}-*.whl. pip said:\n{torch_install.stderr[-2000:]}"
+        )
+    try:
+        partial.rename(site)
+    except OSError:  # another run put its complete copy there first
+        shutil.rmtree(partial, ignore_errors=True)
+    return site
+
+
 @pytest.fixture(scope="module")
 def other_torch_venv(prebuilt_cpu_adam_wheel, tmp_path_factory):
-    """A venv whose own site-packages holds torch 2.13.0 and the wheel; the rest (numpy,
-    pydantic, pytest, torch's pure-Python dependencies) is seen from this environment through a
-    .pth line placed after it on sys.path, so nothing else is downloaded or shadows torch."""
+    """A venv whose own site-packages holds the wheel, then (through .pth lines, in name order)
+    torch 2.13.0 and after it the rest (numpy, pydantic, pytest, torch's pure-Python
+    dependencies) seen from this environment: nothing else is downloaded or shadows torch."""
     root = tmp_path_factory.mktemp("other_torch")
     venv = root / "venv"
     made = _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=root)
@@ -84,25 +122,14 @@ def other_torch_venv(prebuilt_cpu_adam_wheel, tmp_path_factory):
     python = venv / "bin" / "python"
     purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     theirs = Path(_run([python, "-c", purelib], cwd=root).stdout.strip())
-    find_links = ["--find-links", WHEEL_CACHE] if WHEEL_CACHE.is_dir() else []
-    torch_install = _run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:",
-         *find_links, "--target", theirs, f"torch=={OTHER_TORCH}"],
-        cwd=root,
-    )  # fmt: skip
-    if torch_install.returncode != 0:
-        pytest.fail(
-            f"torch {OTHER_TORCH} could not be installed into {venv}, so the stable-ABI wheel "
-            f"cannot be tried under another torch. Run scripts/setup_env.sh (it downloads the "
-            f"wheel into {WHEEL_CACHE}) or set DS_OTHER_TORCH_WHEELS to a folder holding "
-            f"torch-{OTHER_TORCH}-*.whl. pip said:\n{torch_install.stderr[-2000:]}"
-        )
+    (theirs / "a_other_torch.pth").write_text(f"{_other_torch_site()}\n")
     ours = _run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", theirs,
          prebuilt_cpu_adam_wheel],
         cwd=root,
     )  # fmt: skip
     assert ours.returncode == 0, ours.stderr
+    # Read after a_other_torch.pth: this environment's torch 2.14 comes after 2.13.0 on sys.path.
     (theirs / "our_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python, theirs
 
@@ -136,6 +163,7 @@ def test_cpu_adam_and_a_zero2_step_pass_under_torch_2_13(other_torch_venv, tmp_p
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
         cwd=tmp_path,
         DS_CPP_EXTENSIONS_DIR=str(tmp_path / "jit"),  # the zero op, compiled for 2.13.0
+        DS_TEST_PREBUILD="0",  # conftest's background builds would compile the source tree's ops
         PATH=_tool_path(python),
     )
     assert ran.returncode == 0, ran.stdout[-5000:] + ran.stderr[-3000:]
