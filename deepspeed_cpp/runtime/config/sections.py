@@ -1,5 +1,5 @@
 """The typed sections of the config: fp16, bf16, zero_optimization (with its offload parts), aio,
-activation_checkpointing, pipeline.
+activation_checkpointing, checkpoint, pipeline.
 
 Field names, defaults and meanings are DeepSpeed's. Keys of these sections that deepspeed_cpp
 does not model are in ``key_policy.py``. (No ``from __future__ import annotations`` here: the
@@ -305,6 +305,16 @@ class TensorParallelConfig(ConfigSection):
     preset_model: text(optional=True) = None
     """The policy of this architecture (a ``config.model_type`` such as "llama", "qwen2")
     instead of the model's own."""
+
+
+class CheckpointConfig(ConfigSection):
+    """``checkpoint``: what ``save_checkpoint`` reads (its other DeepSpeed keys are in
+    ``key_policy.py``)."""
+
+    tag_validation: choice(("IGNORE", "WARN", "FAIL"), case_sensitive=False) = "WARN"
+    """When the ranks pass different tags to ``save_checkpoint``: "FAIL" raises (an
+    ``AssertionError``, as DeepSpeed's), "WARN" (DeepSpeed's default) warns and saves, "IGNORE"
+    saves without a warning (``runtime/checkpoint/tag_agreement.py``)."""
 
 
 class PipelineConfig(ConfigSection):
