@@ -16,6 +16,11 @@ real DeepSpeed, the share that pass under deepspeed_cpp. Three steps, each a com
     python benchmarks/deepspeed_conformance_sample.py report --ids ids.json \\
         --results ours.json theirs.json
 
+A second, independent sample: ``sample --seed 27 --exclude ids26.json`` leaves the first sample's
+ids out of the pool, so the two together are one simple random sample of 2K ids per file (an SRS
+of K, then an SRS of K from the rest); ``report --ids ids26.json ids27.json`` combines them into
+that 2K-per-file sample and its estimate.
+
 ``run --only-failed ours.json`` reruns only the ids that did not pass in an earlier result (after
 a fix) and merges the new outcomes over the old ones in ``--results-out``; ``run --resume``
 continues an interrupted run, skipping the ids its ``--results-out`` already holds.
@@ -91,20 +96,71 @@ def sample(args) -> int:
     files = args.files or in_scope_files()
     env = _environment(None)
     found = collect_files(args.deepspeed_python, args.tests, files, env, args.timeout)
+    excluded = set()
+    for earlier in args.exclude:
+        excluded.update(i for f in _load_ids(earlier)["files"].values() for i in f["ids"])
     rng = random.Random(args.seed)
     chosen = {}
     for path in files:
         ids = sorted(found[path]["ids"])
-        picked = sorted(rng.sample(ids, min(args.per_file, len(ids))))
+        pool = [i for i in ids if i not in excluded]
+        picked = sorted(rng.sample(pool, min(args.per_file, len(pool))))
+        # "collected" stays the file's whole count N_f: the stratum's size for the estimate.
         chosen[path] = {"collected": len(ids), "error": found[path]["error"], "ids": picked}
     record = {"seed": args.seed, "per_file": args.per_file, "commit": _commit(args),
-              "collected_under": "DeepSpeed", "files": chosen}  # fmt: skip
+              "collected_under": "DeepSpeed", "excluded": list(args.exclude),
+              "files": chosen}  # fmt: skip
     Path(args.ids_out).write_text(json.dumps(record, indent=1) + "\n")
     total = sum(f["collected"] for f in chosen.values())
     picked = sum(len(f["ids"]) for f in chosen.values())
     print(f"{len(files)} files, {total} tests collected under DeepSpeed, {picked} sampled "
           f"(seed {args.seed}) -> {args.ids_out}")  # fmt: skip
     return 0
+
+
+def _load_ids(path: str) -> dict:
+    record = json.loads(Path(path).read_text())
+    if "files" not in record or "seed" not in record:
+        raise SystemExit(f"{path}: not an ids file written by `sample` (no 'files'/'seed' keys)")
+    return record
+
+
+def combine_samples(paths: list[str]) -> dict:
+    """Several samples of the same collection as one: per file the union of the sampled ids.
+    Samples drawn with ``--exclude`` of the earlier ones are disjoint, so the union is a simple
+    random sample of their summed size in each file."""
+    records = [_load_ids(p) for p in paths]
+    first = records[0]
+    files = {}
+    for path, record in zip(paths, records):
+        if record["commit"] != first["commit"]:
+            raise SystemExit(
+                f"{path}: DeepSpeed tests commit {record['commit']}, but "
+                f"{paths[0]} has {first['commit']}; samples must share a commit"
+            )
+        for name, entry in record["files"].items():
+            merged = files.setdefault(
+                name, {"collected": entry["collected"], "error": entry["error"], "ids": []}
+            )
+            if merged["collected"] != entry["collected"]:
+                raise SystemExit(
+                    f"{path}: {name} collected {entry['collected']} tests, "
+                    f"{merged['collected']} in an earlier sample"
+                )
+            repeated = set(merged["ids"]) & set(entry["ids"])
+            if repeated:
+                raise SystemExit(
+                    f"{path}: {name} samples {sorted(repeated)[0]} again; draw "
+                    "the later sample with `sample --exclude` of the earlier"
+                )
+            merged["ids"] = sorted(merged["ids"] + entry["ids"])
+    return {
+        "seed": "+".join(str(r["seed"]) for r in records),
+        "per_file": sum(r["per_file"] for r in records),
+        "commit": first["commit"],
+        "collected_under": first.get("collected_under", "DeepSpeed"),
+        "files": files,
+    }
 
 
 def _commit(args) -> str:
@@ -176,12 +232,16 @@ def run(args) -> int:
 def estimate(record: dict, ours: dict, theirs: dict) -> dict:
     """The stratified ratio estimate (see the module docstring) of the share of DeepSpeed-passing
     in-scope tests that pass under deepspeed_cpp, with its standard error."""
-    strata, covered = [], 0
+    strata, covered, used = [], 0, 0
     for entry in record["files"].values():
-        ids = entry["ids"]
-        if not ids or not all(i in ours and i in theirs for i in ids):
+        # The ids run under both libraries. A file's ids of one sample run (and are recorded)
+        # together, so in a combined sample whose later part has not reached a file yet, the
+        # earlier sample's ids are still a simple random sample of that file.
+        ids = [i for i in entry["ids"] if i in ours and i in theirs]
+        if not ids:
             continue  # a file not (yet) run under both libraries is left out of the estimate
         covered += entry["collected"]
+        used += len(ids)
         x = [1.0 if theirs[i][0] == "passed" else 0.0 for i in ids]
         y = [1.0 if theirs[i][0] == "passed" and ours[i][0] == "passed" else 0.0 for i in ids]
         strata.append((entry["collected"], x, y))
@@ -189,7 +249,7 @@ def estimate(record: dict, ours: dict, theirs: dict) -> dict:
     big_y = sum(n * sum(y) / len(y) for n, _, y in strata)
     if big_x == 0:
         return {"ratio": float("nan"), "se": float("nan"), "x": 0.0, "y": 0.0,
-                "files": len(strata), "covered": covered}  # fmt: skip
+                "files": len(strata), "covered": covered, "ids": used}  # fmt: skip
     ratio = big_y / big_x
     variance = 0.0
     for n, x, y in strata:
@@ -201,11 +261,11 @@ def estimate(record: dict, ours: dict, theirs: dict) -> dict:
         s2 = sum((ei - mean) ** 2 for ei in e) / (k - 1)
         variance += n * n * (1 - k / n) * s2 / k
     return {"ratio": ratio, "se": math.sqrt(variance) / big_x, "x": big_x, "y": big_y,
-            "files": len(strata), "covered": covered}  # fmt: skip
+            "files": len(strata), "covered": covered, "ids": used}  # fmt: skip
 
 
 def report(args) -> int:
-    record = json.loads(Path(args.ids).read_text())
+    record = combine_samples(args.ids)
     by_library = {}
     for path in args.results:
         loaded = json.loads(Path(path).read_text())
@@ -250,8 +310,10 @@ def report(args) -> int:
             print(f"  {nodeid}  [{outcome}: {reason}]")
         figures = estimate(record, ours, theirs)
         files = sum(1 for e in record["files"].values() if e["ids"])
+        sampled = sum(len(e["ids"]) for e in record["files"].values())
         print(f"\nestimate over the {figures['files']} of {files} sampled files run under both "
-              f"libraries ({figures['covered']} of {collected} in-scope tests):")  # fmt: skip
+              f"libraries ({figures['covered']} of {collected} in-scope tests; "
+              f"{figures['ids']} of {sampled} sampled ids):")  # fmt: skip
         print(f"estimated tests passing under DeepSpeed: {figures['x']:.0f}; under both: "
               f"{figures['y']:.0f}")  # fmt: skip
         share, error = 100 * figures["ratio"], 100 * figures["se"]
@@ -272,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     pick.add_argument("--files", nargs="*", help="these files instead of the in-scope list")
     pick.add_argument("--commit", help="DeepSpeed commit of --tests when it is not a git folder")
     pick.add_argument("--timeout", type=float, default=1800.0, help="seconds for collection")
+    pick.add_argument(
+        "--exclude",
+        nargs="*",
+        default=[],
+        help="ids files of earlier samples: their ids are not drawn again",
+    )
     execute = commands.add_parser("run", help="run the sampled ids under one library")
     execute.add_argument("--tests", type=Path, required=True, help="DeepSpeed's tests/ folder")
     execute.add_argument("--ids", required=True, help="the JSON file `sample` wrote")
@@ -285,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     execute.add_argument("--resume", action="store_true",
                          help="skip ids --results-out already holds")  # fmt: skip
     summarize = commands.add_parser("report", help="tables, reasons and the estimate")
-    summarize.add_argument("--ids", required=True, help="the JSON file `sample` wrote")
+    summarize.add_argument("--ids", nargs="+", required=True,
+                           help="the JSON file(s) `sample` wrote; several combine into one "
+                           "sample (per file the union of their ids)")  # fmt: skip
     summarize.add_argument("--results", nargs="+", required=True,
                            help="`run` outputs; a later file wins per id")  # fmt: skip
     args = parser.parse_args(argv)

@@ -15,6 +15,8 @@ _LAZY = {
     "initialize": ".runtime.initialize",
     "add_config_arguments": ".runtime.initialize",
     "DeepSpeedEngine": ".runtime.engine",
+    "DeepSpeedConfig": ".runtime.config",
+    "DeepSpeedConfigError": ".runtime.config",
     "RankDisagreementError": ".comm",
     "init_distributed": ".comm",
     "OnDevice": ".utils.init_on_device",
@@ -56,6 +58,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "DeepSpeedConfig",
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "OnDevice",
     "RankDisagreementError",

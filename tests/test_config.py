@@ -7,6 +7,7 @@ import inspect
 import itertools
 import json
 import logging
+import random
 from pathlib import Path
 
 import pytest
@@ -1089,3 +1090,17 @@ def test_pipeline_section_is_typed(ds_log):
     ]:
         with pytest.raises(DeepSpeedConfigError, match=expected.replace("(", r"\(")):
             DeepSpeedConfig.load(_with_batch(pipeline=section))
+
+
+def test_fp16_loss_scale_reads_a_numeric_string_as_deepspeed_does():
+    """DeepSpeed reads ``fp16.loss_scale`` with ``float(value)``: "3" is 3.0; what is not a finite
+    number >= 0 is still refused, by name."""
+    from deepspeed_cpp.runtime.precision_config import DeepSpeedFP16Config
+
+    scale = random.choice([1, 3, 128, 0.5])
+    config = DeepSpeedConfig.load(_with_batch(fp16={"enabled": True, "loss_scale": str(scale)}))
+    assert config.fp16.loss_scale == float(scale) and not config.fp16.dynamic_loss_scale
+    assert DeepSpeedFP16Config(loss_scale="0").dynamic_loss_scale
+    for bad in ("inf", "nan", "-1", "three", True, []):
+        with pytest.raises(DeepSpeedConfigError, match=r"fp16\.loss_scale = .*expected a number"):
+            DeepSpeedConfig.load(_with_batch(fp16={"enabled": True, "loss_scale": bad}))

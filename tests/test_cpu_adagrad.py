@@ -197,3 +197,40 @@ def test_bad_constructor_arguments():
         DeepSpeedCPUAdagrad(_model().parameters(), lr_decay=-1.0)
     with pytest.raises(ValueError, match="does not implement amsgrad=True"):
         DeepSpeedCPUAdagrad(_model().parameters(), amsgrad=True)
+
+
+def test_sparse_embedding_gradients_step_only_their_rows_like_torch_adagrad():
+    """nn.Embedding(sparse=True) against torch's Adagrad in float64 (which steps sparse gradients
+    row-wise too): rows a batch does not touch keep their value and their ``sum``."""
+    vocab, dim = 40, 6
+    ours = torch.nn.Embedding(vocab, dim, sparse=True)
+    reference = copy.deepcopy(ours).double()
+    hp = dict(lr=5e-2, eps=1e-10, lr_decay=0.02, initial_accumulator_value=0.1)
+    optimizer = DeepSpeedCPUAdagrad(ours.parameters(), **hp)
+    torch_optimizer = torch.optim.Adagrad(reference.parameters(), foreach=False, **hp)
+    touched = torch.zeros(vocab, dtype=torch.bool)
+    for _ in range(8):
+        tokens = torch.randint(0, vocab // 2, (5, 3))  # the upper half is never touched
+        touched[tokens.flatten()] = True
+        weights = torch.randn(5, 3, dim)
+        for model in (ours, reference):
+            model.zero_grad()
+            (model(tokens) * weights.to(model.weight.dtype)).sum().backward()
+        before = ours.weight.detach().clone()
+        optimizer.step()
+        torch_optimizer.step()
+        assert torch.equal(ours.weight[vocab // 2 :], before[vocab // 2 :])
+    state = optimizer.state[ours.weight]
+    assert int(state["step"]) == 8
+    assert torch.all(state["sum"][~touched] == 0.1)
+    expected = torch_optimizer.state[reference.weight]["sum"]
+    assert (state["sum"].double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+    q = reference.weight
+    assert (ours.weight.double() - q).abs().max() <= 2e-6 * q.abs().max()
+    # What has no sparse path still says so.
+    from deepspeed_cpp.optim import DeepSpeedCPUAdam
+
+    ours.zero_grad()
+    ours(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="DeepSpeedCPUAdam does not support sparse gradients"):
+        DeepSpeedCPUAdam(ours.parameters()).step()

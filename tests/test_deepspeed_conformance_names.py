@@ -203,3 +203,31 @@ def test_engine_passes_unknown_attributes_through_to_the_model(pool2):
         assert found["submodule"] and found["weight"] and found["engine_wins"]
         assert found["value"] == 0.125
         assert "no attribute 'no_such_name' (nor has its model, Net)" in found["missing"]
+
+
+def zero_init_dtype_job(explicit: torch.dtype):
+    import deepspeed_cpp as ds
+    from deepspeed_cpp.accelerator import get_accelerator
+
+    dtypes = {}
+    with ds.zero.Init():
+        dtypes["none"] = torch.nn.Linear(4, 3).weight.ds_tensor.dtype
+    with ds.zero.Init(dtype=explicit):
+        dtypes["explicit"] = torch.nn.Linear(4, 3).weight.ds_tensor.dtype
+    with ds.zero.Init(config_dict_or_path={}):
+        dtypes["config"] = torch.nn.Linear(4, 3).weight.ds_tensor.dtype
+    with ds.zero.Init(config_dict_or_path={"bf16": {"enabled": True}}):
+        dtypes["bf16"] = torch.nn.Linear(4, 3).weight.ds_tensor.dtype
+    dtypes["fp16_supported"] = get_accelerator().is_fp16_supported()
+    return dtypes
+
+
+def test_zero_init_without_config_or_dtype_builds_half_precision_as_deepspeed(pool2):
+    """DeepSpeed's zero.Init() given neither a config nor a dtype makes the parameters fp16
+    where the accelerator supports it, else bf16; a dtype or a config decides otherwise."""
+    explicit = random.choice([torch.float32, torch.float64])
+    for found in pool2.run(zero_init_dtype_job, explicit):
+        half = torch.float16 if found["fp16_supported"] else torch.bfloat16
+        assert found["none"] == half, found
+        assert found["explicit"] == explicit and found["config"] == torch.float32, found
+        assert found["bf16"] == torch.bfloat16, found

@@ -13,9 +13,14 @@ class DeepSpeedCPUAdagrad(CPUOptimizerBase):
     at 0). Parameters are float32, bfloat16 or float16; the arithmetic is float32; the state
     (``sum``, torch's name) is float32 unless ``fp32_optimizer_states=False`` keeps it in
     bfloat16 for bfloat16 parameters. State dicts load into and from ``torch.optim.Adagrad``.
+
+    A sparse gradient (``nn.Embedding(sparse=True)``) updates only the rows it holds, and their
+    ``sum``, as torch's Adagrad does; ``weight_decay`` then decays those rows only, as
+    DeepSpeed's CPU Adagrad does (torch refuses weight decay with sparse gradients).
     """
 
     STATE_KEYS = ("sum",)
+    SPARSE_GRADIENTS = True  # DeepSpeed's CPU Adagrad steps only the rows a sparse gradient holds
 
     def __init__(
         self,

@@ -22,6 +22,9 @@ class CPUOptimizerBase(torch.optim.Optimizer):
     steps_tensors_independently = True
 
     STATE_KEYS: ClassVar[tuple[str, ...]] = ()
+    # Sparse gradients (an nn.Embedding(sparse=True)) update only the rows they hold, state
+    # included (``_sparse_rows_step``); each optimizer says whether DeepSpeed's does that.
+    SPARSE_GRADIENTS: ClassVar[bool] = False
 
     def __init__(self, params, defaults: dict, fp32_optimizer_states: bool):
         super().__init__(params, defaults)
@@ -105,7 +108,7 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                 if param.grad is None:
                     continue
                 self._check_param(param, group_index, param_index)
-                if param.grad.is_sparse:
+                if param.grad.is_sparse and not self.SPARSE_GRADIENTS:
                     raise RuntimeError(
                         f"{type(self).__name__} does not support sparse gradients (param "
                         f"{param_index} of group {group_index})"
@@ -121,6 +124,9 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                     if lowp is not None and lowp[1] is not None:
                         copy_back.append(lowp)
                     lowp = None if lowp is None else lowp[0]
+                if param.grad.is_sparse:
+                    self._sparse_rows_step(group, int(state["step"].item()), param, state, lowp)
+                    continue
                 key = (
                     int(state["step"].item()),
                     param.dtype,
@@ -138,6 +144,24 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                 self._native_step(group, step, params, grads, states, params_lowp or None)
             for buffer, target in copy_back:
                 target.copy_(buffer)
+
+    def _sparse_rows_step(self, group, step: int, param, state: dict, lowp) -> None:
+        """The step for a sparse gradient: the rows it holds (of the parameter and of each state
+        tensor) are gathered, stepped by the native op as dense tensors, and written back; the
+        other rows and their state are left as they are, as DeepSpeed's CPU Adagrad and torch's
+        Adagrad do."""
+        grad = param.grad.coalesce()
+        rows = tuple(grad.indices())
+        if grad.values().numel():
+            param_rows = param[rows].contiguous()
+            state_rows = [[state[key][rows].contiguous()] for key in self.STATE_KEYS]
+            values = grad.values().contiguous()
+            self._native_step(group, step, [param_rows], [values], state_rows, None)
+            param[rows] = param_rows
+            for key, (updated,) in zip(self.STATE_KEYS, state_rows):
+                state[key][rows] = updated
+        if lowp is not None:
+            lowp.view(-1).copy_(param.reshape(-1))
 
     def _copy_buffer(self, copy_targets, group_index: int, param_index: int, param):
         """(tensor the kernel writes, target to copy it to afterwards or None), or None."""

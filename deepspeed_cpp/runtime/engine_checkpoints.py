@@ -87,6 +87,7 @@ class EngineCheckpoints:
             ),
             load_full_module_state=self.load_full_module_state,
             restore_train_state=self.restore_train_state,
+            tag_validation=self.config.checkpoint.tag_validation,
         )
 
     def full_module_state_dict(self, *, rank0_only: bool = False) -> dict:

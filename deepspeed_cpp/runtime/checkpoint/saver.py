@@ -25,9 +25,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch.distributed as dist
-
-from ...comm.collective_errors import named_collective
 from ...module_inject import tensor_parallel_info, tensor_parallel_slices
 from ...moe.expert_names import expert_layers, to_global
 from ...utils.logging import logger
@@ -71,6 +68,7 @@ from .reshard import classify_state
 from .rng_state import capture_rng_states
 from .save_lock import SaveLock
 from .streamed_save import save_streamed_atomically
+from .tag_agreement import agree_on_tag
 
 before_rank_files: Callable[[Path, int], None] | None = None
 """Test seam: when set, called on every rank with (staging directory, rank) just before the rank
@@ -344,13 +342,7 @@ def save_checkpoint(
     rank, group = subject.dp_rank, subject.group
     tag = check_tag(f"global_step{subject.train_state.global_steps}" if tag is None else tag)
     # Over the whole world: every model-parallel part is saved under the same tag.
-    tags = [None] * dist.get_world_size()
-    with named_collective("all_gather of the tag at the start of save_checkpoint"):
-        dist.all_gather_object(tags, tag)
-    if len(set(tags)) != 1:
-        raise ValueError(
-            f"save_checkpoint: every rank must save the same tag; the ranks gave {tags}"
-        )
+    tag = agree_on_tag(tag, subject.tag_validation)
     save_dir = model_parallel_dir(save_dir, subject.mp_rank, subject.mp_world_size, loading=False)
     staging = save_dir / f"{tag}{STAGING_SUFFIX}"
     try:

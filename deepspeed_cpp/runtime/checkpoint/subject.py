@@ -54,3 +54,5 @@ class CheckpointSubject:
     whole_model_state_dict: Callable[[bool], dict]
     load_full_module_state: Callable[[dict], None]
     restore_train_state: Callable[..., None]
+    tag_validation: str = "WARN"
+    """``checkpoint.tag_validation`` (``tag_agreement.py``): what differing tags do."""

@@ -59,6 +59,7 @@ from .sections import (
     ActivationCheckpointingConfig,
     AioConfig,
     BF16Config,
+    CheckpointConfig,
     FP16Config,
     PipelineConfig,
     TensorParallelConfig,
@@ -125,6 +126,8 @@ class DeepSpeedConfig(ConfigSection):
     """AutoTP training: ``autotp_size`` ranks split each model (deepspeed_cpp.module_inject)."""
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     """``deepspeed.checkpointing``'s settings; None when the config has no such section."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """What ``save_checkpoint`` reads (``tag_validation``)."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """What a ``PipelineEngine`` reads (``runtime/pipe/engine.py``); plain engines ignore it."""
     gradient_allreduce_op: choice(("mean",)) = "mean"

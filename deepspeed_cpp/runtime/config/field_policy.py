@@ -186,6 +186,7 @@ FIELDS: dict[str, FieldUse] = {
         "number_checkpoints synchronize_checkpoint_boundary profile".split()
     },
     # pipeline: read by the PipelineEngine (DeepSpeed's engine reads the same keys).
+    "checkpoint.tag_validation": _read("runtime/engine_checkpoints.py"),
     "pipeline.stages": _judged(_PIPE),  # must equal the PipelineModule's num_stages
     "pipeline.activation_checkpoint_interval": _read(_PIPE),
     "pipeline.pipe_partitioned": _judged(_PIPE),  # noted when tensor parallelism would use it

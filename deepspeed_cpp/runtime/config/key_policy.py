@@ -169,8 +169,7 @@ POLICIES: tuple[KeyPolicy, ...] = (
     _harmless_at("data_types.grad_accum_dtype", (None,), "gradients accumulate in their dtype"),
     _harmless_at("data_types.param_dtype", (None,), "parameters keep their dtype"),
     _harmless_at("data_types.buffer_dtype", (None,), "buffers keep their dtype"),
-    _section("checkpoint"),
-    _ignored("checkpoint.tag_validation", "checkpoint tags are not compared across ranks yet"),
+    # checkpoint.tag_validation is a field of the schema (sections.CheckpointConfig).
     _harmless_at("checkpoint.load_universal", (False,), "checkpoints load in their own format"),
     _harmless_at("checkpoint.use_node_local_storage", (False,), "checkpoints use one folder"),
     _ignored("checkpoint.parallel_write", "it only applies to pipeline parallelism"),

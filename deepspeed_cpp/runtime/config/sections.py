@@ -1,5 +1,5 @@
 """The typed sections of the config: fp16, bf16, zero_optimization (with its offload parts), aio,
-activation_checkpointing, pipeline.
+activation_checkpointing, checkpoint, pipeline.
 
 Field names, defaults and meanings are DeepSpeed's. Keys of these sections that deepspeed_cpp
 does not model are in ``key_policy.py``. (No ``from __future__ import annotations`` here: the
@@ -9,12 +9,23 @@ field types are built by calls such as ``integer(1)``, which pydantic must see e
 import sys
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ...utils.logging import logger
 from .key_policy import apply_key_policies, policies_under
 from .values import AUTO, ConfigSection, boolean, choice, integer, is_auto, number, text
+
+
+def _number_from_text(value: Any) -> Any:
+    """A string holding a number ("3", "1e3") as that number: DeepSpeed reads ``fp16.loss_scale``
+    with ``float(value)``. Other strings stay strings, for the number check to refuse."""
+    if isinstance(value, str) and not is_auto(value):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 class FP16Config(ConfigSection):
@@ -23,8 +34,9 @@ class FP16Config(ConfigSection):
     enabled: boolean() = False
     auto_cast: boolean() = False
     """Cast floating-point inputs (nested in tuples, lists, dicts too) to fp16 in forward."""
-    loss_scale: number(minimum=0.0) = 0.0
-    """A fixed loss scale; 0 means dynamic loss scaling (the fields below)."""
+    loss_scale: Annotated[number(minimum=0.0), BeforeValidator(_number_from_text)] = 0.0
+    """A fixed loss scale; 0 means dynamic loss scaling (the fields below). A numeric string
+    ("3") is read as its number, as DeepSpeed does."""
     initial_scale_power: integer(0, 127) = 16
     """The dynamic scale starts at ``2 ** initial_scale_power``."""
     loss_scale_window: integer(1) = 1000
@@ -305,6 +317,16 @@ class TensorParallelConfig(ConfigSection):
     preset_model: text(optional=True) = None
     """The policy of this architecture (a ``config.model_type`` such as "llama", "qwen2")
     instead of the model's own."""
+
+
+class CheckpointConfig(ConfigSection):
+    """``checkpoint``: what ``save_checkpoint`` reads (its other DeepSpeed keys are in
+    ``key_policy.py``)."""
+
+    tag_validation: choice(("IGNORE", "WARN", "FAIL"), case_sensitive=False) = "WARN"
+    """When the ranks pass different tags to ``save_checkpoint``: "FAIL" raises (an
+    ``AssertionError``, as DeepSpeed's), "WARN" (DeepSpeed's default) warns and saves, "IGNORE"
+    saves without a warning (``runtime/checkpoint/tag_agreement.py``)."""
 
 
 class PipelineConfig(ConfigSection):

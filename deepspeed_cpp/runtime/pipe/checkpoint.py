@@ -70,6 +70,7 @@ from ..checkpoint.rng_state import capture_rng_states, restore_rng_states
 from ..checkpoint.saver import write_recovery_script_or_warn
 from ..checkpoint.shard_reader import load_mapped
 from ..checkpoint.subject import CheckpointSubject
+from ..checkpoint.tag_agreement import agree_on_tag
 from .optimizer_reshard import resharded_optimizer_state
 
 
@@ -190,11 +191,7 @@ def save_pipeline_checkpoint(
     client_state = {} if client_state is None else client_state
     if check_client_state(client_state, allow_pickle=False):
         raise ValueError("a pipeline checkpoint's client_state must be plain data and tensors")
-    tags = [None] * dist.get_world_size()
-    with named_collective("all_gather of the tag at the start of save_checkpoint"):
-        dist.all_gather_object(tags, tag)
-    if len(set(tags)) != 1:
-        raise ValueError(f"save_checkpoint: every rank must save the same tag; they gave {tags}")
+    tag = agree_on_tag(tag, subject.base.tag_validation)
     save_dir = Path(save_dir)
     staging = save_dir / f"{tag}{STAGING_SUFFIX}"
     rank = dist.get_rank()

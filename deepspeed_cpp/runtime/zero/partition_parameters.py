@@ -385,7 +385,9 @@ class Init:
 
     DeepSpeed's signature. ``config_dict_or_path`` (or ``config``) supplies
     ``stage3_param_persistence_threshold`` (parameters that small stay whole) and, when ``dtype``
-    is None, the fp16/bf16 dtype. Refused: ``remote_device`` other than None/"none" (parameter
+    is None, the fp16/bf16 dtype (fp32 where neither is enabled); given neither a config nor a
+    ``dtype``, the parameters become fp16 where the accelerator supports it, else bf16, as
+    DeepSpeed's are. Refused: ``remote_device`` other than None/"none" (parameter
     offload is not built yet) and ``mpu`` (no model parallelism). ``mem_efficient_linear`` is
     accepted and has no effect (a partitioned weight is gathered again for the backward anyway).
 
@@ -435,8 +437,16 @@ class Init:
             init_distributed()
             release_gil_at_exit()  # gathers of partitioned parameters must not abort the exit
             self.device = torch.device(get_accelerator().current_device_name())
-        self.persistence_threshold, config_dtype = _init_settings(config_dict_or_path or config)
+        given = config_dict_or_path if config_dict_or_path is not None else config
+        self.persistence_threshold, config_dtype = _init_settings(given)
         self.dtype = dtype or config_dtype
+        if given is None and dtype is None:
+            # DeepSpeed's choice for zero.Init() given neither a config nor a dtype: half
+            # precision, fp16 where the accelerator supports it, else bf16.
+            from ...accelerator import get_accelerator
+
+            fp16 = get_accelerator().is_fp16_supported()
+            self.dtype = torch.float16 if fp16 else torch.bfloat16
         self._patched: list[tuple[type, str, object]] = []
         if module is not None and enabled:
             for submodule in module.modules():
