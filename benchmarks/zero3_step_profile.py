@@ -138,7 +138,7 @@ class Breakdown:
 
 def build(stage: int, model_name: str, whole_layers: bool, prefetch: float):
     import deepspeed_cpp
-    from deepspeed_cpp.runtime.zero import coordinator
+    from deepspeed_cpp.runtime.zero import unit_tree
 
     if model_name == "deep":
         model = make_small_model("deep")
@@ -158,13 +158,13 @@ def build(stage: int, model_name: str, whole_layers: bool, prefetch: float):
         "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
-    capped = coordinator._repeated_blocks
+    capped = unit_tree.repeated_blocks
     if whole_layers:  # the block cap lifted for this engine only
-        coordinator._repeated_blocks = lambda c, m, cap: capped(c, m, 1 << 62)
+        unit_tree.repeated_blocks = lambda c, m, cap: capped(c, m, 1 << 62)
     try:
         engine, *_ = deepspeed_cpp.initialize(model=model, config=config)
     finally:
-        coordinator._repeated_blocks = capped
+        unit_tree.repeated_blocks = capped
     return engine
 
 
