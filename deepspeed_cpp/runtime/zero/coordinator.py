@@ -130,6 +130,10 @@ class ParameterCoordinator:
         for index, unit in enumerate(self.units):
             for param in unit:
                 self._units_of_param.setdefault(id(param), []).append(index)
+        # id(param) -> what takes its gradient over as autograd has accumulated it (the stage's
+        # reducer, ``hand_gradients_to``), called from the same hook that counts the unit down:
+        # one Python hook per parameter, not one for the reducer and one for the release.
+        self._grad_sinks: dict[int, object] = {}
         self._pass_open = False
         # (agreement in flight, gathers to launch once it succeeds, whether the first of them
         # is the unit demanded now, the unit whose use launches them)
@@ -146,6 +150,13 @@ class ParameterCoordinator:
         for handle in module.__dict__.pop("_ds_destroyed_guards", ()):
             handle.remove()
         self._install_hooks()
+
+    def hand_gradients_to(self, sinks: dict[int, object]) -> None:
+        """From now on ``sinks[id(param)](param)`` is called for each trainable parameter of a
+        unit once autograd has accumulated its gradient, before the unit is counted down (and
+        maybe released). The stage's reducer takes the gradients over this way instead of with
+        hooks of its own (``Stage3Optimizer.take_over_grad_hooks``)."""
+        self._grad_sinks = dict(sinks)
 
     def unit_of_param(self) -> dict[int, int]:
         """``id(param)`` -> the first unit holding it (a tied parameter is in several)."""
@@ -174,14 +185,18 @@ class ParameterCoordinator:
                 submodule.__dict__["_parameters"] = _FetchOnAccess(
                     submodule._parameters, self._fetch_on_access
                 )
-        seen = set()
+        self._hooked_params: set[int] = set()
         for unit in self.units:
             for param in unit:
-                if param.requires_grad and id(param) not in seen:
-                    seen.add(id(param))
+                if param.requires_grad and id(param) not in self._hooked_params:
+                    self._hooked_params.add(id(param))
                     self._hooks.append(
                         param.register_post_accumulate_grad_hook(self._after_accumulate)
                     )
+
+    def params_with_grad_hooks(self) -> set[int]:
+        """``id(param)`` of every parameter whose gradient this coordinator hears of."""
+        return set(self._hooked_params)
 
     def _root_pre_forward(self, module, inputs) -> None:
         if self._pass_open:
@@ -235,7 +250,11 @@ class ParameterCoordinator:
             self.fetch(unit)
 
     def _after_accumulate(self, param: torch.Tensor) -> None:
-        for unit in self._units_of_param.get(id(param), ()):
+        key = id(param)
+        sink = self._grad_sinks.get(key)
+        if sink is not None:
+            sink(param)
+        for unit in self._units_of_param.get(key, ()):
             if not self._held[unit] or not self._releases_after_grads[unit]:
                 continue
             self._trainable_left[unit] -= 1
@@ -250,14 +269,15 @@ class ParameterCoordinator:
         (it was prefetched) at the next fetch or release, behind this module's compute. Both
         are points every rank reaches in the same order, so the gathers interleave with the
         gradient reductions identically on every rank (NCCL needs that across groups)."""
-        backward = _in_backward()
-        with timed(
-            self.timers, BACKWARD_FETCH_SUBMIT_TIMER if backward else FORWARD_FETCH_SUBMIT_TIMER
-        ):
-            self._settle()
+        timers = self.timers  # None unless wall_clock_breakdown: no timer objects per use
+        backward = timers is not None and _in_backward()
+        with timed(timers, BACKWARD_FETCH_SUBMIT_TIMER if backward else FORWARD_FETCH_SUBMIT_TIMER):
+            if self._pending is not None:
+                self._settle()
             self.agreement.record_use(unit)
             launches = self.schedule.on_use(unit)
-            if self.agreement.folded and self.schedule.diverged():
+            diverged = self.schedule.diverged()  # one call into the schedule, not one per test
+            if diverged and self.agreement.folded:
                 self.agreement.deviate(unit)  # raises, or the rest of the pass is checked
             if launches:
                 # A folded pass launches at once (its gathers carry the check); a checked one
@@ -266,7 +286,7 @@ class ParameterCoordinator:
                 self._pending = (check, launches, launches[0] == unit, unit)
             if unit in launches or self.agreement.folded:
                 self._settle()
-        if self.schedule.diverged() and self._logged_divergence < self.schedule.divergences():
+        if diverged and self._logged_divergence < self.schedule.divergences():
             self._logged_divergence = self.schedule.divergences()
             if self._logged_divergence == 1:
                 logger.info(
@@ -274,9 +294,7 @@ class ParameterCoordinator:
                     "recorded pass (at %s); fetching on demand and recording again",
                     self.unit_names[unit],
                 )
-        with timed(
-            self.timers, BACKWARD_FETCH_WAIT_TIMER if backward else FORWARD_FETCH_WAIT_TIMER
-        ):
+        with timed(timers, BACKWARD_FETCH_WAIT_TIMER if backward else FORWARD_FETCH_WAIT_TIMER):
             self.units[unit].wait()
 
     def _settle(self) -> None:
@@ -286,8 +304,15 @@ class ParameterCoordinator:
         check, launches, demand, use = self._pending
         self._pending = None
         self.agreement.finish_check(check)
-        name = BACKWARD_ALL_GATHER_TIMER if _in_backward() else FORWARD_ALL_GATHER_TIMER
-        with timed(self.timers, name):
+        timers = self.timers
+        name = (
+            None
+            if timers is None
+            else BACKWARD_ALL_GATHER_TIMER
+            if _in_backward()
+            else FORWARD_ALL_GATHER_TIMER
+        )
+        with timed(timers, name):
             for gathered in launches:
                 self._held[gathered] = True
             # A demanded unit (it comes first) is waited for at once: it gets a collective of
@@ -303,7 +328,8 @@ class ParameterCoordinator:
                 )
 
     def done(self, unit: int) -> None:
-        self._settle()
+        if self._pending is not None:
+            self._settle()
         if self._held[unit] and self.schedule.on_done(unit):
             self._release(unit)
 

@@ -195,24 +195,28 @@ def wait_gather(param: torch.nn.Parameter) -> None:
 def release(param: torch.nn.Parameter) -> None:
     """One holder lets go; the last one frees the whole tensor (waiting for a gather still in
     flight first: its buffer may not be freed under a running collective)."""
-    if param.ds_active <= 0:
+    active = param.ds_active
+    if active <= 0:
         raise RuntimeError(f"ZeRO-3 parameter {describe(param)} released more often than gathered")
-    param.ds_active -= 1
-    if param.ds_active or param.ds_persist:
+    param.ds_active = active - 1
+    if active > 1 or param.ds_persist:
         return
-    wait_gather(param)
-    if param.data.numel() != param.ds_numel or tuple(param.data.shape) != param.ds_shape:
+    if param.ds_status is ZeroParamStatus.INFLIGHT:
+        wait_gather(param)
+    data = param.data
+    if data.shape != param.ds_shape:  # torch.Size equals the tuple of the same sizes
         raise RuntimeError(
             f"ZeRO-3 parameter {describe(param)} changed shape while gathered: it was "
-            f"{list(param.ds_shape)}, it is {list(param.data.shape)}; a partitioned parameter's "
+            f"{list(param.ds_shape)}, it is {list(data.shape)}; a partitioned parameter's "
             f"shape is fixed (re-create it under zero.Init to change it)"
         )
-    param.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=device_of(param))
+    whole = param.ds_whole  # made by the gather in the shard's dtype, on the parameter's device
+    param.data = torch.empty(0, dtype=whole.dtype, device=whole.device)
     # Autograd keeps views of the whole parameter that the forward made (a linear layer saves
     # weight.t()), which would keep every gathered tensor alive until the backward; emptying
     # the storage frees the memory now, and the next gather refills the same storage, so those
     # views hold the right values again when the backward reads them (FSDP2 does the same).
-    param.ds_whole.untyped_storage().resize_(0)
+    whole.untyped_storage().resize_(0)
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 

@@ -110,6 +110,19 @@ class Stage3Optimizer(ZeroPartitionedOptimizer):
         self._reduce_capacity = max(1, int(reduce_bucket_size))
         return params, plan
 
+    def take_over_grad_hooks(self, param_ids: set[int]) -> dict[int, object]:
+        """Removes this optimizer's gradient hooks of the parameters in ``param_ids`` and returns
+        what they called, ``id(param)`` -> ``hook(param)``, for the coordinator to call from its
+        own hook on those parameters (``ParameterCoordinator.hand_gradients_to``): autograd then
+        runs one Python hook per partitioned parameter instead of two (194 fewer per backward
+        on a 48-block model)."""
+        taken = {}
+        for index, param in enumerate(self.params):
+            if id(param) in param_ids:
+                self._hooks[index].remove()
+                taken[id(param)] = self._make_hook(index)
+        return taken
+
     # --- one reduction per unit -------------------------------------------------------------------
     def _make_shard_grads(self, device) -> list[torch.Tensor]:
         """Per bucket, a view into its reduction run's flat shard gradient (see
@@ -364,6 +377,9 @@ class ZeroStage3:
                 loss_scaler=loss_scaler,
                 offload=offload,
                 device_optimizer=device_optimizer,
+            )
+            self.coordinator.hand_gradients_to(
+                self.partitioned.take_over_grad_hooks(self.coordinator.params_with_grad_hooks())
             )
         except BaseException:
             self.coordinator.destroy()  # no hooks left behind on the model
