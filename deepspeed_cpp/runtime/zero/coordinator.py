@@ -58,6 +58,7 @@ from ...utils.timer import (
 )
 from ...utils.z3_leaf_modules import LEAF_PARAMETER_ATTRIBUTE
 from . import partition_parameters as pp
+from .gather_buffers import GatherBuffers
 from .pass_agreement import PassAgreement
 from .unit import ZeroUnit, unshard_together
 from .unit_tree import units_from_module_tree
@@ -142,6 +143,7 @@ class ParameterCoordinator:
             self.world_size, self.check_group, self.fetch_group, self.unit_names
         )
         self._logged_divergence = 0
+        self.gather_buffers = GatherBuffers()  # kept between gathers (``gather_buffers.py``)
         # The engine's wall-clock timers with ``wall_clock_breakdown`` (else None): fetches and
         # gathers timed under DeepSpeed's coordinator names (``utils/timer.py``).
         self.timers = None
@@ -325,6 +327,7 @@ class ParameterCoordinator:
                     self.coalesce_numel,
                     self.agreement,
                     use,
+                    self.gather_buffers,
                 )
 
     def done(self, unit: int) -> None:
@@ -366,6 +369,7 @@ class ParameterCoordinator:
             )
         if self._pass_open:
             self.end_pass()
+        self.gather_buffers.clear()
 
     # --- accounting and teardown ------------------------------------------------------------------
     def live_numel(self) -> int:
@@ -382,6 +386,7 @@ class ParameterCoordinator:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self.gather_buffers.clear()
         for submodule in self.module.modules():
             if isinstance(submodule._parameters, _FetchOnAccess):
                 submodule.__dict__["_parameters"] = dict(submodule._parameters)
