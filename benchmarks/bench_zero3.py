@@ -111,17 +111,20 @@ def build(name: str, args):
 
 
 class GatherTimer:
-    """Benchmark-only wrappers of ``partition_parameters.launch_gather``/``wait_gather`` (the
-    coordinator and ``release`` look both up in that module, so replacing them there reaches
-    every call): counts the gathers actually launched and the seconds spent blocked on ones in
+    """Benchmark-only wrappers of ``launch_gather``/``wait_gather``, replaced both where they
+    live (``partitioned_params``: ``release`` and ``gather_all`` look them up there) and under
+    ``partition_parameters`` (where the coordinator's units look them up), so that every call
+    is seen: counts the gathers actually launched and the seconds spent blocked on ones in
     flight, which is the part of the all-gather time that compute did not hide."""
 
     def __init__(self):
-        from deepspeed_cpp.runtime.zero import partition_parameters as pp
+        from deepspeed_cpp.runtime.zero import partition_parameters, partitioned_params
 
+        pp = partitioned_params
         self.pp, self.launch, self.wait = pp, pp.launch_gather, pp.wait_gather
         self.waited, self.launched = 0.0, []
-        pp.launch_gather, pp.wait_gather = self._launch, self._wait
+        for module in (partitioned_params, partition_parameters):
+            module.launch_gather, module.wait_gather = self._launch, self._wait
 
     def _launch(self, param, group=None) -> None:
         starts = not param.ds_persist and param.ds_status == self.pp.ZeroParamStatus.NOT_AVAILABLE

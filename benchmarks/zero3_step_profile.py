@@ -38,6 +38,26 @@ per step does not), deep model, 20 rounds, main then the branch back to back:
 On main, register_multi_grad_hook on each unit's outputs kept ~15 objects per unit alive from
 the forward to the backward: one garbage collection per step, and a full (generation 2) one
 every ~10-60 steps at 0.3-2 s each over the ~340K objects of a process with torch loaded.
+
+Then (issue 27, branch s6-zero3-step, 2026-11-27 20:50-21:44, Intel Xeon, 2 cores shared with
+other jobs at load average 17-43): a cProfile of rank 0's main thread (thread CPU time, deep
+model, 20 steps) put ZeRO-3's extra over ZeRO-2 in the forward (the fetches: gathers, copy-out,
+schedule calls), the gradient hooks (two Python hooks per parameter), the releases and the
+optimizer's per-tensor step counters (194 tensors). Changed: one hook per parameter (the
+coordinator hands the gradient to the reducer), fewer schedule calls per use, a cheaper
+release, one foreach op for the step counters, and gather buffers kept between gathers
+(``gather_buffers.py``: the transformer's 47.6 MB receive buffers were fresh mappings,
+page-faulting on every gather). Main (839b0d1) then the branch, back to back:
+
+    model        rounds  checkout  median ratio  mean ratio  CPU ratio  ZeRO-3 CPU ms
+    transformer     6    main          1.19          1.20       1.16        1202.0
+    transformer     6    branch        1.14          1.06       1.10        1142.2
+    deep           15    main     1.34 / 1.38   1.32 / 1.34  1.54 / 1.59  71.0 / 73.7
+    deep           15    branch   2.25 / 1.67   1.42 / 1.49  1.56 / 1.50  74.8 / 84.7
+
+The deep model's wall ratios are noise at that load (its ZeRO-2 step took 105-312 ms
+between runs); its CPU ratio did not move measurably: what is left there is structural (per
+parameter shards: a copy-out per gather and one optimizer tensor per parameter).
 """
 
 from __future__ import annotations
@@ -138,7 +158,7 @@ class Breakdown:
 
 def build(stage: int, model_name: str, whole_layers: bool, prefetch: float):
     import deepspeed_cpp
-    from deepspeed_cpp.runtime.zero import coordinator
+    from deepspeed_cpp.runtime.zero import unit_tree
 
     if model_name == "deep":
         model = make_small_model("deep")
@@ -158,13 +178,13 @@ def build(stage: int, model_name: str, whole_layers: bool, prefetch: float):
         "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
-    capped = coordinator._repeated_blocks
+    capped = unit_tree.repeated_blocks
     if whole_layers:  # the block cap lifted for this engine only
-        coordinator._repeated_blocks = lambda c, m, cap: capped(c, m, 1 << 62)
+        unit_tree.repeated_blocks = lambda c, m, cap: capped(c, m, 1 << 62)
     try:
         engine, *_ = deepspeed_cpp.initialize(model=model, config=config)
     finally:
-        coordinator._repeated_blocks = capped
+        unit_tree.repeated_blocks = capped
     return engine
 
 

@@ -57,7 +57,7 @@ class GatherCounter:
     a save that gathers one parameter at a time never sees more than one."""
 
     def __init__(self, module):
-        from deepspeed_cpp.runtime.zero import partition_parameters as pp
+        from deepspeed_cpp.runtime.zero import partitioned_params as pp
 
         self.pp, self.most, self.gathers = pp, 0, 0
         self.params = [p for p in module.parameters() if pp.is_partitioned(p)]

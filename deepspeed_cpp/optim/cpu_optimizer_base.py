@@ -104,6 +104,7 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                 lambda: ([], [], [[] for _ in self.STATE_KEYS], [])
             )
             copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, target)
+            counted: list[dict] = []  # the states whose step counter this call advances
             for param_index, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
@@ -116,8 +117,10 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                 state = self.state[param]
                 if not state:
                     self._create_state(group, param, state)
-                # A new tensor, not +=: loaded state dicts share step tensors with their source.
-                state["step"] = state["step"] + 1
+                # The counters advance below, all with one op (a ZeRO-3 model steps one tensor per
+                # parameter: one add each was a few ms per step).
+                step = int(state["step"].item()) + 1
+                counted.append(state)
                 lowp = None
                 if copy_targets is not None:
                     lowp = self._copy_buffer(copy_targets, group_index, param_index, param)
@@ -128,7 +131,7 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                     self._sparse_rows_step(group, int(state["step"].item()), param, state, lowp)
                     continue
                 key = (
-                    int(state["step"].item()),
+                    step,
                     param.dtype,
                     state[self.STATE_KEYS[0]].dtype,
                     None if lowp is None else lowp.dtype,
@@ -140,6 +143,12 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                     states[index].append(state[state_key])
                 if lowp is not None:
                     params_lowp.append(lowp)
+            if counted:
+                # New tensors, not in place: loaded state dicts share step tensors with their
+                # source.
+                advanced = torch._foreach_add([state["step"] for state in counted], 1)
+                for state, step in zip(counted, advanced):
+                    state["step"] = step
             for (step, *_dtypes), (params, grads, states, params_lowp) in batches.items():
                 self._native_step(group, step, params, grads, states, params_lowp or None)
             for buffer, target in copy_back:

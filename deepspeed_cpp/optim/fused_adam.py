@@ -116,6 +116,7 @@ class FusedAdam(torch.optim.Optimizer):
             batches: dict[tuple, tuple[list, list, list, list, list]] = defaultdict(
                 lambda: ([], [], [], [], [])
             )
+            counted: list[dict] = []  # the states whose step counter this call advances
             for param_index, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
@@ -135,9 +136,10 @@ class FusedAdam(torch.optim.Optimizer):
                 if group["capturable"]:
                     step_key = None  # read on the device
                 else:
-                    # A new tensor, not +=: loaded state dicts share step tensors with their source.
-                    state["step"] = state["step"] + 1
-                    step_key = int(state["step"].item())
+                    # The counters advance below, all with one op (a ZeRO-3 model steps one
+                    # tensor per parameter: one add each was a few ms per step).
+                    step_key = int(state["step"].item()) + 1
+                    counted.append(state)
                 key = (param.device, param.dtype, grad.dtype, state["exp_avg"].dtype, step_key)
                 params, grads, exp_avgs, exp_avg_sqs, steps = batches[key]
                 params.append(param)
@@ -145,6 +147,12 @@ class FusedAdam(torch.optim.Optimizer):
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
                 steps.append(state["step"])
+            if counted:
+                # New tensors, not in place: loaded state dicts share step tensors with their
+                # source.
+                advanced = torch._foreach_add([state["step"] for state in counted], 1)
+                for state, step in zip(counted, advanced):
+                    state["step"] = step
             for key, batch in batches.items():
                 if key[0].type == "cuda":
                     self._step_cuda(group, key[0], key[4], batch, grad_scale, found_inf)

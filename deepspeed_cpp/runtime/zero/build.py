@@ -186,6 +186,11 @@ def _build_stage3(
             reduce_scatter=zero.reduce_scatter,
             **common,
         )
+        # One Python hook per partitioned parameter: the coordinator's, which hands the
+        # gradient to the stage before counting its unit down.
+        coordinator.hand_gradients_to(
+            partitioned.take_over_grad_hooks(coordinator.params_with_grad_hooks())
+        )
     except BaseException:
         coordinator.destroy()  # no hooks left behind on the model
         if param_home is not None:

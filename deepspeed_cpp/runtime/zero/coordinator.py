@@ -1,23 +1,8 @@
 """ZeRO-3 hooks: gather a module's parameters just before it runs, release them after, and
 prefetch what comes next, as the C++ fetch schedule (csrc/zero/fetch_schedule) decides.
 
-Fetch units: a model's repeated blocks (the children of an ``nn.ModuleList`` or ``nn.Sequential``
-that repeat one class: transformer layers) are one unit each, with all their parameters, as
-FSDP's transformer auto-wrap makes them, unless a block holds more than
-``stage3_max_live_parameters`` elements (a unit is gathered whole; a block above
-``stage3_prefetch_bucket_size`` is still one unit, prefetched alone) or fewer than
-``stage3_unit_min_numel`` (0: no blocks, DeepSpeed's unit per module). Elsewhere, every module
-with partitioned parameters of its own (or registered with
-``register_external_parameter``) is one unit, except small ones (norms, bias-only modules: fewer
-than ``stage3_unit_min_numel`` elements), whose parameters join their parent's unit: gathered
-and reduced with it, because below ~64 KiB a collective costs its launch latency, not its bytes,
-on every backend; and a module whose whole subtree holds at most 4x that many elements is one
-unit with all its children (a small transformer layer: one unit, as FSDP2 wraps it, not its
-attention and the rest as two). A parameter shared by two modules (tied weights) belongs to
-both, and is held whole while either holds it. A module marked as a leaf
-(``deepspeed_cpp.utils.set_z3_leaf_modules``, read at construction) is one unit with its whole
-subtree: its descendants get no unit and no hooks, so a Mixture-of-Experts block whose experts
-run in a data-dependent order (or not at all) is gathered whole, the same way on every rank.
+Fetch units (which modules' parameters are gathered and reduced together) come from the module
+tree: ``unit_tree.py``.
 
 One pass is a forward and its backward (or a forward alone, in evaluation). Per unit:
 
@@ -71,10 +56,12 @@ from ...utils.timer import (
     FORWARD_FETCH_WAIT_TIMER,
     timed,
 )
-from ...utils.z3_leaf_modules import LEAF_PARAMETER_ATTRIBUTE, z3_leaf_module
+from ...utils.z3_leaf_modules import LEAF_PARAMETER_ATTRIBUTE
 from . import partition_parameters as pp
+from .gather_buffers import GatherBuffers
 from .pass_agreement import PassAgreement
 from .unit import ZeroUnit, unshard_together
+from .unit_tree import units_from_module_tree
 
 
 class ParameterCoordinator:
@@ -89,7 +76,7 @@ class ParameterCoordinator:
         unit_min_numel: int = 0,
     ):
         """``unit_min_numel``: modules with fewer partitioned elements join their parent's unit
-        (``_units_from_module_tree``)."""
+        (``units_from_module_tree``)."""
         self.module = module
         self.world_size = dist.get_world_size(group)
         # Gathers and use checks get groups of their own (see the module docstring).
@@ -105,7 +92,7 @@ class ParameterCoordinator:
         self._inside_leaf: set[int] = set()
         # Modules gathered whole with their subtree (leaves and repeated blocks).
         self._whole_units: set[int] = set()
-        units = _units_from_module_tree(
+        units = units_from_module_tree(
             module,
             self._inside_leaf,
             int(unit_min_numel),
@@ -144,6 +131,10 @@ class ParameterCoordinator:
         for index, unit in enumerate(self.units):
             for param in unit:
                 self._units_of_param.setdefault(id(param), []).append(index)
+        # id(param) -> what takes its gradient over as autograd has accumulated it (the stage's
+        # reducer, ``hand_gradients_to``), called from the same hook that counts the unit down:
+        # one Python hook per parameter, not one for the reducer and one for the release.
+        self._grad_sinks: dict[int, object] = {}
         self._pass_open = False
         # (agreement in flight, gathers to launch once it succeeds, whether the first of them
         # is the unit demanded now, the unit whose use launches them)
@@ -152,6 +143,7 @@ class ParameterCoordinator:
             self.world_size, self.check_group, self.fetch_group, self.unit_names
         )
         self._logged_divergence = 0
+        self.gather_buffers = GatherBuffers()  # kept between gathers (``gather_buffers.py``)
         # The engine's wall-clock timers with ``wall_clock_breakdown`` (else None): fetches and
         # gathers timed under DeepSpeed's coordinator names (``utils/timer.py``).
         self.timers = None
@@ -160,6 +152,13 @@ class ParameterCoordinator:
         for handle in module.__dict__.pop("_ds_destroyed_guards", ()):
             handle.remove()
         self._install_hooks()
+
+    def hand_gradients_to(self, sinks: dict[int, object]) -> None:
+        """From now on ``sinks[id(param)](param)`` is called for each trainable parameter of a
+        unit once autograd has accumulated its gradient, before the unit is counted down (and
+        maybe released). The stage's reducer takes the gradients over this way instead of with
+        hooks of its own (``ZeroPartitionedOptimizer.take_over_grad_hooks``)."""
+        self._grad_sinks = dict(sinks)
 
     def unit_of_param(self) -> dict[int, int]:
         """``id(param)`` -> the first unit holding it (a tied parameter is in several)."""
@@ -188,14 +187,18 @@ class ParameterCoordinator:
                 submodule.__dict__["_parameters"] = _FetchOnAccess(
                     submodule._parameters, self._fetch_on_access
                 )
-        seen = set()
+        self._hooked_params: set[int] = set()
         for unit in self.units:
             for param in unit:
-                if param.requires_grad and id(param) not in seen:
-                    seen.add(id(param))
+                if param.requires_grad and id(param) not in self._hooked_params:
+                    self._hooked_params.add(id(param))
                     self._hooks.append(
                         param.register_post_accumulate_grad_hook(self._after_accumulate)
                     )
+
+    def params_with_grad_hooks(self) -> set[int]:
+        """``id(param)`` of every parameter whose gradient this coordinator hears of."""
+        return set(self._hooked_params)
 
     def _root_pre_forward(self, module, inputs) -> None:
         if self._pass_open:
@@ -249,7 +252,11 @@ class ParameterCoordinator:
             self.fetch(unit)
 
     def _after_accumulate(self, param: torch.Tensor) -> None:
-        for unit in self._units_of_param.get(id(param), ()):
+        key = id(param)
+        sink = self._grad_sinks.get(key)
+        if sink is not None:
+            sink(param)
+        for unit in self._units_of_param.get(key, ()):
             if not self._held[unit] or not self._releases_after_grads[unit]:
                 continue
             self._trainable_left[unit] -= 1
@@ -264,14 +271,15 @@ class ParameterCoordinator:
         (it was prefetched) at the next fetch or release, behind this module's compute. Both
         are points every rank reaches in the same order, so the gathers interleave with the
         gradient reductions identically on every rank (NCCL needs that across groups)."""
-        backward = _in_backward()
-        with timed(
-            self.timers, BACKWARD_FETCH_SUBMIT_TIMER if backward else FORWARD_FETCH_SUBMIT_TIMER
-        ):
-            self._settle()
+        timers = self.timers  # None unless wall_clock_breakdown: no timer objects per use
+        backward = timers is not None and _in_backward()
+        with timed(timers, BACKWARD_FETCH_SUBMIT_TIMER if backward else FORWARD_FETCH_SUBMIT_TIMER):
+            if self._pending is not None:
+                self._settle()
             self.agreement.record_use(unit)
             launches = self.schedule.on_use(unit)
-            if self.agreement.folded and self.schedule.diverged():
+            diverged = self.schedule.diverged()  # one call into the schedule, not one per test
+            if diverged and self.agreement.folded:
                 self.agreement.deviate(unit)  # raises, or the rest of the pass is checked
             if launches:
                 # A folded pass launches at once (its gathers carry the check); a checked one
@@ -280,7 +288,7 @@ class ParameterCoordinator:
                 self._pending = (check, launches, launches[0] == unit, unit)
             if unit in launches or self.agreement.folded:
                 self._settle()
-        if self.schedule.diverged() and self._logged_divergence < self.schedule.divergences():
+        if diverged and self._logged_divergence < self.schedule.divergences():
             self._logged_divergence = self.schedule.divergences()
             if self._logged_divergence == 1:
                 logger.info(
@@ -288,9 +296,7 @@ class ParameterCoordinator:
                     "recorded pass (at %s); fetching on demand and recording again",
                     self.unit_names[unit],
                 )
-        with timed(
-            self.timers, BACKWARD_FETCH_WAIT_TIMER if backward else FORWARD_FETCH_WAIT_TIMER
-        ):
+        with timed(timers, BACKWARD_FETCH_WAIT_TIMER if backward else FORWARD_FETCH_WAIT_TIMER):
             self.units[unit].wait()
 
     def _settle(self) -> None:
@@ -300,8 +306,15 @@ class ParameterCoordinator:
         check, launches, demand, use = self._pending
         self._pending = None
         self.agreement.finish_check(check)
-        name = BACKWARD_ALL_GATHER_TIMER if _in_backward() else FORWARD_ALL_GATHER_TIMER
-        with timed(self.timers, name):
+        timers = self.timers
+        name = (
+            None
+            if timers is None
+            else BACKWARD_ALL_GATHER_TIMER
+            if _in_backward()
+            else FORWARD_ALL_GATHER_TIMER
+        )
+        with timed(timers, name):
             for gathered in launches:
                 self._held[gathered] = True
             # A demanded unit (it comes first) is waited for at once: it gets a collective of
@@ -314,10 +327,12 @@ class ParameterCoordinator:
                     self.coalesce_numel,
                     self.agreement,
                     use,
+                    self.gather_buffers,
                 )
 
     def done(self, unit: int) -> None:
-        self._settle()
+        if self._pending is not None:
+            self._settle()
         if self._held[unit] and self.schedule.on_done(unit):
             self._release(unit)
 
@@ -354,6 +369,7 @@ class ParameterCoordinator:
             )
         if self._pass_open:
             self.end_pass()
+        self.gather_buffers.clear()
 
     # --- accounting and teardown ------------------------------------------------------------------
     def live_numel(self) -> int:
@@ -370,6 +386,7 @@ class ParameterCoordinator:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self.gather_buffers.clear()
         for submodule in self.module.modules():
             if isinstance(submodule._parameters, _FetchOnAccess):
                 submodule.__dict__["_parameters"] = dict(submodule._parameters)
@@ -393,132 +410,6 @@ class ParameterCoordinator:
 def _in_backward() -> bool:
     """Whether autograd's backward is running this thread's code (a hook of it)."""
     return torch._C._current_graph_task_id() != -1
-
-
-# Containers whose forward never runs (their children are called by the module above them): their
-# own parameters join the module above, whose hooks do run; their small children stay units.
-_NO_FORWARD = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList)
-
-# A module takes in small children only up to this many times ``stage3_unit_min_numel`` elements:
-# a Sequential of a thousand small layers must not become one unit held whole for the whole pass.
-_MERGED_PER_MIN_NUMEL = 4
-
-
-def _units_from_module_tree(
-    module: torch.nn.Module,
-    inside_leaf: set[int],
-    min_numel: int,
-    block_cap: int,
-    whole_units: set[int],
-):
-    """The fetch units of ``module``'s tree, in pre-order: (name, module, parameters, is_leaf).
-
-    Taken whole (their whole subtree, never merged upward; ``whole_units`` receives their ids,
-    ``inside_leaf`` the ids of the modules inside them: no unit, no hooks): every leaf module
-    (``set_z3_leaf_modules``) and, with ``min_numel`` > 0, every repeated block
-    (``_repeated_blocks``: a transformer's layers, one unit each, as FSDP's transformer
-    auto-wrap makes them). The rest, bottom-up: each module collects its own partitioned
-    parameters (and the external ones registered on it) plus those of its children too small to
-    be units (fewer than ``min_numel`` elements: ``stage3_unit_min_numel``), up to
-    ``_MERGED_PER_MIN_NUMEL`` times ``min_numel`` in all; a module whose whole subtree is within
-    that cap takes in all its children, whatever their size. A module whose collection is large
-    enough is a unit, and so are the root and a small module that found no room above it."""
-    order: list[tuple[str, torch.nn.Module, bool]] = []
-    parent: dict[int, torch.nn.Module] = {}
-    blocks: set[int] = set()  # repeated blocks taken whole (``_repeated_blocks``)
-    for name, submodule in module.named_modules():
-        if id(submodule) in inside_leaf:
-            continue
-        leaf = z3_leaf_module(submodule)
-        if leaf or id(submodule) in blocks:
-            inside_leaf.update(id(m) for m in list(submodule.modules())[1:])
-            whole_units.add(id(submodule))
-        elif min_numel > 0:
-            blocks.update(_repeated_blocks(submodule, min_numel, block_cap))
-        order.append((name, submodule, leaf))
-        for child in submodule.children():
-            parent.setdefault(id(child), submodule)
-    collected: dict[int, dict[int, torch.nn.Parameter]] = {}
-    numel: dict[int, int] = {}
-    cap = _MERGED_PER_MIN_NUMEL * min_numel
-    whole = _subtree_numels(order)
-    units: dict[int, bool] = {}  # id(module) -> whether it is a leaf
-    for _name, submodule, leaf in reversed(order):
-        params = collected.setdefault(id(submodule), {})
-        whole_unit = id(submodule) in whole_units
-        for member in submodule.modules() if whole_unit else [submodule]:
-            for param in member.parameters(recurse=False):
-                if pp.is_partitioned(param):
-                    params.setdefault(id(param), param)
-            for param in member.__dict__.get("_ds_external_params", {}).values():
-                if pp.is_partitioned(param):
-                    params.setdefault(id(param), param)
-        if not params:
-            continue
-        size = sum(p.ds_numel for p in params.values())
-        above = parent.get(id(submodule))
-        if above is not None and not whole_unit and isinstance(submodule, _NO_FORWARD):
-            merge = True
-        else:
-            # Small modules join the module above while it has room; a module whose whole
-            # subtree fits in the cap takes in every child (an encoder layer is one unit, as
-            # FSDP2 wraps it, not its attention and the rest as two).
-            merge = (
-                above is not None
-                and not whole_unit
-                and not isinstance(above, _NO_FORWARD)
-                and (
-                    (size < min_numel and numel.get(id(above), 0) + size <= cap)
-                    or (cap > 0 and whole[id(above)] <= cap)
-                )
-            )
-        if not merge:
-            units[id(submodule)] = leaf
-            continue
-        merged = collected.setdefault(id(above), {})
-        for key, param in params.items():
-            merged.setdefault(key, param)
-        numel[id(above)] = numel.get(id(above), 0) + size
-    for name, submodule, leaf in order:
-        if id(submodule) in units:
-            yield name, submodule, list(collected[id(submodule)].values()), leaf
-
-
-def _repeated_blocks(container: torch.nn.Module, min_numel: int, block_cap: int) -> list[int]:
-    """Ids of the children of an ``nn.ModuleList`` / ``nn.Sequential`` that are blocks of a
-    repeated class (at least two children of that class with partitioned parameters: transformer
-    layers), each holding at least ``min_numel`` partitioned elements (smaller ones follow the
-    merge rules) and at most ``block_cap`` (``stage3_max_live_parameters``: a unit is gathered
-    whole, so a larger block is split by the per-module rules instead)."""
-    if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
-        return []
-    sizes = {id(child): _partitioned_numel(child) for child in container.children()}
-    classes: dict[type, int] = {}
-    for child in container.children():
-        if sizes[id(child)] > 0:
-            classes[type(child)] = classes.get(type(child), 0) + 1
-    return [
-        id(child)
-        for child in container.children()
-        if classes.get(type(child), 0) >= 2 and min_numel <= sizes[id(child)] <= block_cap
-    ]
-
-
-def _partitioned_numel(module: torch.nn.Module) -> int:
-    seen: dict[int, int] = {}
-    for member in module.modules():
-        for param in member.parameters(recurse=False):
-            if pp.is_partitioned(param):
-                seen[id(param)] = param.ds_numel
-        for param in member.__dict__.get("_ds_external_params", {}).values():
-            if pp.is_partitioned(param):
-                seen[id(param)] = param.ds_numel
-    return sum(seen.values())
-
-
-def _subtree_numels(order) -> dict[int, int]:
-    """``id(module)`` -> the partitioned elements of its whole subtree (each parameter once)."""
-    return {id(submodule): _partitioned_numel(submodule) for _name, submodule, _leaf in order}
 
 
 def _destroyed_guard(name: str):

@@ -129,6 +129,18 @@ class ZeroPartitionedOptimizer:
     trains = True
 
     # --- gradient hooks -----------------------------------------------------------------------
+    def take_over_grad_hooks(self, param_ids: set[int]) -> dict[int, object]:
+        """Removes this stage's gradient hooks of the parameters in ``param_ids`` and returns
+        what they called, ``id(param)`` -> ``hook(param)``, for ZeRO-3's coordinator to call from
+        its own hook on those parameters (``ParameterCoordinator.hand_gradients_to``): autograd
+        then runs one Python hook per partitioned parameter instead of two."""
+        taken = {}
+        for index, param in enumerate(self.params):
+            if id(param) in param_ids:
+                self._hooks[index].remove()
+                taken[id(param)] = self._make_hook(index)
+        return taken
+
     def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:

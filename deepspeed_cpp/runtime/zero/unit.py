@@ -22,7 +22,8 @@ every rank gathers the same set in the same order. In a pass that folds that agr
 gathers, each all-gather carries a 40-byte header after this rank's shards (and so goes through
 the copy-out even for one parameter), compared on every rank before the wait for it returns.
 
-Gradients are reduced per unit too: ``Stage3Optimizer`` hands the C++ reducer a unit's
+Gradients are reduced per unit too: stage 3's ``PartitionedBuckets`` layout hands the C++
+reducer a unit's
 parameters as one bucket laid out rank by rank (the layout ``unshard`` gathers), so one
 reduce-scatter leaves this rank's piece of every parameter in the unit's flat shard gradient,
 while masters and optimizer state stay per parameter.
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
 from . import partition_parameters as pp
+from .gather_buffers import GatherBuffers
 from .pass_agreement import header_bytes, read_headers
 from .shard_gather import all_gather_flat
 
@@ -74,7 +76,12 @@ class ZeroUnit:
 
 
 def unshard_together(
-    units: list[ZeroUnit], group, bucket_numel: int, agreement=None, use: int = -1
+    units: list[ZeroUnit],
+    group,
+    bucket_numel: int,
+    agreement=None,
+    use: int = -1,
+    buffers: GatherBuffers | None = None,
 ) -> None:
     """Starts gathering several units (the prefetches the schedule launches at one use) with as
     few collectives as their sizes allow: consecutive units share one all-gather up to
@@ -82,7 +89,8 @@ def unshard_together(
     unit never split across two. On a model of many small blocks a collective costs its launch,
     not its bytes, so this is what brings a deep model's gathers from one per block to a few per
     pass (DeepSpeed coalesces its prefetch bucket the same way). Memory: the send and receive
-    buffers of one collective (at most ``bucket_numel`` times world size, or one unit), freed
+    buffers of one collective (at most ``bucket_numel`` times world size, or one unit), handed
+    back to ``buffers`` (``gather_buffers.py``: kept for the next gather of that size) or freed
     once its parameters are copied out; the schedule already counted the units as live.
 
     ``agreement`` (the coordinator's ``PassAgreement``, at a use of unit ``use``) decides whether
@@ -116,9 +124,9 @@ def unshard_together(
         headers = agreement.headers_for(layouts, use)
     for index, params in enumerate(collectives):
         if headers is None:
-            _FlatGather(params, group, world).launch()
+            _FlatGather(params, group, world, buffers=buffers).launch()
         else:
-            gather = _FlatGather(params, group, world, headers[index], agreement)
+            gather = _FlatGather(params, group, world, headers[index], agreement, buffers)
             gather.launch()
             agreement.launched(gather)
 
@@ -132,7 +140,13 @@ class _FlatGather:
     ``pp.wait_gather``) makes all of them whole."""
 
     def __init__(
-        self, params: list[torch.nn.Parameter], group, world: int, header=None, agreement=None
+        self,
+        params: list[torch.nn.Parameter],
+        group,
+        world: int,
+        header=None,
+        agreement=None,
+        buffers: GatherBuffers | None = None,
     ):
         """``header``: int64 values sent after this rank's data and compared on every rank by
         ``agreement.landed`` once the gather landed (``pass_agreement.py``)."""
@@ -144,6 +158,13 @@ class _FlatGather:
         self.agreement = agreement
         self.work = None
         self.gathered = None
+        self.send = None  # kept until the gather landed, then handed back to ``buffers``
+        self.buffers = buffers
+
+    def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.buffers is None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        return self.buffers.take(numel, dtype, device)
 
     def launch(self) -> None:
         rank = dist.get_rank(self.group)
@@ -152,19 +173,21 @@ class _FlatGather:
         total = sum(self.sizes)
         if self.header is not None:  # bytes: the shards, then the header
             data_bytes = total * first.ds_tensor.element_size()
-            send = torch.empty(data_bytes + header_bytes(), dtype=torch.uint8, device=device)
+            send = self._buffer(data_bytes + header_bytes(), torch.uint8, device)
             self._pack_shards(send[:data_bytes].view(dtype))
             send[data_bytes:].copy_(self.header.view(torch.uint8))
-            self.gathered = torch.empty(send.numel() * self.world, dtype=torch.uint8, device=device)
+            self.gathered = self._buffer(send.numel() * self.world, torch.uint8, device)
+            self.send = send
         elif len(self.params) == 1:  # straight into the parameter's whole tensor
             size = self.sizes[0]
             self.gathered = pp.whole_buffer(first, size * self.world)
             send = self.gathered.narrow(0, rank * size, size)
             _read_shard_into(first, send)
         else:
-            send = torch.empty(total, dtype=dtype, device=device)
+            send = self._buffer(total, dtype, device)
             self._pack_shards(send)
-            self.gathered = torch.empty(total * self.world, dtype=dtype, device=device)
+            self.gathered = self._buffer(total * self.world, dtype, device)
+            self.send = send
         self.work = all_gather_flat(self.gathered, send, self.group)
         for param in self.params:
             param.ds_works = self
@@ -209,7 +232,11 @@ class _FlatGather:
             torch.split_with_sizes_copy(
                 data, self.sizes, dim=1, out=[whole.view(self.world, -1) for whole in wholes]
             )
-        self.gathered = None  # frees the rank-by-rank buffer
+        if self.buffers is not None and self.send is not None:  # not a parameter's own tensor
+            self.buffers.give_back(self.send)
+            self.buffers.give_back(self.gathered)
+        self.send = None
+        self.gathered = None  # frees the rank-by-rank buffer (or leaves it to ``buffers``)
         for param, whole in zip(self.params, wholes):
             param.ds_works = None
             param.data = whole.narrow(0, 0, param.ds_numel).view(param.ds_shape)
