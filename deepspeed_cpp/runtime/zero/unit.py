@@ -23,10 +23,9 @@ gathers, each all-gather carries a 40-byte header after this rank's shards (and 
 the copy-out even for one parameter), compared on every rank before the wait for it returns.
 
 Gradients are reduced per unit too: stage 3's ``PartitionedBuckets`` layout hands the C++
-reducer a unit's
-parameters as one bucket laid out rank by rank (the layout ``unshard`` gathers), so one
-reduce-scatter leaves this rank's piece of every parameter in the unit's flat shard gradient,
-while masters and optimizer state stay per parameter.
+reducer a unit's parameters as one bucket laid out rank by rank (the layout ``unshard``
+gathers), so one reduce-scatter leaves this rank's piece of every parameter in the unit's flat
+shard gradient, while masters and optimizer state stay per parameter.
 """
 
 from __future__ import annotations
