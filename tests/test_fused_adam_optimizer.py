@@ -221,10 +221,10 @@ def test_bad_constructor_arguments(kwargs, error, message):
 
 
 def test_bad_parameters_are_named():
-    with pytest.raises(TypeError, match="float32 parameters on cpu; param 1 of group 0 is "
-                                        "torch.bfloat16"):  # fmt: skip
+    with pytest.raises(TypeError, match="float32, bfloat16, float16 parameters on cpu; param 1 "
+                                        "of group 0 is torch.float64"):  # fmt: skip
         FusedAdam([torch.nn.Parameter(torch.randn(3)),
-                   torch.nn.Parameter(torch.randn(3, dtype=torch.bfloat16))])  # fmt: skip
+                   torch.nn.Parameter(torch.randn(3, dtype=torch.float64))])  # fmt: skip
     with pytest.raises(ValueError, match=r"param 0 of group 0 has shape \(4, 3\) and strides "):
         FusedAdam([torch.nn.Parameter(torch.randn(3, 4).t())])
     with pytest.raises(ValueError, match="CUDA or CPU parameters; param 0 of group 0 is on meta"):
@@ -291,3 +291,26 @@ def test_config_adam_on_cuda_parameters_picks_fused_adam_when_the_op_can_run(
     _train(reference, expected, [(x.double(), y.double()) for x, y in batches])
     for ours, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_cpu_parameters_step_like_torch(dtype):
+    """bf16/fp16 parameters on the CPU (DeepSpeed's CPU FusedAdam takes them): float32 moments;
+    each step is torch's float64 AdamW from the parameter's current value, rounded to ``dtype``
+    (one rounding step apart at most: the kernel's arithmetic is float32)."""
+    hp = dict(lr=1e-2, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.05)
+    param = torch.nn.Parameter(torch.randn(257).to(dtype))
+    optimizer = FusedAdam([param], **hp)
+    reference = torch.nn.Parameter(param.detach().double())
+    reference_optimizer = torch.optim.AdamW([reference], foreach=False, **hp)
+    for _ in range(4):
+        grad = torch.randn(257).to(dtype)
+        param.grad, reference.grad = grad, grad.double()
+        with torch.no_grad():
+            reference.copy_(param.double())  # the rounded value both step from
+        optimizer.step()
+        reference_optimizer.step()
+        assert optimizer.state[param]["exp_avg"].dtype == torch.float32
+        expected = reference.detach().to(dtype)
+        ulp = (expected.float().abs() * torch.finfo(dtype).eps).clamp_min(1e-30)
+        assert ((param.detach().float() - expected.float()).abs() <= ulp * 1.01).all()

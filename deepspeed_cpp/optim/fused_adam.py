@@ -12,7 +12,7 @@ from ..ops.op_builder import OpNotAvailableError
 from .cpu_adam import check_adam_hyper_params
 from .torch_adam_state import complete_adam_group, refuse_unsupported_adam_flags
 
-_CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -22,7 +22,10 @@ class FusedAdam(torch.optim.Optimizer):
     fused multi-tensor op (``deepspeed_cpp.ops.fused_adam``): float32, bfloat16 or float16
     parameters, with optimizer state in the parameters' dtype (as DeepSpeed and torch keep it),
     a handful of kernel launches per step for any number of tensors. Parameters on the CPU
-    (float32) are updated by ``cpu_adam``. Both compute every element with the same function.
+    (float32, bfloat16 or float16, as DeepSpeed's CPU FusedAdam takes) are updated by
+    ``cpu_adam``, with float32 state for low-precision parameters (the kernel keeps state in
+    float32 or bfloat16 only; float32 also keeps small updates from vanishing in rounded
+    moments). Both compute every element with the same function.
 
     State uses torch's names (``step``, ``exp_avg``, ``exp_avg_sq``), so state dicts move between
     this optimizer and ``torch.optim.Adam``/``AdamW``. Each param group may set its own ``lr``,
@@ -127,7 +130,7 @@ class FusedAdam(torch.optim.Optimizer):
                         f"FusedAdam does not support sparse gradients (param {param_index} of "
                         f"group {group_index})"
                     )
-                if param.device.type == "cuda" and grad.dtype not in _CUDA_DTYPES:
+                if grad.dtype not in _DTYPES:
                     raise TypeError(
                         f"FusedAdam: the gradient of param {param_index} of group {group_index} "
                         f"is {grad.dtype}; expected float32, bfloat16 or float16"
@@ -162,13 +165,22 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _state_for(self, param: torch.Tensor, group: dict) -> dict:
         state = self.state[param]
+        on_cpu = param.device.type == "cpu"
         if not state:
             on_device = group["capturable"]
             state["step"] = torch.zeros(
                 (), dtype=torch.float32, device=param.device if on_device else "cpu"
             )
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            dtype = torch.float32 if on_cpu else param.dtype
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(
+                    param, dtype=dtype, memory_format=torch.contiguous_format
+                )
+        elif on_cpu and state["exp_avg"].dtype == torch.float16:
+            # torch's load_state_dict casts state to the parameter's dtype; cpu_adam keeps
+            # state in float32 or bfloat16 only.
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = state[key].float()
         return state
 
     def _step_cuda(self, group, device, step, batch, grad_scale, found_inf) -> None:
@@ -248,9 +260,8 @@ def _check_param(param: torch.Tensor, group: dict, group_index: int, param_index
         raise ValueError(
             f"FusedAdam(capturable=True) needs CUDA parameters; {where} is on {param.device}"
         )
-    allowed = _CUDA_DTYPES if param.device.type == "cuda" else (torch.float32,)
-    if param.dtype not in allowed:
-        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+    if param.dtype not in _DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in _DTYPES)
         raise TypeError(
             f"FusedAdam needs {names} parameters on {param.device.type}; {where} is {param.dtype}"
         )

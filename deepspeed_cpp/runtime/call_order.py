@@ -7,7 +7,12 @@ A micro-step is ``forward`` (the engine or its module), ``backward``, ``step``, 
   ``initialize``): a loss the model did not produce would train nothing, or the wrong thing.
   Several backwards after one forward (``retain_graph=True``, two losses) are fine.
 - ``step()`` needs a ``backward()`` since the last ``step()``: a second ``step()`` after one
-  backward would apply the same gradients twice at a boundary.
+  backward would apply the same gradients twice at a boundary. Gradients a script wrote into
+  the parameters' ``.grad`` itself, with no forward since the last step, count as a backward
+  (DeepSpeed steps with them; the engine hands them to the stage first,
+  ``DeepSpeedEngine._adopt_hand_set_gradients``): the step clears every ``.grad``, so a second
+  step still finds none. After a forward they are refused as before: they would come from a
+  ``loss.backward()`` the engine did not scale (fp16) or divide by the accumulation steps.
 - ``initialize(model_parameters=...)`` and an optimizer passed to it may only hold the model's
   parameters: the engine trains the model's parameters; a foreign one would be stepped while the
   model never changes (DeepSpeed refuses it with a KeyError).
@@ -56,6 +61,12 @@ class CallOrder:
 
     def after_backward(self) -> None:
         self._backward_seen = True
+
+    def saw_backward(self) -> bool:
+        return self._backward_seen
+
+    def saw_forward(self) -> bool:
+        return self._forward_seen
 
     def before_step(self, global_step: int) -> None:
         if not self._backward_seen:

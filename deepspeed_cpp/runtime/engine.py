@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import weakref
@@ -31,12 +32,15 @@ from .initial_weights import broadcast_initial_weights
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
 from .model_parallel import ModelParallelGroups
+from .no_sync import refuse_entering as refuse_no_sync
+from .no_sync import refuse_step_inside as refuse_step_inside_no_sync
 from .nonfinite_gradients import raise_if_asked, report_skipped_step
 from .tensor_parallel.setup import remap_parameters as remap_for_tensor_parallel
 from .training_report import TrainingReport
 from .zero.build import build_stage
 from .zero.moe_stage import needs_expert_sets
 from .zero.offload.host_heap import give_back_free_heap
+from .zero.param_fragments import fragment_owner
 
 
 class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, EngineModelLookup, torch.nn.Module):
@@ -113,9 +117,20 @@ class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, EngineModelLookup, to
         self.skipped_steps = 0
         self._failed_step = FailedStepGuard()
         self._call_order = CallOrder(self.module)
+        # engine.no_sync() (no_sync.py): inside the block; and whether the last backward ran
+        # there, so that the gradients it left unreduced are reduced before a step.
+        self._inside_no_sync = False
+        self._reduction_owed = False
         self._last_log = (time.perf_counter(), 0)
 
-        self.loss_scaler = make_loss_scaler(config.fp16) if self.fp16_enabled() else None
+        self.loss_scaler = None
+        if self.fp16_enabled():
+            # DeepSpeed's ZeRO-0 fp16 optimizers lower the scale at every overflow and stop at
+            # min_loss_scale; its ZeRO 1-3 ones apply hysteresis and fail below the minimum.
+            zero = self.zero_optimization_stage() > 0
+            self.loss_scaler = make_loss_scaler(
+                config.fp16, raise_error_at_min_scale=zero, hysteresis=zero
+            )
         stage = build_stage(
             config,
             self.module,
@@ -202,7 +217,8 @@ class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, EngineModelLookup, to
         return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        """Backward of ``loss`` (scaled for fp16, divided by the accumulation steps)."""
+        """Backward of ``loss`` (scaled for fp16, divided by the accumulation steps); returns
+        the loss divided by the accumulation steps (``scale_wrt_gas``), as DeepSpeed does."""
         if self.optimizer is None:
             raise RuntimeError("engine.backward needs an optimizer (in the config or initialize)")
         self._failed_step.check("engine.backward")
@@ -214,7 +230,9 @@ class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, EngineModelLookup, to
             scale /= self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.loss_scale
-        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
+        # Inside no_sync() nothing is reduced: gradients accumulate on each rank.
+        reduces = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
+        self.optimizer.begin_backward(reduces)
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self._report.end("bwd_inner")
         self._report.begin("bwd_allreduce")
@@ -222,10 +240,27 @@ class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, EngineModelLookup, to
         self._report.end("bwd_allreduce")
         self._report.end("bwd")
         self._call_order.after_backward()
+        self._reduction_owed = self._inside_no_sync
         divisor = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         boundary = self.is_gradient_accumulation_boundary()
         self._report.after_backward(loss, divisor, boundary, self.global_samples)
-        return loss
+        return loss / divisor if divisor != 1 else loss
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DeepSpeed's context manager: the backward passes inside it do not reduce gradients,
+        which accumulate on each rank until a backward after it reduces them all (stages 0/1;
+        see ``no_sync.py``). ``step()`` inside it raises."""
+        refuse_no_sync(self.zero_optimization_stage(), self._inside_no_sync)
+        self._inside_no_sync = True
+        if self.optimizer is not None:
+            self.optimizer.read_local_gradients(True)
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+            if self.optimizer is not None:
+                self.optimizer.read_local_gradients(False)
 
     def step(self, lr_kwargs=None) -> None:
         """At an accumulation boundary: the optimizer step and the LR schedule, or neither when
@@ -234,9 +269,15 @@ class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, EngineModelLookup, to
         if self.optimizer is None:
             raise RuntimeError("engine.step needs an optimizer (in the config or initialize)")
         self._failed_step.check("engine.step")
+        if self._inside_no_sync:
+            refuse_step_inside_no_sync(self.global_steps)
+        if not (self._call_order.saw_backward() or self._call_order.saw_forward()):
+            self._adopt_hand_set_gradients()
         self._call_order.before_step(self.global_steps)
         skipped = None
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self._reduction_owed:  # the last backward ran inside no_sync()
+            self._reduce_local_gradients()
         profiled = self._report.before_step(self)
         self._report.begin("step")
         if boundary:
@@ -249,6 +290,38 @@ class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, EngineModelLookup, to
         self._call_order.after_step()
         if skipped is not None:
             raise_if_asked(self.config.nonfinite_gradients, skipped)
+
+    def _reduce_local_gradients(self) -> None:
+        """Reduces what the backward passes accumulated unreduced, as the backward of an
+        accumulation boundary would (stages 0/1: every parameter not reduced is handed over)."""
+        self.optimizer.begin_backward(True)
+        self.optimizer.end_backward()
+        self._reduction_owed = False
+
+    def _adopt_hand_set_gradients(self) -> None:
+        """``step()`` with no ``engine.backward()`` since the last step, after a script wrote the
+        gradients into the parameters' ``.grad`` itself (DeepSpeed steps with them): they go
+        through the stage as one backward's would (post-accumulate hooks, reduction at the
+        boundary), taken as they are (not divided by the accumulation steps; under fp16 they
+        are taken as loss-scaled, as DeepSpeed does). Only with no forward since the last step
+        (``call_order.py``); not at ZeRO-3, whose parameters are partitioned; with no such
+        gradient ``before_step`` raises."""
+        if self.zero_optimization_stage() >= 3:
+            return
+        # Only parameters the stage trains: another's gradient would add nothing to the step.
+        params = [p for p in self.module.parameters() if p.grad is not None and fragment_owner(p)]
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
+        # Backward through the leaves themselves: autograd accumulates each gradient and runs
+        # the stage's post-accumulate hooks exactly as for a loss's backward.
+        torch.autograd.backward(params, grads)
+        self.optimizer.end_backward()
+        self._call_order.after_backward()
+        self._reduction_owed = False
 
     def _optimizer_step(self, lr_kwargs=None):
         """One optimizer step and the LR schedule's, or neither when the gradients are not

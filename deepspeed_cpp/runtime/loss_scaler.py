@@ -300,7 +300,9 @@ def _config_value(fp16_config, key: str):
     return FP16_DEFAULTS[key] if value is None else value
 
 
-def make_loss_scaler(fp16_config, *, raise_error_at_min_scale: bool = True) -> LossScalerBase:
+def make_loss_scaler(
+    fp16_config, *, raise_error_at_min_scale: bool = True, hysteresis: bool = True
+) -> LossScalerBase:
     """The loss scaler a ``ds_config.json`` ``fp16`` section asks for.
 
     ``fp16_config`` is a dict or any object with DeepSpeed's fp16 keys as attributes; missing
@@ -308,6 +310,9 @@ def make_loss_scaler(fp16_config, *, raise_error_at_min_scale: bool = True) -> L
     ``StaticLossScaler`` of that scale; ``loss_scale == 0`` a ``DynamicLossScaler`` starting at
     ``2 ** initial_scale_power`` with ``loss_scale_window``, ``hysteresis`` (as
     ``delayed_shift``), ``consecutive_hysteresis`` and ``min_loss_scale``.
+    ``hysteresis=False``: every overflow lowers the scale (``fp16.hysteresis`` is read but not
+    applied), as DeepSpeed's ZeRO-0 fp16 optimizers (``FP16_Optimizer`` and the unfused one)
+    do; its ZeRO 1-3 optimizers apply it.
     """
     loss_scale = _config_value(fp16_config, "loss_scale")
     if (
@@ -334,7 +339,7 @@ def make_loss_scaler(fp16_config, *, raise_error_at_min_scale: bool = True) -> L
             f"fp16.initial_scale_power must be an integer in [-126, 127], got {power!r}"
         )
     window = _config_value(fp16_config, "loss_scale_window")
-    hysteresis = _config_value(fp16_config, "hysteresis")
+    delayed_shift = _config_value(fp16_config, "hysteresis")
     consecutive = _config_value(fp16_config, "consecutive_hysteresis")
     min_loss_scale = _config_value(fp16_config, "min_loss_scale")
     init_scale = 2.0 ** int(power)
@@ -348,7 +353,7 @@ def make_loss_scaler(fp16_config, *, raise_error_at_min_scale: bool = True) -> L
         init_scale=init_scale,
         scale_window=_int_at_least("fp16.loss_scale_window", window, 1),
         min_scale=min_loss_scale,
-        delayed_shift=_int_at_least("fp16.hysteresis", hysteresis, 1),
+        delayed_shift=_int_at_least("fp16.hysteresis", delayed_shift, 1) if hysteresis else 1,
         consecutive_hysteresis=_boolean("fp16.consecutive_hysteresis", consecutive),
         raise_error_at_min_scale=raise_error_at_min_scale,
     )

@@ -18,6 +18,9 @@ across the ranks, with or without optimizer offload.
   the gradient-accumulation steps, before clipping, fp16 loss scale removed; they exist between
   the backward of an accumulation boundary and ``engine.step()``; elsewhere (mid-accumulation,
   after the step) reading one raises ``GradientNotAvailableError`` (a ValueError, as DeepSpeed).
+  Inside ``engine.no_sync()`` (stages 0/1) ``safe_get_full_grad`` is local: this rank's own
+  gradient accumulated since the last step (divided by the accumulation steps, loss scale
+  removed), as no reduced one exists until a backward after the block.
 - Optimizer state keys are the optimizer's per-element entries (Adam: ``exp_avg``,
   ``exp_avg_sq``), present from the first step on.
 - A frozen parameter (``requires_grad=False``, no master or state) reads as None, as in DeepSpeed;
@@ -128,6 +131,11 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     owner = _owner(param, "safe_get_full_grad")
     if owner is None:
         return None
+    if owner.local_grad is not None:  # inside engine.no_sync(): nothing is reduced yet
+        local = owner.local_grad(param)
+        if local is None:  # not used by any backward since the last zero_grad
+            return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        return local.detach().float().mul(owner.gradient_scale()).reshape(param.shape)
     full = _assemble(owner, param, owner.fragment_grad(param))
     return full.mul_(owner.gradient_scale()) if owner.gradient_scale() != 1.0 else full
 

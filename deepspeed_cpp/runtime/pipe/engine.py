@@ -131,6 +131,13 @@ class PipelineEngine(DeepSpeedEngine):
             "PipelineEngine.step() is not available: train_batch() steps the optimizer"
         )
 
+    def no_sync(self):
+        raise PipelineEngineMisuseError(
+            "PipelineEngine.no_sync() is not available: train_batch() runs, reduces and steps "
+            "a whole batch of micro-batches, so there is no backward whose reduction could be "
+            "deferred; raise gradient_accumulation_steps for more micro-batches per step"
+        )
+
     # --- the public pipeline API --------------------------------------------------------------
     def is_first_stage(self) -> bool:
         return self.stage_id == 0

@@ -203,6 +203,10 @@ class ExpertParallelZeroStage:
         for member in self.sets:  # same order on every rank: each finishes its collectives
             member.end_backward()
 
+    def read_local_gradients(self, active: bool) -> None:
+        for member in self.sets:
+            member.read_local_gradients(active)
+
     def step(self) -> bool:
         """Overflow check, unscale, clip by the global norm, one optimizer step, gathers; False
         when skipped (an fp16 overflow, or a global gradient norm that is not finite)."""

@@ -49,7 +49,9 @@ class ParamFragment:
 class ParamFragments:
     """The per-parameter accessors over a stage's shards (see the module docstring).
     ``loss_scaler``: the stage's (None without fp16 scaling). The stage sets
-    ``gradients_ready`` while the shard gradients hold a boundary's final reduction."""
+    ``gradients_ready`` while the shard gradients hold a boundary's final reduction, and
+    ``local_grad`` (param -> this rank's locally accumulated gradient, or None) while inside
+    ``engine.no_sync()``, where no reduced gradient exists yet."""
 
     def __init__(self, shards: ShardSet, stepper: InMemoryStepper, loss_scaler) -> None:
         self.shards = shards
@@ -57,6 +59,7 @@ class ParamFragments:
         self.loss_scaler = loss_scaler
         self.world_size, self.group = shards.world_size, shards.group
         self.gradients_ready = False
+        self.local_grad = None
         self.position_of = {id(p): i for i, p in enumerate(shards.params)}
 
     def link(self) -> None:

@@ -244,6 +244,25 @@ class ZeroPartitionedOptimizer:
             return self._fp32_accumulators[self.fragments.position_of[id(param)]]
         return param.grad
 
+    def _get_norm_groups(self) -> list[torch.Tensor]:
+        """DeepSpeed's: per param group, the norm of its reduced gradient as it is now, between
+        backward and step (still multiplied by the fp16 loss scale, as DeepSpeed's; collective).
+        Scripts debugging clipping read it before and after editing gradients with
+        ``safe_set_*_grad``. DeepSpeed's stage 3 has one entry per sub-group (sub_group_size);
+        ours one per param group: the norm of the entries is the global norm either way."""
+        norms = self.stepper.shard_grad_norms()
+        return self.gradient_checks.group_norms(norms)
+
+    @property
+    def _global_grad_norm(self) -> float | None:
+        """DeepSpeed's name for ``global_grad_norm`` (the last step's, loss scale removed)."""
+        return self.global_grad_norm
+
+    def read_local_gradients(self, active: bool) -> None:
+        """While ``active`` (inside ``engine.no_sync()``, ``runtime/no_sync.py``),
+        ``safe_get_full_grad`` reads each parameter's locally accumulated gradient."""
+        self.fragments.local_grad = self.accumulated_grad if active else None
+
     # --- step ---------------------------------------------------------------------------------
     def step(self) -> bool:
         """Unscale, check overflow, clip, step the shards, gather the parameters back.

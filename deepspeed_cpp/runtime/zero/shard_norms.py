@@ -53,11 +53,27 @@ class ShardGradientChecks:
         """The whole model's gradient norm from ``norms``, this rank's shard gradients' norms
         (one fused read of the shards, float32 as torch's clip_grad_norm_): their squares are
         summed in float64 across shards and ranks."""
-        if self._ranges is not None:  # parameters another model-parallel rank counts
-            norms = [
-                norm if ranges is None else norm_of_ranges(grad, ranges)
-                for norm, grad, ranges in zip(norms, self.shards.shard_grads, self._ranges)
-            ]
-        squares = torch.stack(norms).double().pow(2).sum().reshape(1)
+        squares = torch.stack(self._counted(norms)).double().pow(2).sum().reshape(1)
         total = self._sum_over_shards(squares, "all_reduce of the gradient norm")
         return math.sqrt(float(total.item()))
+
+    def group_norms(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per param group (bucket b belongs to group ``plan.bucket_groups[b]``): the
+        norm of the group's whole gradient, from ``norms`` as in ``global_norm`` (collective).
+        A float32 scalar tensor each; the global norm is the norm of these."""
+        bucket_groups = self.shards.plan.bucket_groups
+        squares = torch.zeros(max(bucket_groups) + 1, dtype=torch.float64)
+        for bucket, norm in enumerate(self._counted(norms)):
+            squares[bucket_groups[bucket]] += float(norm) ** 2
+        squares = squares.to(self.shards.shard_grads[0].device)
+        total = self._sum_over_shards(squares, "all_reduce of the per-group gradient norms")
+        return list(total.sqrt().float().unbind())
+
+    def _counted(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self._ranges is None:
+            return list(norms)
+        # Parameters another model-parallel rank counts are left out of this rank's part.
+        return [
+            norm if ranges is None else norm_of_ranges(grad, ranges)
+            for norm, grad, ranges in zip(norms, self.shards.shard_grads, self._ranges)
+        ]

@@ -73,6 +73,10 @@ class ZeroStage(Protocol):
     def end_backward(self) -> None:
         """After ``loss.backward()``: every gradient of the micro-step has been reduced."""
 
+    def read_local_gradients(self, active: bool) -> None:
+        """Stages 0-2, inside ``engine.no_sync()``: ``safe_get_full_grad`` reads each
+        parameter's locally accumulated gradient while ``active``."""
+
     def step(self) -> bool:
         """The optimizer step at an accumulation boundary; False when skipped (fp16 overflow,
         or a global gradient norm that is not finite: ``runtime/nonfinite_gradients.py``)."""
