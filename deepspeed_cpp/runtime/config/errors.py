@@ -30,6 +30,11 @@ class DeepSpeedConfigError(ValueError):
             message = f"Invalid DeepSpeed config{where}, {len(self.problems)} problems:\n{lines}"
         super().__init__(message)
 
+    def __reduce__(self):
+        # Rebuilt from its problems, not from the message: an error raised in a worker process
+        # (multiprocessing, torch.multiprocessing) arrives whole, not as one problem per letter.
+        return type(self), (self.problems, self.source)
+
 
 def show(value: Any, limit: int = 80) -> str:
     """A value as the user wrote it in JSON (true, null, "text"), shortened if long."""
