@@ -6,6 +6,8 @@ exception in the parent; so do users' launchers. An error rebuilt there from its
 used to become one "problem" per letter ("Invalid DeepSpeed config, 177 problems: I, n, v, ...").
 """
 
+import json
+import logging
 import multiprocessing
 import pickle
 
@@ -49,3 +51,91 @@ def test_config_error_raised_in_a_worker_process_arrives_whole():
             pool.apply(_raise_config_error, (_bad_config(),))
     assert caught.value.problems == expected
     assert "2 problems" in str(caught.value)
+
+
+@pytest.fixture
+def ds_log(caplog):
+    """The 'deepspeed_cpp' logger's warnings (it does not propagate), each key warned afresh."""
+    from deepspeed_cpp.runtime.config.deepspeed_config import forget_warnings
+
+    forget_warnings()
+    logger = logging.getLogger("deepspeed_cpp")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.WARNING, logger="deepspeed_cpp")
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def _said(caplog, text):
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def _config(stage, precision, accum):
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    if accum != "unset":
+        config["data_types"] = {"grad_accum_dtype": accum}
+    return config
+
+
+# DeepSpeed 0.19.8's verdicts (engine._do_optimizer_sanity_check, test_ds_initialize's table):
+# with ZeRO every dtype is accepted; without it only the model's own dtype (or none).
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("accum", ["unset", None, "fp16", "bf16", "fp32", "float32", "bfloat16"])
+def test_grad_accum_dtype_accepted_where_deepspeed_accepts_it(ds_log, precision, accum):
+    canonical = {"float32": "fp32", "bfloat16": "bf16"}.get(accum, accum)
+    for stage in (1, 2, 3):
+        DeepSpeedConfig.load(_config(stage, precision, accum))
+    low_precision_other = canonical in ("fp16", "bf16") and canonical != precision
+    # fp32 (and the model's own dtype) is what deepspeed_cpp's ZeRO stages do: no warning; a
+    # low precision it cannot accumulate in is named once, with what happens instead.
+    warned = _said(ds_log, "data_types.grad_accum_dtype")
+    assert len(warned) == (1 if low_precision_other else 0), warned
+    if warned:
+        assert "accumulated in fp32" in warned[0] and f"accumulate in {canonical}" in warned[0]
+    mixes = canonical not in ("unset", None, precision)
+    if not mixes:
+        DeepSpeedConfig.load(_config(0, precision, accum))
+        return
+    with pytest.raises(NotImplementedError) as caught:
+        DeepSpeedConfig.load(_config(0, precision, accum))
+    assert isinstance(caught.value, DeepSpeedConfigError)
+    message = str(caught.value)
+    assert f"data_types.grad_accum_dtype = {json.dumps(accum)}" in message, message
+    assert f"model dtype {precision} and grad_accum_dtype {canonical}" in message, message
+
+
+def test_grad_accum_dtype_bad_value_is_named():
+    with pytest.raises(DeepSpeedConfigError) as caught:
+        DeepSpeedConfig.load(_config(2, "bf16", "int8"))
+    assert 'data_types.grad_accum_dtype = "int8": expected null or one of "fp16"' in str(
+        caught.value
+    )
+
+
+def test_bf16_check_grad_overflow(ds_log):
+    # True, DeepSpeed 0.19.8's default, is what deepspeed_cpp does: silent.
+    config = DeepSpeedConfig.load(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "bf16": {"enabled": True, "check_grad_overflow": True},
+        }
+    )
+    assert config.bf16.check_grad_overflow is True
+    assert not _said(ds_log, "check_grad_overflow")
+    # False would let DeepSpeed apply a non-finite step; deepspeed_cpp still skips it, and says so.
+    DeepSpeedConfig.load(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "bf16": {"enabled": True, "check_grad_overflow": False},
+        }
+    )
+    (warned,) = _said(ds_log, "check_grad_overflow")
+    assert "'bf16.check_grad_overflow': false has no effect" in warned
+    assert "always skipped" in warned and "it behaves as true" in warned
+    with pytest.raises(DeepSpeedConfigError) as caught:
+        DeepSpeedConfig.load(
+            {"train_micro_batch_size_per_gpu": 1, "bf16": {"check_grad_overflow": "yes"}}
+        )
+    assert "bf16.check_grad_overflow" in str(caught.value)

@@ -36,6 +36,11 @@ class DeepSpeedConfigError(ValueError):
         return type(self), (self.problems, self.source)
 
 
+class GradAccumDtypeNotImplementedError(DeepSpeedConfigError, NotImplementedError):
+    """A config DeepSpeed refuses with NotImplementedError too: a ``data_types.grad_accum_dtype``
+    other than the model's dtype without ZeRO (``grad_accum_dtype.py``)."""
+
+
 def show(value: Any, limit: int = 80) -> str:
     """A value as the user wrote it in JSON (true, null, "text"), shortened if long."""
     try:

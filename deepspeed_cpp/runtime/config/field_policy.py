@@ -123,6 +123,11 @@ FIELDS: dict[str, FieldUse] = {
         "consecutive_hysteresis min_loss_scale".split()
     },
     "bf16.enabled": _read(_ENGINE),
+    "bf16.check_grad_overflow": FieldUse(
+        Use.FIXED,
+        value=True,
+        reason="a step whose gradients hold NaN or inf is always skipped (nonfinite_gradients.py)",
+    ),
     "zero_optimization.stage": _read(_ENGINE),
     "zero_optimization.reduce_scatter": _read("runtime/zero/build.py"),
     "zero_optimization.reduce_bucket_size": _read("runtime/zero/build.py"),
