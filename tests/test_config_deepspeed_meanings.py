@@ -12,6 +12,7 @@ import multiprocessing
 import pickle
 
 import pytest
+import torch
 
 from deepspeed_cpp.integrations.hf.config_filling import ConfigMismatchError
 from deepspeed_cpp.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
@@ -139,3 +140,80 @@ def test_bf16_check_grad_overflow(ds_log):
             {"train_micro_batch_size_per_gpu": 1, "bf16": {"check_grad_overflow": "yes"}}
         )
     assert "bf16.check_grad_overflow" in str(caught.value)
+
+
+class _PartlyUsed(torch.nn.Module):
+    """``unused`` is trainable but never takes part in the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x, use_all=False):
+        out = self.used(x)
+        return (out + self.unused(x) if use_all else out).pow(2).mean()
+
+
+def _unused_parameters_job():
+    import torch.distributed as dist
+
+    import deepspeed_cpp
+
+    def engine(ignore, offload, gas=1):
+        torch.manual_seed(0)
+        zero = {"stage": 2, "ignore_unused_parameters": ignore}
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": zero,
+        }
+        model = _PartlyUsed()
+        return deepspeed_cpp.initialize(model=model, config=config)[0]
+
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    outcome = {}
+    # DeepSpeed's check: ZeRO 1/2 offloaded to the host, at the step, naming the key.
+    refused = engine(False, True)
+    refused.backward(refused(x))
+    try:
+        refused.step()
+    except AssertionError as error:
+        outcome["refused"] = str(error)
+    # Every parameter used (over 2 micro-steps): the same config steps, every window afresh.
+    used = engine(False, True, gas=2)
+    before = used.module.unused.weight.detach().clone()
+    for _ in range(4):
+        used.backward(used(x, use_all=True))
+        used.step()
+    outcome["used_steps"] = used.global_steps
+    outcome["unused_moved"] = not torch.equal(before, used.module.unused.weight.detach())
+    used.destroy()
+    # The default (true), and false without offload (DeepSpeed does not check there): a zero
+    # gradient for the unused parameter, which Adam leaves where it was.
+    for ignore, offload in ((True, True), (False, False)):
+        quiet = engine(ignore, offload)
+        before = quiet.module.unused.weight.detach().clone()
+        quiet.backward(quiet(x))
+        quiet.step()
+        outcome[f"quiet_{ignore}_{offload}"] = (
+            quiet.global_steps,
+            torch.equal(before, quiet.module.unused.weight.detach()),
+        )
+        quiet.destroy()
+    return outcome
+
+
+def test_ignore_unused_parameters_false_asserts_where_deepspeed_does(pool2):
+    for outcome in pool2.run(_unused_parameters_job):
+        refused = outcome.get("refused")
+        assert refused is not None, "an unused parameter went through with the check on"
+        assert "2 of 4 trainable parameters got no gradient" in refused, refused
+        assert "(4, 4)" in refused and "(4,)" in refused, refused
+        assert "ignore_unused_parameters" in refused, refused
+        assert outcome["used_steps"] == 2 and outcome["unused_moved"]
+        assert outcome["quiet_True_True"] == (1, True)
+        assert outcome["quiet_False_False"] == (1, True)

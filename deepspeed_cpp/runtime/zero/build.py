@@ -19,6 +19,7 @@ from ..config_optimizer import client_optimizer_wins, config_optimizer_factory
 from .moe_stage import ExpertParallelZeroStage
 from .offload.optimizer_offload import OptimizerOffload, ParamOffload
 from .partitioned_optimizer import ZeroPartitionedOptimizer
+from .unused_parameters import UnusedParameterCheck
 from .utils import ZeRORuntimeException
 
 
@@ -89,7 +90,7 @@ def build_stage(
         if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
             optimizer = optimizer(param_groups_of(module, model_parameters))
         check_optimizer_covers_module(module, optimizer)
-        return stage_class(optimizer, **common)
+        return _checking_unused(stage_class(optimizer, **common), zero, offload)
     if config_optimizer is None:
         return None  # inference or evaluation only; step() will say so
     factory = config_optimizer_factory(
@@ -98,7 +99,17 @@ def build_stage(
         optimizer_device,
         offloaded=offload is not None,
     )
-    return stage_class(factory, param_groups_of(module, model_parameters), **common)
+    stage = stage_class(factory, param_groups_of(module, model_parameters), **common)
+    return _checking_unused(stage, zero, offload)
+
+
+def _checking_unused(stage, zero, offload):
+    """``ignore_unused_parameters = false`` where DeepSpeed checks it: ZeRO 1/2 offloaded to the
+    host (``unused_parameters.py``); elsewhere DeepSpeed lets unused parameters through too."""
+    if not zero.ignore_unused_parameters and zero.stage in (1, 2) and offload is not None:
+        if isinstance(stage, ZeroPartitionedOptimizer):
+            stage.unused_parameter_check = UnusedParameterCheck(stage.params)
+    return stage
 
 
 def _build_stage3(

@@ -55,6 +55,7 @@ from .shard_norms import ShardGradientChecks
 from .shard_set import Bucket, ShardSet
 from .stage_setup import init_stage_fields, optimizer_over_masters
 from .steppers import InMemoryStepper
+from .unused_parameters import UnusedParameterCheck
 
 
 class ZeroPartitionedOptimizer(MasterGathers):
@@ -211,6 +212,8 @@ class ZeroPartitionedOptimizer(MasterGathers):
         # The engine's wall-clock timers, set at ZeRO-3 with ``wall_clock_breakdown`` (None:
         # nothing timed, no cost in the gradient hooks).
         self.timers = None
+        # ignore_unused_parameters = false (set by build.py where DeepSpeed checks it).
+        self.unused_parameter_check: UnusedParameterCheck | None = None
 
     STAGES = (0, 1, 2)
     trains = True
@@ -338,6 +341,8 @@ class ZeroPartitionedOptimizer(MasterGathers):
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:
                 return
+            if self.unused_parameter_check is not None:
+                self.unused_parameter_check.saw_gradient(index)
             if self._reduce_during_backward:
                 self._hand_over(index, param)
             elif self._in_place_grads is not None:
@@ -447,6 +452,8 @@ class ZeroPartitionedOptimizer(MasterGathers):
         the global gradient norm (the same on every rank) is not finite
         (``runtime/nonfinite_gradients.py``).
         """
+        if self.unused_parameter_check is not None:
+            self.unused_parameter_check.check_and_reset()  # before any collective of the step
         self._apply_pending_zero()
         if self.loss_scaler is not None:
             if self.gradient_checks.overflow_on_any_rank():
