@@ -278,7 +278,13 @@ class DeepSpeedConfig(ConfigSection):
         if offload_param is not None and offload_param.device != "none" and zero.stage == 3:
             # Without an optimizer (ZeRO Inference, the guide's t0.py) nothing is stepped; a
             # client optimizer given to initialize() is checked by the engine (same message).
-            if not optimizer_offloaded and self.optimizer is not None:
+            # "cpu" is judged there too: on a CPU device the parameters already live in host
+            # memory, which is all DeepSpeed's offload_param alone asks for.
+            if (
+                not optimizer_offloaded
+                and self.optimizer is not None
+                and offload_param.device != "cpu"
+            ):
                 problems.append(offload_param_needs_offload_optimizer(offload_param.device))
             if offload_param.max_in_cpu != 1_000_000_000:
                 warnings.append(

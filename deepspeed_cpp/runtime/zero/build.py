@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...utils.logging import logger
 from ..call_order import refuse_foreign_parameters
 from ..config.deepspeed_config import offload_param_needs_offload_optimizer
 from ..config.errors import DeepSpeedConfigError
@@ -127,6 +128,7 @@ def _build_stage3(
             offloaded=common["offload"] is not None,
         )
     param_offload = ParamOffload.from_config(config.zero_optimization, config.aio)
+    param_offload = _host_offload_on_host(param_offload, optimizer, common["offload"], device)
     refuse_param_offload_alone(optimizer, param_offload, common["offload"])
     dtype = (
         torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
@@ -202,6 +204,24 @@ def check_optimizer_covers_module(module: torch.nn.Module, optimizer) -> None:
                 f"parameter '{name}' (shape {tuple(param.shape)}) requires grad but is not in "
                 f"the optimizer passed to initialize(); add it or set requires_grad=False"
             )
+
+
+def _host_offload_on_host(param_offload, optimizer, optimizer_offload, device):
+    """DeepSpeed's ``offload_param: cpu`` without ``offload_optimizer`` keeps the parameter
+    shards in host memory and steps the masters on the device. On a CPU device both are host
+    memory already: the stage runs without a parameter home, stepping where it always does (a
+    GPU device still needs offload_optimizer here, ``refuse_param_offload_alone``)."""
+    alone = optimizer is not None and optimizer_offload is None
+    if param_offload is None or not alone or param_offload.device != "cpu":
+        return param_offload
+    if device.type != "cpu":
+        return param_offload
+    if dist.get_rank() == 0:
+        logger.info(
+            "zero_optimization.offload_param.device 'cpu' without offload_optimizer on a CPU "
+            "device: the parameter shards already live in host memory; nothing more to offload"
+        )
+    return None
 
 
 def refuse_param_offload_alone(optimizer, param_offload, optimizer_offload) -> None:
