@@ -13,7 +13,7 @@ import torch
 from conftest import REPO_ROOT
 from dist_pool import shared_pool
 
-from deepspeed_cpp.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+from deepspeed_cpp.runtime.config import DeepSpeedConfig
 from deepspeed_cpp.runtime.config.deepspeed_config import forget_warnings
 from deepspeed_cpp.runtime.config.field_policy import FIELDS, Use
 from deepspeed_cpp.runtime.config.key_names import _nested_model
@@ -125,13 +125,12 @@ def test_fixed_and_no_effect_keys_warn_once_per_process(warnings_seen):
     assert warnings_seen == []
 
 
-def test_ignore_unused_parameters_false_is_refused_by_name():
+def test_ignore_unused_parameters_false_is_read_silently():
+    # Checked at the step where DeepSpeed checks it (tests/test_config_deepspeed_meanings.py).
+    forget_warnings()
     zero = {"stage": 1, "ignore_unused_parameters": False}
-    with pytest.raises(DeepSpeedConfigError) as caught:
-        DeepSpeedConfig.load({"train_batch_size": 4, "zero_optimization": zero})
-    message = str(caught.value)
-    assert "zero_optimization.ignore_unused_parameters = false: not supported yet" in message
-    assert "reduced as a zero gradient" in message and "expected true" in message
+    config = DeepSpeedConfig.load({"train_batch_size": 4, "zero_optimization": zero})
+    assert config.zero_optimization.ignore_unused_parameters is False
 
 
 def auto_cast_job(auto_cast: bool):

@@ -43,6 +43,10 @@ class ConfigMismatchError(ValueError):
             "the argument's value."
         )
 
+    def __reduce__(self):
+        # Rebuilt from its lines (pickled between processes), not from the whole message.
+        return type(self), (self.mismatches,)
+
 
 @dataclass
 class _Filler:

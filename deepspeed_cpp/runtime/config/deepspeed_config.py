@@ -32,8 +32,14 @@ from .auto_values import (
     unresolved_auto_problem,
 )
 from .batch_size import resolve_batch_sizes
-from .errors import DeepSpeedConfigError, describe_validation_error, join_path
+from .errors import (
+    DeepSpeedConfigError,
+    GradAccumDtypeNotImplementedError,
+    describe_validation_error,
+    join_path,
+)
 from .field_policy import judge_fields
+from .grad_accum_dtype import read_grad_accum_dtype
 from .gradient_allreduce_op import read_gradient_allreduce_op
 from .key_names import model_key_paths, model_keys, section_model_at, unknown_key_problem
 from .key_policy import (
@@ -206,9 +212,10 @@ class DeepSpeedConfig(ConfigSection):
     ) -> "DeepSpeedConfig":
         work = copy.deepcopy(raw)
         allreduce_problems = read_gradient_allreduce_op(work)  # before "compile" is dropped
+        accum_problems, accum_warnings, accum_not_implemented = read_grad_accum_dtype(work)
         policy = apply_key_policies(work)
-        problems = allreduce_problems + list(policy.problems)
-        warnings = warnings + policy.warnings
+        problems = allreduce_problems + accum_problems + list(policy.problems)
+        warnings = warnings + accum_warnings + policy.warnings
         # The params are checked against their type even when other keys are wrong, so that
         # one run reports everything.
         known = _known_key_paths()
@@ -230,7 +237,9 @@ class DeepSpeedConfig(ConfigSection):
             problems += found
             warnings += said
         if problems:
-            raise DeepSpeedConfigError(problems, source)
+            # DeepSpeed raises NotImplementedError for a stage-0 grad_accum_dtype mix.
+            error = GradAccumDtypeNotImplementedError if accum_not_implemented else None
+            raise (error or DeepSpeedConfigError)(problems, source)
         config._raw = raw
         config._source = source
         config._given_batch = (
@@ -272,7 +281,13 @@ class DeepSpeedConfig(ConfigSection):
         if offload_param is not None and offload_param.device != "none" and zero.stage == 3:
             # Without an optimizer (ZeRO Inference, the guide's t0.py) nothing is stepped; a
             # client optimizer given to initialize() is checked by the engine (same message).
-            if not optimizer_offloaded and self.optimizer is not None:
+            # "cpu" is judged there too: on a CPU device the parameters already live in host
+            # memory, which is all DeepSpeed's offload_param alone asks for.
+            if (
+                not optimizer_offloaded
+                and self.optimizer is not None
+                and offload_param.device != "cpu"
+            ):
                 problems.append(offload_param_needs_offload_optimizer(offload_param.device))
             if offload_param.max_in_cpu != 1_000_000_000:
                 warnings.append(

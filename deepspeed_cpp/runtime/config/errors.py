@@ -30,6 +30,16 @@ class DeepSpeedConfigError(ValueError):
             message = f"Invalid DeepSpeed config{where}, {len(self.problems)} problems:\n{lines}"
         super().__init__(message)
 
+    def __reduce__(self):
+        # Rebuilt from its problems, not from the message: an error raised in a worker process
+        # (multiprocessing, torch.multiprocessing) arrives whole, not as one problem per letter.
+        return type(self), (self.problems, self.source)
+
+
+class GradAccumDtypeNotImplementedError(DeepSpeedConfigError, NotImplementedError):
+    """A config DeepSpeed refuses with NotImplementedError too: a ``data_types.grad_accum_dtype``
+    other than the model's dtype without ZeRO (``grad_accum_dtype.py``)."""
+
 
 def show(value: Any, limit: int = 80) -> str:
     """A value as the user wrote it in JSON (true, null, "text"), shortened if long."""

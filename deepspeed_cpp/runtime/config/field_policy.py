@@ -123,6 +123,11 @@ FIELDS: dict[str, FieldUse] = {
         "consecutive_hysteresis min_loss_scale".split()
     },
     "bf16.enabled": _read(_ENGINE),
+    "bf16.check_grad_overflow": FieldUse(
+        Use.FIXED,
+        value=True,
+        reason="a step whose gradients hold NaN or inf is always skipped (nonfinite_gradients.py)",
+    ),
     "zero_optimization.stage": _read(_ENGINE),
     "zero_optimization.reduce_scatter": _read("runtime/zero/build.py"),
     "zero_optimization.reduce_bucket_size": _read("runtime/zero/build.py"),
@@ -141,12 +146,7 @@ FIELDS: dict[str, FieldUse] = {
         reason="updated parameters are all-gathered bucket by bucket, in the buckets of "
         "reduce_bucket_size",
     ),
-    "zero_optimization.ignore_unused_parameters": FieldUse(
-        Use.REFUSED_UNLESS,
-        value=True,
-        reason="a parameter that gets no gradient in a step is reduced as a zero gradient; "
-        "raising an error for it instead is not implemented",
-    ),
+    "zero_optimization.ignore_unused_parameters": _read("runtime/zero/build.py"),
     "zero_optimization.sub_group_size": _read(_OFFLOAD),
     **{
         f"zero_optimization.offload_optimizer.{name}": _read(_OFFLOAD)

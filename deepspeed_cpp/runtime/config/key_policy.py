@@ -166,7 +166,9 @@ POLICIES: tuple[KeyPolicy, ...] = (
         "zero_optimization.allgather_bucket_size",
     ),
     _section("data_types"),
-    _harmless_at("data_types.grad_accum_dtype", (None,), "gradients accumulate in their dtype"),
+    # Judged in grad_accum_dtype.py, which takes it out first (the judgement needs fp16/bf16 and
+    # the ZeRO stage); listed so that a misspelling is pointed to it.
+    _harmless_at("data_types.grad_accum_dtype", (None,), "gradients accumulate in fp32"),
     _harmless_at("data_types.param_dtype", (None,), "parameters keep their dtype"),
     _harmless_at("data_types.buffer_dtype", (None,), "buffers keep their dtype"),
     # checkpoint.tag_validation is a field of the schema (sections.CheckpointConfig).
@@ -223,7 +225,6 @@ POLICIES: tuple[KeyPolicy, ...] = (
     _deprecated("fp16.fused_mode", "fused or not, the fp16 step gives the same result"),
     _harmless_at("fp16.fp16_master_weights_and_grads", (False,), "master weights are kept in fp32"),
     _ignored("bf16.immediate_grad_update", "it only chooses when DeepSpeed's bf16 step runs"),
-    _harmless_at("bf16.check_grad_overflow", (False,), "bf16 gradients are not overflow-checked"),
     _harmless_at("bf16.bf16_master_weights_and_grads", (False,), "master weights are in fp32"),
     _harmless_at("bf16.bf16_optimizer_states", (False,), "optimizer states are kept in fp32"),
     # --- optimizer ----------------------------------------------------------------------------

@@ -57,6 +57,9 @@ class BF16Config(ConfigSection):
     """``bf16`` (older spelling ``bfloat16``): bf16 compute, fp32 master weights, no scaling."""
 
     enabled: boolean() = False
+    check_grad_overflow: boolean() = True
+    """DeepSpeed 0.19.8's default, true: a step whose gradients are not finite is skipped. That
+    is what deepspeed_cpp always does; false (DeepSpeed then applies the step) only warns."""
 
 
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")

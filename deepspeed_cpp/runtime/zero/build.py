@@ -17,6 +17,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from ...utils.logging import logger
 from ..call_order import refuse_foreign_parameters
 from ..config.deepspeed_config import offload_param_needs_offload_optimizer
 from ..config.errors import DeepSpeedConfigError
@@ -24,7 +25,9 @@ from ..config_optimizer import client_optimizer_wins, config_optimizer_factory
 from . import partition_parameters as pp
 from .moe_stage import build_expert_parallel_stage
 from .offload.optimizer_offload import OptimizerOffload, ParamOffload
+from .partitioned_optimizer import ZeroPartitionedOptimizer
 from .shard_set_builder import FlatBuckets, build_zero_stage
+from .unused_parameters import UnusedParameterCheck
 from .utils import ZeRORuntimeException
 
 
@@ -95,7 +98,7 @@ def build_stage(
         if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
             optimizer = optimizer(param_groups_of(module, model_parameters))
         check_optimizer_covers_module(module, optimizer)
-        return make_stage(optimizer, **common)
+        return _checking_unused(make_stage(optimizer, **common), zero, offload)
     if config_optimizer is None:
         return None  # inference or evaluation only; step() will say so
     factory = config_optimizer_factory(
@@ -104,7 +107,17 @@ def build_stage(
         optimizer_device,
         offloaded=offload is not None,
     )
-    return make_stage(factory, param_groups_of(module, model_parameters), **common)
+    stage = make_stage(factory, param_groups_of(module, model_parameters), **common)
+    return _checking_unused(stage, zero, offload)
+
+
+def _checking_unused(stage, zero, offload):
+    """``ignore_unused_parameters = false`` where DeepSpeed checks it: ZeRO 1/2 offloaded to the
+    host (``unused_parameters.py``); elsewhere DeepSpeed lets unused parameters through too."""
+    if not zero.ignore_unused_parameters and zero.stage in (1, 2) and offload is not None:
+        if isinstance(stage, ZeroPartitionedOptimizer):
+            stage.unused_parameter_check = UnusedParameterCheck(stage.params)
+    return stage
 
 
 def _build_stage3(
@@ -128,6 +141,7 @@ def _build_stage3(
         )
     zero = config.zero_optimization
     param_offload = ParamOffload.from_config(zero, config.aio)
+    param_offload = _host_offload_on_host(param_offload, optimizer, common["offload"], device)
     refuse_param_offload_alone(optimizer, param_offload, common["offload"])
     dtype = (
         torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
@@ -258,6 +272,24 @@ def check_optimizer_covers_module(module: torch.nn.Module, optimizer) -> None:
                 f"parameter '{name}' (shape {tuple(param.shape)}) requires grad but is not in "
                 f"the optimizer passed to initialize(); add it or set requires_grad=False"
             )
+
+
+def _host_offload_on_host(param_offload, optimizer, optimizer_offload, device):
+    """DeepSpeed's ``offload_param: cpu`` without ``offload_optimizer`` keeps the parameter
+    shards in host memory and steps the masters on the device. On a CPU device both are host
+    memory already: the stage runs without a parameter home, stepping where it always does (a
+    GPU device still needs offload_optimizer here, ``refuse_param_offload_alone``)."""
+    alone = optimizer is not None and optimizer_offload is None
+    if param_offload is None or not alone or param_offload.device != "cpu":
+        return param_offload
+    if device.type != "cpu":
+        return param_offload
+    if dist.get_rank() == 0:
+        logger.info(
+            "zero_optimization.offload_param.device 'cpu' without offload_optimizer on a CPU "
+            "device: the parameter shards already live in host memory; nothing more to offload"
+        )
+    return None
 
 
 def refuse_param_offload_alone(optimizer, param_offload, optimizer_offload) -> None:

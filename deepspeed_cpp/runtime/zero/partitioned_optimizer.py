@@ -49,6 +49,7 @@ from .shard_norms import ShardGradientChecks
 from .shard_set import ParamGathers, ShardSet
 from .stage_setup import set_stage_fields
 from .steppers import InMemoryStepper
+from .unused_parameters import UnusedParameterCheck
 
 
 @dataclass
@@ -125,6 +126,8 @@ class ZeroPartitionedOptimizer:
         # The engine's wall-clock timers, set at ZeRO-3 with ``wall_clock_breakdown`` (None:
         # nothing timed, no cost in the gradient hooks).
         self.timers = None
+        # ignore_unused_parameters = false (set by build.py where DeepSpeed checks it).
+        self.unused_parameter_check: UnusedParameterCheck | None = None
 
     trains = True
 
@@ -145,6 +148,8 @@ class ZeroPartitionedOptimizer:
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:
                 return
+            if self.unused_parameter_check is not None:
+                self.unused_parameter_check.saw_gradient(index)
             if self._reduce_during_backward:
                 self._hand_over(index, param)
             elif self._in_place_grads is not None:
@@ -271,6 +276,8 @@ class ZeroPartitionedOptimizer:
         the global gradient norm (the same on every rank) is not finite
         (``runtime/nonfinite_gradients.py``).
         """
+        if self.unused_parameter_check is not None:
+            self.unused_parameter_check.check_and_reset()  # before any collective of the step
         self._apply_pending_zero()
         if self.loss_scaler is not None:
             if self.gradient_checks.overflow_on_any_rank():
