@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import weakref
@@ -18,6 +17,7 @@ from .call_order import CallOrder
 from .config import DeepSpeedConfig
 from .dataloader import make_distributed_loader
 from .engine_checkpoints import EngineCheckpoints
+from .engine_config_readers import EngineConfigReaders
 from .engine_model_lookup import EngineModelLookup
 from .engine_refusals import (
     refuse_expert_parallel_with,
@@ -26,13 +26,13 @@ from .engine_refusals import (
     release_previous_engine,
 )
 from .engine_state_moves import EngineStateMoves
+from .engine_unreduced_gradients import EngineUnreducedGradients
 from .failed_step import FailedStepGuard
 from .half_inputs import cast_floating_to_half, cast_parameters
 from .initial_weights import broadcast_initial_weights
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
 from .model_parallel import ModelParallelGroups
-from .no_sync import refuse_entering as refuse_no_sync
 from .no_sync import refuse_step_inside as refuse_step_inside_no_sync
 from .nonfinite_gradients import raise_if_asked, report_skipped_step
 from .tensor_parallel.setup import remap_parameters as remap_for_tensor_parallel
@@ -40,10 +40,16 @@ from .training_report import TrainingReport
 from .zero.build import build_stage
 from .zero.moe_stage import needs_expert_sets
 from .zero.offload.host_heap import give_back_free_heap
-from .zero.param_fragments import fragment_owner
 
 
-class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, EngineModelLookup, torch.nn.Module):
+class DeepSpeedEngine(
+    EngineCheckpoints,
+    EngineStateMoves,
+    EngineModelLookup,
+    EngineUnreducedGradients,
+    EngineConfigReaders,
+    torch.nn.Module,
+):
     """Wraps the user's module; ``backward`` and ``step`` run ZeRO stage 0, 1, 2 or 3.
 
     ``step()`` is called after every micro-batch, as with DeepSpeed: it steps the optimizer only
@@ -246,22 +252,6 @@ class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, EngineModelLookup, to
         self._report.after_backward(loss, divisor, boundary, self.global_samples)
         return loss / divisor if divisor != 1 else loss
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """DeepSpeed's context manager: the backward passes inside it do not reduce gradients,
-        which accumulate on each rank until a backward after it reduces them all (stages 0/1;
-        see ``no_sync.py``). ``step()`` inside it raises."""
-        refuse_no_sync(self.zero_optimization_stage(), self._inside_no_sync)
-        self._inside_no_sync = True
-        if self.optimizer is not None:
-            self.optimizer.read_local_gradients(True)
-        try:
-            yield
-        finally:
-            self._inside_no_sync = False
-            if self.optimizer is not None:
-                self.optimizer.read_local_gradients(False)
-
     def step(self, lr_kwargs=None) -> None:
         """At an accumulation boundary: the optimizer step and the LR schedule, or neither when
         the gradients are not finite (fp16 overflow, NaN/inf: ``nonfinite_gradients.py``);
@@ -290,38 +280,6 @@ class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, EngineModelLookup, to
         self._call_order.after_step()
         if skipped is not None:
             raise_if_asked(self.config.nonfinite_gradients, skipped)
-
-    def _reduce_local_gradients(self) -> None:
-        """Reduces what the backward passes accumulated unreduced, as the backward of an
-        accumulation boundary would (stages 0/1: every parameter not reduced is handed over)."""
-        self.optimizer.begin_backward(True)
-        self.optimizer.end_backward()
-        self._reduction_owed = False
-
-    def _adopt_hand_set_gradients(self) -> None:
-        """``step()`` with no ``engine.backward()`` since the last step, after a script wrote the
-        gradients into the parameters' ``.grad`` itself (DeepSpeed steps with them): they go
-        through the stage as one backward's would (post-accumulate hooks, reduction at the
-        boundary), taken as they are (not divided by the accumulation steps; under fp16 they
-        are taken as loss-scaled, as DeepSpeed does). Only with no forward since the last step
-        (``call_order.py``); not at ZeRO-3, whose parameters are partitioned; with no such
-        gradient ``before_step`` raises."""
-        if self.zero_optimization_stage() >= 3:
-            return
-        # Only parameters the stage trains: another's gradient would add nothing to the step.
-        params = [p for p in self.module.parameters() if p.grad is not None and fragment_owner(p)]
-        if not params:
-            return
-        grads = [p.grad for p in params]
-        for param in params:
-            param.grad = None
-        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
-        # Backward through the leaves themselves: autograd accumulates each gradient and runs
-        # the stage's post-accumulate hooks exactly as for a loss's backward.
-        torch.autograd.backward(params, grads)
-        self.optimizer.end_backward()
-        self._call_order.after_backward()
-        self._reduction_owed = False
 
     def _optimizer_step(self, lr_kwargs=None):
         """One optimizer step and the LR schedule's, or neither when the gradients are not
@@ -419,47 +377,3 @@ class DeepSpeedEngine(EngineCheckpoints, EngineStateMoves, EngineModelLookup, to
         if self._is_boundary_override is not None:
             return self._is_boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def fp16_enabled(self) -> bool:
-        return bool(self.config.fp16.enabled)
-
-    def fp16_auto_cast(self) -> bool:
-        """Whether forward casts floating-point inputs to fp16 (``fp16.auto_cast``)."""
-        return self.fp16_enabled() and bool(self.config.fp16.auto_cast)
-
-    def bfloat16_enabled(self) -> bool:
-        return bool(self.config.bf16.enabled)
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
-
-    def zero_optimization(self) -> bool:
-        return self.zero_optimization_stage() > 0
-
-    def get_lr(self) -> list[float]:
-        if self.optimizer is None:
-            return []
-        return [group["lr"] for group in self.optimizer.param_groups]
-
-    def gradient_clipping(self) -> float:
-        """The config's ``gradient_clipping`` (0: none)."""
-        return self._config.gradient_clipping
-
-    def get_global_grad_norm(self) -> float | None:
-        return self.optimizer.global_grad_norm if self.optimizer is not None else None
-
-    def get_loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-
-    @property
-    def communication_data_type(self) -> torch.dtype:
-        return torch.float32

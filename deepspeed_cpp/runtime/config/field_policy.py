@@ -55,8 +55,9 @@ def _judged(*where: str) -> FieldUse:
 
 
 _ENGINE = "runtime/engine.py"
+_ENGINE_READERS = "runtime/engine_config_readers.py"
 _OFFLOAD = "runtime/zero/offload/optimizer_offload.py"
-_STAGE3 = "runtime/zero/stage3.py"
+_STAGE3 = "runtime/zero/build.py"  # _build_stage3 hands them to the partitioner and coordinator
 _AIO = "runtime/zero/offload/swap_transfers.py"
 _PIPE = "runtime/pipe/engine.py"
 _CONFIG = "runtime/config/deepspeed_config.py"
@@ -96,7 +97,7 @@ FIELDS: dict[str, FieldUse] = {
         for name in "enabled recompute_fwd_factor profile_step module_depth top_modules "
         "detailed output_file".split()
     },
-    "gradient_clipping": _read(_ENGINE),
+    "gradient_clipping": _read(_ENGINE_READERS),
     "tensor_parallel.autotp_size": _read("runtime/initialize.py", _ENGINE),
     "tensor_parallel.partition_config": _read("runtime/tensor_parallel/setup.py"),
     "tensor_parallel.preset_model": _read("runtime/tensor_parallel/setup.py"),
@@ -115,20 +116,20 @@ FIELDS: dict[str, FieldUse] = {
     "optimizer.params": _read(_ENGINE),
     "scheduler.type": _read(_ENGINE),
     "scheduler.params": _read(_ENGINE),
-    "fp16.enabled": _read(_ENGINE),
+    "fp16.enabled": _read(_ENGINE_READERS),
     "fp16.auto_cast": _read(_ENGINE),
     **{
         f"fp16.{name}": _read("runtime/loss_scaler.py")
         for name in "loss_scale initial_scale_power loss_scale_window hysteresis "
         "consecutive_hysteresis min_loss_scale".split()
     },
-    "bf16.enabled": _read(_ENGINE),
+    "bf16.enabled": _read(_ENGINE_READERS),
     "bf16.check_grad_overflow": FieldUse(
         Use.FIXED,
         value=True,
         reason="a step whose gradients hold NaN or inf is always skipped (nonfinite_gradients.py)",
     ),
-    "zero_optimization.stage": _read(_ENGINE),
+    "zero_optimization.stage": _read(_ENGINE_READERS),
     "zero_optimization.reduce_scatter": _read("runtime/zero/build.py"),
     "zero_optimization.reduce_bucket_size": _read("runtime/zero/build.py"),
     "zero_optimization.contiguous_gradients": FieldUse(

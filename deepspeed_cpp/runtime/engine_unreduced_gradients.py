@@ -1,0 +1,65 @@
+"""The engine's gradients that its own backward did not reduce: those of ``engine.no_sync()``
+blocks (each rank's own, reduced by the next boundary backward or before the step) and those a
+script wrote into ``.grad`` itself before ``engine.step()`` (DeepSpeed steps with them)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .no_sync import refuse_entering as refuse_no_sync
+from .zero.param_fragments import fragment_owner
+
+
+class EngineUnreducedGradients:
+    """Mixed into ``DeepSpeedEngine``: reads its ``optimizer``, ``module``, ``_call_order`` and
+    the no_sync flags it sets up (``_inside_no_sync``, ``_reduction_owed``)."""
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DeepSpeed's context manager: the backward passes inside it do not reduce gradients,
+        which accumulate on each rank until a backward after it reduces them all (stages 0/1;
+        see ``no_sync.py``). ``step()`` inside it raises."""
+        refuse_no_sync(self.zero_optimization_stage(), self._inside_no_sync)
+        self._inside_no_sync = True
+        if self.optimizer is not None:
+            self.optimizer.read_local_gradients(True)
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+            if self.optimizer is not None:
+                self.optimizer.read_local_gradients(False)
+
+    def _reduce_local_gradients(self) -> None:
+        """Reduces what the backward passes accumulated unreduced, as the backward of an
+        accumulation boundary would (stages 0/1: every parameter not reduced is handed over)."""
+        self.optimizer.begin_backward(True)
+        self.optimizer.end_backward()
+        self._reduction_owed = False
+
+    def _adopt_hand_set_gradients(self) -> None:
+        """``step()`` with no ``engine.backward()`` since the last step, after a script wrote the
+        gradients into the parameters' ``.grad`` itself (DeepSpeed steps with them): they go
+        through the stage as one backward's would (post-accumulate hooks, reduction at the
+        boundary), taken as they are (not divided by the accumulation steps; under fp16 they
+        are taken as loss-scaled, as DeepSpeed does). Only with no forward since the last step
+        (``call_order.py``); not at ZeRO-3, whose parameters are partitioned; with no such
+        gradient ``before_step`` raises."""
+        if self.zero_optimization_stage() >= 3:
+            return
+        # Only parameters the stage trains: another's gradient would add nothing to the step.
+        params = [p for p in self.module.parameters() if p.grad is not None and fragment_owner(p)]
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
+        # Backward through the leaves themselves: autograd accumulates each gradient and runs
+        # the stage's post-accumulate hooks exactly as for a loss's backward.
+        torch.autograd.backward(params, grads)
+        self.optimizer.end_backward()
+        self._call_order.after_backward()
+        self._reduction_owed = False
