@@ -140,11 +140,16 @@ def apply_zero_leaf_module_config(model: torch.nn.Module, leaf_config) -> list[t
         for module in set_z3_leaf_modules(model, leaf_config.classes, raise_if_not_found=False):
             matched.setdefault(id(module), module)
         customised |= list(leaf_config.classes) != DEFAULT_LEAF_MODULE_CLASSES
-    for field, mark, defaults in (
-        ("names", set_z3_leaf_modules_by_name, DEFAULT_LEAF_MODULE_NAMES),
-        ("name_suffixes", set_z3_leaf_modules_by_suffix, DEFAULT_LEAF_MODULE_NAME_SUFFIXES),
+    for field, wanted, mark, defaults in (
+        ("names", leaf_config.names, set_z3_leaf_modules_by_name, DEFAULT_LEAF_MODULE_NAMES),
+        (
+            "name_suffixes",
+            leaf_config.name_suffixes,
+            set_z3_leaf_modules_by_suffix,
+            DEFAULT_LEAF_MODULE_NAME_SUFFIXES,
+        ),
     ):
-        wanted = list(getattr(leaf_config, field))
+        wanted = list(wanted)
         if not wanted:
             continue
         modules, missing = mark(model, wanted, flag=True, raise_if_not_found=False)
