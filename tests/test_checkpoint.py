@@ -657,6 +657,8 @@ def module_only_job(directory: str, seed: int):
     source = build_engine(seed, 1, 2)
     train(source, global_batches(seed, 2))
     source.save_checkpoint(directory)
+    # DeepSpeed's engine names the file of a rank's optimizer state (its test suite reads it).
+    optimizer_file = source._get_optimizer_ckpt_name(directory, f"global_step{source.global_steps}")
     engine = build_engine(seed + 1, 1, 2)
     engine.load_checkpoint(directory, load_module_only=True)
     after_load = (engine.global_steps, params_of(engine))
@@ -684,6 +686,7 @@ def module_only_job(directory: str, seed: int):
         "inference_loaded": inference_loaded,
         "refused": refused,
         "from_inference": params_of(weights_only),
+        "optimizer_file": optimizer_file,
     }
 
 
@@ -700,3 +703,8 @@ def test_load_module_only_and_engines_without_optimizer(pools, tmp_path):
     _assert_same(result["saved"], result["from_inference"], "weights from an inference save")
     assert "saved by an engine without an optimizer" in result["refused"]
     assert "load_module_only=True" in result["refused"]
+    optimizer_file = Path(result["optimizer_file"])
+    metadata = json.loads((optimizer_file.parent / "checkpoint_meta.json").read_text())
+    entries = [f for f in metadata["files"] if f["name"] == optimizer_file.name]
+    assert optimizer_file.parent.parent == tmp_path and optimizer_file.is_file()
+    assert [(f["role"], f["rank"]) for f in entries] == [("shard of rank 0", 0)]

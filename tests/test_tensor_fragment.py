@@ -9,12 +9,13 @@ import tensor_fragment_jobs as jobs
 
 
 @pytest.mark.parametrize(
-    "stage, dtype, offload",
-    [(1, "fp32", False), (2, "fp32", False), (3, "fp32", False), (2, "bf16", False),
-     (3, "bf16", False), (2, "fp32", True), (3, "fp32", True)],
+    "stage, dtype, offload, one_bucket",
+    [(1, "fp32", False, False), (2, "fp32", False, False), (3, "fp32", False, False),
+     (2, "bf16", False, False), (3, "bf16", False, False), (2, "fp32", True, False),
+     (3, "fp32", True, False), (2, "fp32", False, True)],
 )  # fmt: skip
-def test_fragments_follow_the_reference(pool2, stage, dtype, offload):
-    checked = pool2.run(jobs.fragments_match_reference, stage, dtype, offload)
+def test_fragments_follow_the_reference(pool2, stage, dtype, offload, one_bucket):
+    checked = pool2.run(jobs.fragments_match_reference, stage, dtype, offload, one_bucket)
     trained = 4  # first/second weight and bias
     assert checked[0] == {"grads": 3 * trained, "params": 3 * trained, "states": 6 * trained,
                           "locals": 3 * trained}  # fmt: skip

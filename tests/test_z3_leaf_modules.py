@@ -58,8 +58,47 @@ def test_marks_by_module_name_and_by_name_suffix():
         set_z3_leaf_modules_by_suffix(model, ["zzz"])
 
 
-@pytest.mark.parametrize("mark_by", ["class", "name"])
+@pytest.mark.parametrize("mark_by", ["class", "name", "config"])
 def test_leaf_block_is_one_unit_and_trains_like_the_reference(pool2, mark_by):
     result = pool2.run(jobs.leaf_block_trains, mark_by)[0]
     # embed, the Experts block (its three experts together), head.
     assert result == {"compared": 2 * 10, "units": 3}
+
+
+def test_leaf_module_config_section():
+    """``zero_optimization.leaf_module`` as DeepSpeed parses it: DeepSpeed's defaults, one string
+    for a list of one, repeats dropped; anything else refused naming the key."""
+    from deepspeed_cpp.runtime.config import DeepSpeedConfig
+    from deepspeed_cpp.runtime.config.errors import DeepSpeedConfigError
+    from deepspeed_cpp.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed_cpp.runtime.zero.leaf_module_config import (
+        DEFAULT_LEAF_MODULE_CLASSES,
+        DeepSpeedZeroLeafModuleConfig,
+    )
+
+    default = DeepSpeedZeroConfig().leaf_module
+    assert isinstance(default, DeepSpeedZeroLeafModuleConfig)
+    assert (default.classes, default.names, default.name_suffixes) == (
+        DEFAULT_LEAF_MODULE_CLASSES, [], []
+    )  # fmt: skip
+    given = {"classes": "my.Block", "names": ["a.b", "a.b", "c"], "name_suffixes": "experts"}
+    section = DeepSpeedZeroConfig(leaf_module=given).leaf_module
+    assert (section.classes, section.names, section.name_suffixes) == (
+        ["my.Block"], ["a.b", "c"], ["experts"]
+    )  # fmt: skip
+    for bad in ({"classes": [3]}, {"names": {"x": 1}}, {"suffixes": ["x"]}):
+        with pytest.raises(DeepSpeedConfigError, match="leaf_module"):
+            DeepSpeedConfig.parse({"zero_optimization": {"leaf_module": bad}})
+
+
+def test_leaf_module_config_names_nothing_warns(caplog):
+    from deepspeed_cpp.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed_cpp.utils.z3_leaf_modules import apply_zero_leaf_module_config
+
+    model = jobs.MoeNet()
+    # The default classes (transformers' MoE blocks) are in no model here: no warning for them.
+    assert apply_zero_leaf_module_config(model, DeepSpeedZeroConfig().leaf_module) == []
+    assert "leaf_module" not in caplog.text
+    section = DeepSpeedZeroConfig(leaf_module={"names": ["moe", "nope"]}).leaf_module
+    assert apply_zero_leaf_module_config(model, section) == [model.moe]
+    assert "['nope']" in caplog.text and z3_leaf_module(model.moe)

@@ -92,3 +92,96 @@ def test_activation_checkpointing_at_stage3_equals_stage2(pool2, checkpointing):
             got = zero3[rank][name]
             scale = expected.abs().max().item()
             assert (got - expected).abs().max().item() <= 1e-6 * scale, name
+
+
+class ReturnsItsBias(torch.nn.Linear):
+    """Returns its bias for the caller to add after this forward ended (a "dangling" parameter:
+    DeepSpeed's test_zero_context_return pattern, Megatron's return-bias linears)."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight), self.bias
+
+
+class PassesBiasOn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = ReturnsItsBias(WIDTH, WIDTH)
+
+    def forward(self, x):
+        out, bias = self.inner(x)
+        return torch.tanh(out), bias  # passed on, still unused
+
+
+class DanglingNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = PassesBiasOn()
+        self.head = torch.nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        h, bias = self.block(x)
+        return self.head(h + bias)
+
+
+def dangling_job(stage: int, seed: int, steps: int):
+    """Trains DanglingNet; at ZeRO-3 also reports where the returned bias got registered."""
+    import deepspeed_cpp as deepspeed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    model = DanglingNet()
+    config = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            **({"stage3_unit_min_numel": 0} if stage == 3 else {}),
+        },
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        x = torch.randn(MICRO * world, SEQ, WIDTH, generator=generator)
+        engine.backward(engine(x[rank * MICRO : (rank + 1) * MICRO]).square().mean())
+        engine.step()
+    result = {k: v.clone() for k, v in engine.full_module_state_dict().items()}
+    if stage == 3:
+        bias = model.block.inner.bias
+        result["registered_on"] = [
+            name for name, m in model.named_modules() if id(bias) in m._external_params
+        ]
+        result["divergences"] = int(engine._zero_stage.coordinator.schedule.divergences())
+    engine.destroy()
+    return result
+
+
+def test_returned_parameter_is_kept_for_the_caller(pool2):
+    """A parameter a submodule returns is registered on the module that uses it (DeepSpeed's
+    ``_external_params`` registry, moved up as it is passed on) and held for it: ZeRO-3 with a
+    unit per module trains as ZeRO-2 does."""
+    seed = int(torch.randint(0, 2**30, ()).item())
+    zero2 = pool2.run(dangling_job, 2, seed, 3)
+    zero3 = pool2.run(dangling_job, 3, seed, 3)
+    for rank in range(2):
+        assert zero3[rank].pop("registered_on") == [""]  # the root adds it
+        assert zero3[rank].pop("divergences") == 0
+        for name, expected in zero2[rank].items():
+            got = zero3[rank][name]
+            scale = expected.abs().max().item()
+            assert (got - expected).abs().max().item() <= 1e-6 * scale, name
+
+
+def test_external_parameter_registry_is_deepspeeds():
+    from deepspeed_cpp import zero
+
+    owner, user = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    zero.register_external_parameter(user, owner.weight)
+    assert user._external_params == {id(owner.weight): owner.weight}
+    zero.unregister_external_parameter(user, owner.weight)
+    assert user._external_params == {}
+    with pytest.raises(RuntimeError, match="not a registered external parameter of Linear"):
+        zero.unregister_external_parameter(user, owner.weight)
+    with pytest.raises((RuntimeError, TypeError), match="torch.nn.Parameter"):
+        zero.register_external_parameter(user, torch.zeros(2))

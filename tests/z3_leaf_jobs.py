@@ -61,8 +61,11 @@ def leaf_block_trains(mark_by: str) -> dict:
     torch.manual_seed(0)
     model = MoeNet()
     reference = copy.deepcopy(model)
-    marked = set_z3_leaf_modules(model, [Experts if mark_by == "class" else "Experts"])
-    assert marked == [model.moe] and get_z3_leaf_modules(model) == [model.moe]
+    if mark_by == "config":  # zero_optimization.leaf_module marks it as the engine is built
+        assert get_z3_leaf_modules(model) == []
+    else:
+        marked = set_z3_leaf_modules(model, [Experts if mark_by == "class" else "Experts"])
+        assert marked == [model.moe] and get_z3_leaf_modules(model) == [model.moe]
     config = {
         "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
@@ -75,9 +78,17 @@ def leaf_block_trains(mark_by: str) -> dict:
             "stage3_unit_min_numel": 0,
         },
     }
+    if mark_by == "config":
+        # By qualified class name (a string, as DeepSpeed coerces it) and by a name suffix that
+        # matches the same module once more: marked once.
+        config["zero_optimization"]["leaf_module"] = {
+            "classes": f"{Experts.__module__}.{Experts.__qualname__}",
+            "name_suffixes": ["moe"],
+        }
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
+    assert get_z3_leaf_modules(model) == [model.moe]
     coordinator = engine._zero_stage.coordinator
     expert_params = {id(p) for p in model.moe.parameters()}
     leaf_units = [u for u in coordinator.units if expert_params & {id(p) for p in u}]

@@ -13,6 +13,7 @@ from ..accelerator import get_accelerator
 from ..comm.logging_api import configure as configure_comms_logger
 from ..module_inject import tensor_parallel_info
 from ..utils.logging import logger
+from ..utils.z3_leaf_modules import apply_zero_leaf_module_config
 from .call_order import CallOrder
 from .config import DeepSpeedConfig
 from .dataloader import make_distributed_loader
@@ -105,6 +106,8 @@ class DeepSpeedEngine(
         refuse_zero3_with_model_parallelism(config, self.mp_world_size)
         self._is_boundary_override: bool | None = None
         self.module = model
+        # zero_optimization.leaf_module: marked before ZeRO-3 forms its fetch units from them.
+        apply_zero_leaf_module_config(model, config.zero_optimization.leaf_module)
         # AutoTP: the model split over the mpu's tensor-parallel group (initialize() built it).
         replaced = self._configure_tensor_parallel(model)
         model_parameters = remap_for_tensor_parallel(optimizer, model_parameters, replaced)

@@ -189,6 +189,19 @@ class EngineCheckpoints:
         """DeepSpeed's older name for ``save_16bit_model``."""
         return self.save_16bit_model(save_dir, save_filename)
 
+    def _get_optimizer_ckpt_name(self, checkpoints_path, tag, expp_rank=None) -> str:
+        """The file of checkpoint ``tag`` under ``checkpoints_path`` that holds this rank's
+        optimizer state (fp32 master slices and their optimizer state), as DeepSpeed's engine
+        names it; ``expp_rank`` (DeepSpeed's expert-parallel rank) does not change it here:
+        expert state is in the same per-rank file. Loading reads it only when it loads the
+        optimizer state."""
+        from .checkpoint.layout import model_parallel_dir, optimizer_shard_file
+
+        folder = model_parallel_dir(
+            checkpoints_path, self.mp_rank, self.mp_world_size, loading=False
+        )
+        return str(folder / str(tag) / optimizer_shard_file(self.dp_rank))
+
     def load_checkpoint(
         self,
         load_dir,

@@ -22,6 +22,7 @@ import torch
 from .logging import logger
 
 __all__ = [
+    "apply_zero_leaf_module_config",
     "get_z3_leaf_modules",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
@@ -117,6 +118,59 @@ def set_z3_leaf_modules_by_suffix(
         raise ValueError(f"no module name ends with {missing} in {type(model).__name__}")
     _apply_marks(model, matched, flag)
     return matched, missing
+
+
+def apply_zero_leaf_module_config(model: torch.nn.Module, leaf_config) -> list[torch.nn.Module]:
+    """Marks the modules the ``zero_optimization.leaf_module`` section names (its ``classes``,
+    ``names`` and ``name_suffixes``, each optional) as leaves; returns them, each once. The
+    engine calls it as it is built, at every ZeRO stage, as DeepSpeed's does. Names given in
+    the config that match nothing are warned about (the default classes, transformers' MoE
+    blocks, are not: most models have none); None (no section) marks nothing."""
+    if leaf_config is None:
+        return []
+    from ..runtime.zero.leaf_module_config import (  # plain data, no imports of its own
+        DEFAULT_LEAF_MODULE_CLASSES,
+        DEFAULT_LEAF_MODULE_NAME_SUFFIXES,
+        DEFAULT_LEAF_MODULE_NAMES,
+    )
+
+    matched: dict[int, torch.nn.Module] = {}
+    customised = False
+    if leaf_config.classes:
+        for module in set_z3_leaf_modules(model, leaf_config.classes, raise_if_not_found=False):
+            matched.setdefault(id(module), module)
+        customised |= list(leaf_config.classes) != DEFAULT_LEAF_MODULE_CLASSES
+    for field, wanted, mark, defaults in (
+        ("names", leaf_config.names, set_z3_leaf_modules_by_name, DEFAULT_LEAF_MODULE_NAMES),
+        (
+            "name_suffixes",
+            leaf_config.name_suffixes,
+            set_z3_leaf_modules_by_suffix,
+            DEFAULT_LEAF_MODULE_NAME_SUFFIXES,
+        ),
+    ):
+        wanted = list(wanted)
+        if not wanted:
+            continue
+        modules, missing = mark(model, wanted, flag=True, raise_if_not_found=False)
+        for module in modules:
+            matched.setdefault(id(module), module)
+        if wanted != defaults:
+            customised = True
+            if missing:
+                logger.warning(
+                    "deepspeed_cpp: zero_optimization.leaf_module.%s %s match no module of %s",
+                    field,
+                    missing,
+                    type(model).__name__,
+                )
+    if not matched and customised:
+        logger.warning(
+            "deepspeed_cpp: zero_optimization.leaf_module matched no module of %s; no module is "
+            "marked as a ZeRO-3 leaf",
+            type(model).__name__,
+        )
+    return list(matched.values())
 
 
 def _apply_marks(model, modules, flag: bool) -> None:

@@ -171,6 +171,11 @@ FIELDS: dict[str, FieldUse] = {
         "model_persistence_threshold max_live_parameters max_reuse_distance unit_min_numel".split()
     },
     "zero_optimization.gather_16bit_weights_on_model_save": _read("runtime/engine_checkpoints.py"),
+    # Marked as the engine is built (the engine calls it at every stage, as DeepSpeed's does).
+    **{
+        f"zero_optimization.leaf_module.{name}": _read("utils/z3_leaf_modules.py")
+        for name in ("classes", "names", "name_suffixes")
+    },
     **{
         f"aio.{name}": _read(_AIO)
         for name in "block_size queue_depth intra_op_parallelism single_submit "

@@ -303,7 +303,6 @@ POLICIES: tuple[KeyPolicy, ...] = (
         "pipeline_loading_checkpoint",
         "log_trace_cache_warnings",
         "save_muon_momentum_buffer_in_memory",
-        "leaf_module",
     ),
 )
 

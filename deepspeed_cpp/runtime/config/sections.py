@@ -13,8 +13,23 @@ from pydantic import AfterValidator, BeforeValidator, Field, field_validator, mo
 from pydantic_core import PydanticCustomError
 
 from ...utils.logging import logger
+from ..zero.leaf_module_config import (
+    DEFAULT_LEAF_MODULE_CLASSES,
+    DEFAULT_LEAF_MODULE_NAME_SUFFIXES,
+    DEFAULT_LEAF_MODULE_NAMES,
+)
 from .key_policy import apply_key_policies, policies_under
-from .values import AUTO, ConfigSection, boolean, choice, integer, is_auto, number, text
+from .values import (
+    AUTO,
+    ConfigSection,
+    boolean,
+    choice,
+    integer,
+    is_auto,
+    number,
+    string_list,
+    text,
+)
 
 
 def _number_from_text(value: Any) -> Any:
@@ -125,6 +140,20 @@ class OffloadParamConfig(_OffloadConfig):
     max_in_cpu: integer(0) = 1_000_000_000
 
 
+class LeafModuleConfig(ConfigSection):
+    """``zero_optimization.leaf_module``: modules the engine marks as ZeRO-3 leaves when it is
+    built, as ``deepspeed.utils.set_z3_leaf_modules`` would (``utils/z3_leaf_modules.py``):
+    by class (bare or module-qualified name), by ``named_modules()`` name, by name suffix.
+    A leaf is gathered whole with its subtree. Names that match nothing are warned about."""
+
+    classes: string_list() = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    """DeepSpeed's default: transformers' sparse MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    names: string_list() = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAMES))
+    name_suffixes: string_list() = Field(
+        default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES)
+    )
+
+
 class ZeroConfig(ConfigSection):
     """``zero_optimization``: how optimizer state, gradients and parameters are partitioned."""
 
@@ -171,6 +200,7 @@ class ZeroConfig(ConfigSection):
     gather_16bit_weights_on_model_save: boolean() = Field(
         False, alias="stage3_gather_16bit_weights_on_model_save"
     )
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -183,6 +183,21 @@ def text(*, optional: bool = False):
     return Annotated[str, _leaf(check, optional)]
 
 
+def string_list():
+    """A list of strings, or one string standing for a list of one (DeepSpeed coerces it so);
+    repeated entries are dropped, the first kept. Not "auto"-aware: "auto" is one string here."""
+    expected = "a string or a list of strings"
+
+    def check(value: Any) -> list[str]:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            _reject(expected)
+        return list(dict.fromkeys(value))
+
+    return Annotated[list[str], PlainValidator(check)]
+
+
 def adam_betas():
     """Adam's (beta1, beta2): two numbers in [0, 1)."""
     expected = "a list of two numbers, each in [0, 1)"

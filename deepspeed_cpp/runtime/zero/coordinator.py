@@ -58,6 +58,11 @@ from ...utils.timer import (
 )
 from ...utils.z3_leaf_modules import LEAF_PARAMETER_ATTRIBUTE
 from . import partition_parameters as pp
+from .external_parameters import (
+    external_parameter_registry,
+    register_returned_parameters,
+    returned_parameters,
+)
 from .gather_buffers import GatherBuffers
 from .pass_agreement import PassAgreement
 from .unit import ZeroUnit, unshard_together
@@ -171,7 +176,9 @@ class ParameterCoordinator:
         self._module_units: dict[int, list[int]] = {}
         self._checked_modules: dict[int, list[torch.nn.Module]] = {}
         self._running: list[int] = []  # ids of the modules whose forward is under way
+        self._module_of_id = {id(m): m for m in self.module.modules()}
         for submodule in self.module.modules():
+            external_parameter_registry(submodule)  # DeepSpeed gives every module one
             if id(submodule) not in self._inside_leaf:
                 unit = self.unit_of_module.get(id(submodule))
                 self._module_units[id(submodule)] = [] if unit is None else [unit]
@@ -219,11 +226,15 @@ class ParameterCoordinator:
             # A forward run again inside the backward (activation checkpointing recomputes):
             # its unit is held for this backward and released after it, not now.
             return
+        kept = self._keep_returned_for_caller(module, output) if self._running else ()
         units = self._module_units[id(module)]
         for unit in units:
-            self.done(unit)
+            if unit not in kept:
+                self.done(unit)
         if units and torch.is_grad_enabled():
-            tensors = [t for t in _tensors_in(output) if t.requires_grad]
+            # Not a returned parameter (a leaf: no backward of this module's runs through it, and
+            # a hook on it would stay for good).
+            tensors = [t for t in _tensors_in(output) if t.grad_fn is not None]
             if tensors:
                 # One plain tensor hook per output, not register_multi_grad_hook: its lock,
                 # closures and handles, alive from the forward to the backward, were the deep
@@ -245,6 +256,22 @@ class ParameterCoordinator:
         if unit not in borrowed:
             borrowed.append(unit)
         self.fetch(unit)
+
+    def _keep_returned_for_caller(self, module, output) -> set[int]:
+        """The units of parameters ``module`` returned that a caller still running uses after
+        ``module``'s forward ended (``external_parameters.register_returned_parameters``):
+        held with the caller's units from now on, and not released here."""
+        returned = [p for p in returned_parameters(output) if id(p) in self._units_of_param]
+        if not returned:
+            return set()
+        running = [self._module_of_id[key] for key in self._running]
+        for param in register_returned_parameters(module, returned, running):
+            unit = self._units_of_param[id(param)][0]
+            if unit not in self._module_units[self._running[-1]]:
+                self._module_units[self._running[-1]].append(unit)
+                self.fetch(unit)
+        above = {unit for key in self._running for unit in self._module_units[key]}
+        return {self._units_of_param[id(p)][0] for p in returned} & above
 
     def _pre_backward(self, units: list[int]) -> None:
         for unit in units:

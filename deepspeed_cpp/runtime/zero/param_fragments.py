@@ -86,11 +86,18 @@ class ParamFragments:
         extent = bucket.size if partitioned else whole
         start = max(offset, bucket.owned_start)
         end = min(offset + extent, bucket.owned_start + bucket.owned_size)
+        if end <= start:
+            # None of it here. An empty run at 0: a parameter lying wholly after the owned slice
+            # would otherwise start past the slice's end, which narrow() refuses even for 0
+            # elements (ZeRO-2 MoE, rank 0: IndexError in safe_get_full_grad while rank 1 waited
+            # in its all-reduce).
+            start = end = bucket.owned_start
+            offset = start
         return ParamFragment(
             bucket=bucket_index,
             master_start=start - bucket.owned_start,
             param_start=start - offset,
-            numel=max(0, end - start),
+            numel=end - start,
             whole_numel=whole,
             partitioned=partitioned,
             replicated=self.shards.stage == 0,

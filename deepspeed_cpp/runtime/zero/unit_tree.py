@@ -26,6 +26,7 @@ import torch
 
 from ...utils.z3_leaf_modules import z3_leaf_module
 from . import partition_parameters as pp
+from .external_parameters import registered_external_parameters
 
 # Containers whose forward never runs (their children are called by the module above them): their
 # own parameters join the module above, whose hooks do run; their small children stay units.
@@ -82,7 +83,7 @@ def units_from_module_tree(
             for param in member.parameters(recurse=False):
                 if pp.is_partitioned(param):
                     params.setdefault(id(param), param)
-            for param in member.__dict__.get("_ds_external_params", {}).values():
+            for param in registered_external_parameters(member):
                 if pp.is_partitioned(param):
                     params.setdefault(id(param), param)
         if not params:
@@ -142,7 +143,7 @@ def _partitioned_numel(module: torch.nn.Module) -> int:
         for param in member.parameters(recurse=False):
             if pp.is_partitioned(param):
                 seen[id(param)] = param.ds_numel
-        for param in member.__dict__.get("_ds_external_params", {}).values():
+        for param in registered_external_parameters(member):
             if pp.is_partitioned(param):
                 seen[id(param)] = param.ds_numel
     return sum(seen.values())
