@@ -128,7 +128,7 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                         copy_back.append(lowp)
                     lowp = None if lowp is None else lowp[0]
                 if param.grad.is_sparse:
-                    self._sparse_rows_step(group, int(state["step"].item()), param, state, lowp)
+                    self._sparse_rows_step(group, step, param, state, lowp)
                     continue
                 key = (
                     step,
