@@ -219,6 +219,20 @@ def zero_init_dtype_job(explicit: torch.dtype):
     with ds.zero.Init(config_dict_or_path={"bf16": {"enabled": True}}):
         dtypes["bf16"] = torch.nn.Linear(4, 3).weight.ds_tensor.dtype
     dtypes["fp16_supported"] = get_accelerator().is_fp16_supported()
+    # initialize() inside the block (DeepSpeed's TestDSInitWZinit): the engine's own fp32
+    # buffers are not cast, the engine is not partitioned, and the block is whole again after.
+    config = {"train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    with ds.zero.Init():
+        model = torch.nn.Linear(4, 4)
+        engine, *_ = ds.initialize(model=model, config=config, model_parameters=model.parameters())
+        dtypes["inside_after_initialize"] = torch.zeros(1).dtype
+    before = engine.module.weight.detach().clone()
+    engine.backward(engine(torch.randn(1, 4, dtype=before.dtype)).float().sum())
+    engine.step()
+    dtypes["engine_param"] = engine.module.weight.dtype
+    dtypes["stepped"] = not torch.equal(before, engine.module.weight.detach())
+    dtypes["after_block"] = torch.zeros(1).dtype
+    engine.destroy()
     return dtypes
 
 
@@ -231,3 +245,5 @@ def test_zero_init_without_config_or_dtype_builds_half_precision_as_deepspeed(po
         assert found["none"] == half, found
         assert found["explicit"] == explicit and found["config"] == torch.float32, found
         assert found["bf16"] == torch.bfloat16, found
+        assert found["inside_after_initialize"] == half and found["engine_param"] == half, found
+        assert found["stepped"] and found["after_block"] == torch.float32, found

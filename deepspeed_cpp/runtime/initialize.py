@@ -18,6 +18,7 @@ from .model_parallel import check_mpu
 from .model_parallel import register as register_mpu
 from .rank_consistency import check_ranks_agree, report_setup_failure
 from .tensor_parallel.setup import mpu_for
+from .zero.zero_init import paused as zero_init_paused
 
 
 def initialize(
@@ -102,17 +103,18 @@ def initialize(
         from .pipe.engine import PipelineEngine
 
         engine_class = PipelineEngine
-    engine = engine_class(
-        args=args,
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        training_data=training_data,
-        lr_scheduler=lr_scheduler,
-        config=ds_config,
-        collate_fn=collate_fn,
-        mpu=mpu,
-    )
+    with zero_init_paused():  # initialize() inside a zero.Init block, as DeepSpeed allows
+        engine = engine_class(
+            args=args,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            config=ds_config,
+            collate_fn=collate_fn,
+            mpu=mpu,
+        )
     return engine, handed_back_optimizer(engine), engine.training_dataloader, engine.lr_scheduler
 
 

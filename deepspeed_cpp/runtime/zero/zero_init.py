@@ -4,6 +4,7 @@ model too big for one rank can be built (re-exported under DeepSpeed's path,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -204,6 +205,11 @@ class Init:
     def __enter__(self):
         if not self.enabled:
             return self
+        _ACTIVE.append(self)
+        self._patch()
+        return self
+
+    def _patch(self) -> None:
         for cls in _all_module_classes():
             self._wrap(cls)
         context = self
@@ -228,9 +234,14 @@ class Init:
         for name, original in ORIGINAL_CONSTRUCTORS.items():
             self._patched.append((torch, name, getattr(torch, name)))
             setattr(torch, name, wrap(original, self.dtype, target_device=self.device))
-        return self
 
     def __exit__(self, *exc_info):
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        self._unpatch()
+        return False
+
+    def _unpatch(self) -> None:
         for cls, name, original in reversed(self._patched):
             if original is None:
                 delattr(cls, name)
@@ -242,7 +253,25 @@ class Init:
                 original.__doc__ = wrapper.__doc__
             setattr(cls, name, original)
         self._patched.clear()
-        return False
+
+
+# The zero.Init blocks entered and not yet left, innermost last.
+_ACTIVE: list[Init] = []
+
+
+@contextlib.contextmanager
+def paused():
+    """Lifts every active zero.Init for the block: ``initialize()`` called inside one (as
+    DeepSpeed allows) builds the engine's own buffers in the dtypes it asks for, and the engine
+    (an ``nn.Module``) is not partitioned as a model module would be."""
+    active = list(_ACTIVE)
+    for context in reversed(active):
+        context._unpatch()
+    try:
+        yield
+    finally:
+        for context in active:
+            context._patch()
 
 
 def _init_settings(config) -> tuple[int, torch.dtype | None]:
