@@ -18,6 +18,7 @@ import torch.distributed as dist
 from conftest import REPO_ROOT
 from test_checkpoint import (
     GAS,
+    SUM_ORDER_TOLERANCE,
     _assert_same,
     _tensors_in,
     config,
@@ -260,7 +261,9 @@ def test_zero_to_fp32_consolidates_a_stage3_checkpoint(pools, tmp_path, dtype):
     assert torch.equal(consolidated["offset"], model_state["offset"])
     if dtype == "fp32":
         expected = reference(seed, seed, [3] * 3)
-        assert max_relative_difference(consolidated, expected) <= 1e-6
+        # The masters above are checked bitwise; against the one-process run the sum order of
+        # the 3-rank reduction shows (DS_TEST_SEED=2628061286: 1.29e-6, the same on 839b0d1).
+        assert max_relative_difference(consolidated, expected) <= SUM_ORDER_TOLERANCE
 
     for args, read in (
         (["out.bin"], lambda p: torch.load(p, weights_only=True)),
