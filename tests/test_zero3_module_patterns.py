@@ -33,12 +33,12 @@ class AttentionNet(torch.nn.Module):
         return self.head(torch.tanh(h))
 
 
-def train_job(stage: int, seed: int, steps: int, checkpointing: str = "none"):
+def _train_a_unit_per_module(model: torch.nn.Module, stage: int, seed: int, steps: int):
+    """Trains ``model`` at ``stage`` on 2 ranks' slices of one random batch per step; returns
+    the engine and the full state dict after the steps."""
     import deepspeed_cpp as deepspeed
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(seed)
-    model = AttentionNet(checkpointing)
     config = {
         "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": MICRO,
@@ -56,7 +56,14 @@ def train_job(stage: int, seed: int, steps: int, checkpointing: str = "none"):
         x = torch.randn(MICRO * world, SEQ, WIDTH, generator=generator)
         engine.backward(engine(x[rank * MICRO : (rank + 1) * MICRO]).square().mean())
         engine.step()
-    result = {k: v.clone() for k, v in engine.full_module_state_dict().items()}
+    return engine, {k: v.clone() for k, v in engine.full_module_state_dict().items()}
+
+
+def train_job(stage: int, seed: int, steps: int, checkpointing: str = "none"):
+
+    torch.manual_seed(seed)
+    model = AttentionNet(checkpointing)
+    engine, result = _train_a_unit_per_module(model, stage, seed, steps)
     if stage == 3:
         coordinator = engine._zero_stage.coordinator
         names = coordinator.unit_names
@@ -125,28 +132,10 @@ class DanglingNet(torch.nn.Module):
 
 def dangling_job(stage: int, seed: int, steps: int):
     """Trains DanglingNet; at ZeRO-3 also reports where the returned bias got registered."""
-    import deepspeed_cpp as deepspeed
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     model = DanglingNet()
-    config = {
-        "gradient_clipping": 0.0,
-        "train_micro_batch_size_per_gpu": MICRO,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
-        "zero_optimization": {
-            "stage": stage,
-            "stage3_param_persistence_threshold": 0,
-            **({"stage3_unit_min_numel": 0} if stage == 3 else {}),
-        },
-    }
-    engine, *_ = deepspeed.initialize(model=model, config=config)
-    generator = torch.Generator().manual_seed(seed + 1)
-    for _ in range(steps):
-        x = torch.randn(MICRO * world, SEQ, WIDTH, generator=generator)
-        engine.backward(engine(x[rank * MICRO : (rank + 1) * MICRO]).square().mean())
-        engine.step()
-    result = {k: v.clone() for k, v in engine.full_module_state_dict().items()}
+    engine, result = _train_a_unit_per_module(model, stage, seed, steps)
     if stage == 3:
         bias = model.block.inner.bias
         result["registered_on"] = [
