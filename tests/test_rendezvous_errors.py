@@ -25,8 +25,10 @@ from deepspeed_cpp.comm import RendezvousError
 PYTHON = sys.executable
 JOB = str(Path(__file__).parent / "absent_rank_job.py")
 TIMEOUT_S = 3
-# Beyond the timeout: the arrival check and interpreter start-up on 2 cores shared with other work.
-MARGIN_S = 15
+# Beyond the timeout: the arrival check and interpreter start-up on 2 cores shared with other work
+# (18.4 s measured once for the launcher test at a load average of ~140, CI14). What the bound
+# must tell apart is a hang until torch's default timeout (30 min), so a minute is still exact.
+MARGIN_S = 60
 
 
 def _world_of_two(monkeypatch, rank: int, port: int) -> None:

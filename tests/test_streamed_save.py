@@ -214,8 +214,9 @@ def test_an_nvme_save_streams_and_loads_bitwise_either_way(saved_by_two_ranks):
         assert state >= 8 * buffers, figures  # the state could not fit in the buffers
         # Copying the state out (what the save did before) raised the high-water mark by 6 MB
         # of this 13 MB state (some copies reuse heap the step freed); streamed, the sub-groups
-        # pass through the buffers, resident already: 0.3-0.6 MB measured (pickling, metadata).
-        assert figures["save_extra_bytes"] < 2 * buffers, figures
+        # pass through the buffers, resident already: 0.3-0.6 MB measured (pickling, metadata),
+        # 2.1 MB once at a load average of ~140 (CI14). The bound sits halfway to the copy-out.
+        assert figures["save_extra_bytes"] < 3 * buffers, figures
         for loaded in (in_memory, offloaded):
             assert_same_shard_states(loaded, saved)
 
