@@ -285,7 +285,9 @@ class DeepSpeedEngine(
         .backward()`` in place of ``engine.backward(loss)`` (torch_backward.py: the engine's
         output hooks divide by the accumulation steps and reduce)."""
         if self.optimizer is None:
-            raise RuntimeError("engine.scale(loss) needs an optimizer (in the config or initialize)")
+            raise RuntimeError(
+                "engine.scale(loss) needs an optimizer (in the config or initialize)"
+            )
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.grad_fn is not None):
             raise ValueError(
                 f"engine.scale(loss): loss must be a one-element tensor with a grad_fn, got "

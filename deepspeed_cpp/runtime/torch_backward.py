@@ -127,7 +127,8 @@ class TorchBackward:
     def script_epilogue(self) -> None:
         """``engine._backward_epilogue()`` called by the script: void after a backward whose
         epilogue ran by itself; else the gradients the script's own backward left in the
-        parameters' ``.grad`` (a module without the engine's hooks) are reduced as one backward's."""
+        parameters' ``.grad`` (a loss the output hooks did not see) are reduced as one
+        backward's."""
         if self.epilogue_ran:
             self.epilogue_ran = False
             return
