@@ -21,9 +21,24 @@ import torch
 STEPS = 3
 
 
+class LossAndOutput(torch.nn.Module):
+    """Returns (loss, output) as a Hugging Face model does (its loss and the logits it came
+    from): a backward through the loss reaches the output from inside the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
+        )
+
+    def forward(self, x, y=None):
+        out = self.net(x)
+        return out if y is None else (_loss(out, y), out)
+
+
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    return LossAndOutput()
 
 
 def _config(stage: int, precision: str, gas: int) -> dict:
@@ -85,7 +100,10 @@ def _train(case: dict, batches) -> dict:
                 share = share / engine.loss_scaler.loss_scale  # taken as loss-scaled
             engine.backward(share)
             engine.step()
-        if style == "engine":  # loss.backward() on the engines' outputs
+        if style == "loss_output":  # the model's own loss, with its output beside it
+            total = sum(ours[i](_half(x, ours[i]), y)[0] / (i + 1) for i in range(count))
+            total.backward()
+        elif style == "engine":  # loss.backward() on the engines' outputs
             total = sum(
                 engine.scale(_loss(engine(_half(x, engine)), y) / (i + 1))
                 for i, engine in enumerate(ours)
@@ -165,6 +183,7 @@ CASES = [
     dict(stage=2, precision="bf16", gas=1, style="engine", engines=1),
     dict(stage=3, precision="fp32", gas=2, style="engine", engines=1),
     dict(stage=2, precision="fp32", gas=2, style="engine", engines=2),
+    dict(stage=1, precision="fp32", gas=4, style="loss_output", engines=1),
     dict(stage=3, precision="fp16", gas=1, style="module", engines=2),
     dict(stage=1, precision="bf16", gas=1, style="module", engines=2),
     dict(stage=0, precision="fp32", gas=1, style="module", engines=1),
@@ -174,7 +193,7 @@ CASES = [
 def test_torch_style_backward_equals_engine_backward(pool2):
     seed = int(torch.randint(0, 2**31, ()))
     cases = [dict(case, seed=seed) for case in CASES]
-    batches = [[(torch.randn(2, 6), torch.randn(2, 3)) for _ in range(STEPS * 2)] for _ in range(2)]
+    batches = [[(torch.randn(2, 6), torch.randn(2, 3)) for _ in range(STEPS * 4)] for _ in range(2)]
     refusal_inputs = [(torch.randn(2, 6), torch.randn(2, 3)) for _ in range(2)]
     for results, refusals in pool2.run(_job, cases, batches, refusal_inputs):
         for case, result in zip(cases, results):
@@ -182,7 +201,7 @@ def test_torch_style_backward_equals_engine_backward(pool2):
             assert result["scales"] in ([], [256.0] * case["engines"]), case
             for ref, got in zip(result["reference"], result["ours"], strict=True):
                 assert torch.equal(ref, got), (case, (ref - got).abs().max())
-            moved = _model(seed)[0].weight.detach()
+            moved = _model(seed).net[0].weight.detach()
             assert not torch.equal(result["ours"][0], moved), case  # it trained
         assert "Direct calls to tensor.backward() are not supported" in refusals["stage0"]
         assert "ZeRO stage 0" in refusals["stage0"]

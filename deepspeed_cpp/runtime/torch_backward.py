@@ -7,8 +7,10 @@ The contract, as DeepSpeed 0.19.8 defines it and this engine follows it:
 
 - Through the engine (``out = engine(batch)``): a hook on every output tensor runs the backward
   prologue when the first output gradient arrives (before any parameter gradient: the stage
-  starts its reduction exactly as in ``engine.backward``), divides each output's gradient by the
-  gradient-accumulation steps (``engine.backward`` divides the loss), and queues the epilogue
+  starts its reduction exactly as in ``engine.backward``), has each parameter's gradient divided
+  by the gradient-accumulation steps (``engine.backward`` divides the loss; DeepSpeed divides at
+  the outputs, which divides twice where one output is computed from another, as a model's loss
+  from its logits: this engine divides at the parameters, once), and queues the epilogue
   on autograd's engine, so it runs when the backward finishes (the last reductions, the backward
   counted for ``step()``'s call-order check). Nothing else needs calling; a ``_backward_epilogue()``
   after it does nothing.
@@ -76,11 +78,16 @@ class TorchBackward:
         # The last backward's epilogue ran by itself: the script's _backward_epilogue() is void.
         self.epilogue_ran = False
         self._hook = module.register_forward_hook(self._watch_output) if watch else None
+        # Division by the accumulation steps, at the parameters (see _divide_at_parameters):
+        # the graph task it applies to, and the hooks (installed at the first forward through
+        # the engine with more than one accumulation step).
+        self._dividing_task: int | None = None
+        self._param_hooks: list | None = None
 
     def remove(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for handle in ([self._hook] if self._hook is not None else []) + (self._param_hooks or []):
+            handle.remove()
+        self._hook, self._param_hooks = None, None
 
     # --- forward: hook the output ------------------------------------------------------------
     def _watch_output(self, module, inputs, output) -> None:
@@ -90,22 +97,35 @@ class TorchBackward:
         if not tensors:
             return
         through_engine = self.inside_engine_forward
+        if through_engine and self._param_hooks is None:
+            if self._engine.gradient_accumulation_steps() > 1:
+                self._divide_at_parameters()
         for tensor in tensors:
             tensor.register_hook(self._make_hook(through_engine))
 
     def _make_hook(self, through_engine: bool):
-        def hook(grad: torch.Tensor) -> torch.Tensor:
+        def hook(grad: torch.Tensor) -> None:
             if self.inside_engine_backward or torch._C._are_functorch_transforms_active():
-                return grad  # engine.backward scaled and divided the loss; torch.func: no step
+                return  # engine.backward scaled and divided the loss; torch.func: no step
             task = _current_graph_task()
             if task != self._open_task:
                 self._prologue(task, through_engine)
-            steps = self._engine.gradient_accumulation_steps()
-            if through_engine and steps > 1:
-                return grad / steps
-            return grad
 
         return hook
+
+    def _divide_at_parameters(self) -> None:
+        """Divides each parameter's gradient by the accumulation steps as it reaches the
+        parameter, in a torch-style backward through the engine's output. Not at the outputs:
+        an output computed from another one (a model returning its loss and the logits it came
+        from) would divide the gradient flowing through both twice."""
+
+        def divide(grad: torch.Tensor) -> torch.Tensor:
+            if self._dividing_task is None or self._dividing_task != _current_graph_task():
+                return grad
+            return grad / self._engine.gradient_accumulation_steps()
+
+        params = [p for p in self._engine.module.parameters() if p.requires_grad]
+        self._param_hooks = [p.register_hook(divide) for p in params]
 
     # --- backward ------------------------------------------------------------------------------
     def _prologue(self, task: int, through_engine: bool) -> None:
@@ -118,10 +138,12 @@ class TorchBackward:
         self.epilogue_ran = False
         engine._begin_stage_backward()
         self._open_task = task
+        divides = through_engine and engine.gradient_accumulation_steps() > 1
+        self._dividing_task = task if divides else None
         torch.autograd.Variable._execution_engine.queue_callback(self._epilogue)
 
     def _epilogue(self) -> None:
-        self._open_task = None
+        self._open_task, self._dividing_task = None, None
         self._engine._end_stage_backward()  # sets epilogue_ran
 
     def script_epilogue(self) -> None:
