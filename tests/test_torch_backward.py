@@ -11,7 +11,8 @@ accumulation steps:
 - refusals: ZeRO-0 through the engine's output, fp16 without ``engine.scale``; a step with no
   backward, or after a ``_backward_epilogue()`` with no backward, still raises.
 Both sides of each comparison are engines built from the same seed in the same process, fed
-the same fresh random batches; parameters compared bitwise after three optimizer steps.
+the same fresh random batches; parameters compared bitwise after three optimizer steps (fp16
+with accumulation: within 1e-6, see the test).
 """
 
 from __future__ import annotations
@@ -199,8 +200,15 @@ def test_torch_style_backward_equals_engine_backward(pool2):
         for case, result in zip(cases, results):
             assert result["steps"] == [STEPS] * case["engines"], (case, result["steps"])
             assert result["scales"] in ([], [256.0] * case["engines"]), case
+            # fp16 at gas > 1: engine.backward runs the model's backward at half the scale of
+            # engine.scale(loss) (divided later, at the parameters): equal unless an fp16
+            # gradient element is subnormal at one of the two scales.
+            atol = 1e-6 if case["precision"] == "fp16" and case["gas"] > 1 else 0.0
             for ref, got in zip(result["reference"], result["ours"], strict=True):
-                assert torch.equal(ref, got), (case, (ref - got).abs().max())
+                assert torch.allclose(ref, got, rtol=0.0, atol=atol), (
+                    case,
+                    (ref - got).abs().max(),
+                )
             moved = _model(seed).net[0].weight.detach()
             assert not torch.equal(result["ours"][0], moved), case  # it trained
         assert "Direct calls to tensor.backward() are not supported" in refusals["stage0"]
