@@ -283,7 +283,7 @@ class DeepSpeedEngine(
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the fp16 loss scale (itself otherwise), for ``engine.scale(loss)
         .backward()`` in place of ``engine.backward(loss)`` (torch_backward.py: the engine's
-        output hooks divide by the accumulation steps and reduce)."""
+        hooks divide by the accumulation steps and reduce)."""
         if self.optimizer is None:
             raise RuntimeError(
                 "engine.scale(loss) needs an optimizer (in the config or initialize)"
@@ -339,6 +339,7 @@ class DeepSpeedEngine(
         self.micro_steps += 1
         self._call_order.after_step()
         self._torch_backward.epilogue_ran = False
+        self._torch_backward.scaled_by_engine = False
         if skipped is not None:
             raise_if_asked(self.config.nonfinite_gradients, skipped)
 
