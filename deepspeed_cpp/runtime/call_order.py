@@ -12,7 +12,9 @@ A micro-step is ``forward`` (the engine or its module), ``backward``, ``step``, 
   (DeepSpeed steps with them; the engine hands them to the stage first,
   ``DeepSpeedEngine._adopt_hand_set_gradients``): the step clears every ``.grad``, so a second
   step still finds none. After a forward they are refused as before: they would come from a
-  ``loss.backward()`` the engine did not scale (fp16) or divide by the accumulation steps.
+  backward the engine did not see, neither scaled (fp16) nor divided by the accumulation steps.
+  A torch-style ``loss.backward()`` on the model's output is seen, and counts as a backward
+  (``torch_backward.py``: hooks on the output do what ``engine.backward`` does).
 - ``initialize(model_parameters=...)`` and an optimizer passed to it may only hold the model's
   parameters: the engine trains the model's parameters; a foreign one would be stepped while the
   model never changes (DeepSpeed refuses it with a KeyError).

@@ -37,6 +37,7 @@ from .model_parallel import ModelParallelGroups
 from .no_sync import refuse_step_inside as refuse_step_inside_no_sync
 from .nonfinite_gradients import raise_if_asked, report_skipped_step
 from .tensor_parallel.setup import remap_parameters as remap_for_tensor_parallel
+from .torch_backward import TorchBackward
 from .training_report import TrainingReport
 from .zero.build import build_stage
 from .zero.moe_stage import needs_expert_sets
@@ -56,6 +57,10 @@ class DeepSpeedEngine(
     ``step()`` is called after every micro-batch, as with DeepSpeed: it steps the optimizer only
     at gradient-accumulation boundaries and otherwise just counts the micro-step.
     """
+
+    # loss.backward() on the module's output counts as a backward (torch_backward.py); the
+    # pipeline engine runs its own backward passes and turns this off.
+    _watches_outputs = True
 
     def __init__(
         self,
@@ -126,6 +131,7 @@ class DeepSpeedEngine(
         self.skipped_steps = 0
         self._failed_step = FailedStepGuard()
         self._call_order = CallOrder(self.module)
+        self._torch_backward = TorchBackward(self, self.module, watch=self._watches_outputs)
         # engine.no_sync() (no_sync.py): inside the block; and whether the last backward ran
         # there, so that the gradients it left unreduced are reduced before a step.
         self._inside_no_sync = False
@@ -221,7 +227,11 @@ class DeepSpeedEngine(
             # fp16.auto_cast (DeepSpeed's): floating-point inputs, however nested, become fp16
             # to match the fp16 module; integer inputs (token ids, labels) are left as they are.
             inputs, kwargs = cast_floating_to_half((inputs, kwargs))
-        output = self.module(*inputs, **kwargs)
+        self._torch_backward.inside_engine_forward = True
+        try:
+            output = self.module(*inputs, **kwargs)
+        finally:
+            self._torch_backward.inside_engine_forward = False
         self._report.after_forward(self)
         return output
 
@@ -232,17 +242,35 @@ class DeepSpeedEngine(
             raise RuntimeError("engine.backward needs an optimizer (in the config or initialize)")
         self._failed_step.check("engine.backward")
         self._call_order.before_backward()
-        self._report.begin("bwd")
-        self._report.begin("bwd_inner")
         scale = 1.0
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scale /= self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.loss_scale
+        self._begin_stage_backward()
+        self._torch_backward.inside_engine_backward += 1  # the output hooks stand aside
+        try:
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        finally:
+            self._torch_backward.inside_engine_backward -= 1
+        self._end_stage_backward()
+        divisor = self.gradient_accumulation_steps() if scale_wrt_gas else 1
+        boundary = self.is_gradient_accumulation_boundary()
+        self._report.after_backward(loss, divisor, boundary, self.global_samples)
+        return loss / divisor if divisor != 1 else loss
+
+    def _begin_stage_backward(self) -> None:
+        """Before the gradients of a backward (engine.backward's, or a torch-style one's
+        prologue: torch_backward.py) reach the stage."""
+        self._report.begin("bwd")
+        self._report.begin("bwd_inner")
         # Inside no_sync() nothing is reduced: gradients accumulate on each rank.
         reduces = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
         self.optimizer.begin_backward(reduces)
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+
+    def _end_stage_backward(self) -> None:
+        """After every gradient of the backward reached the stage: the last reductions, and the
+        backward counted for step()'s call-order check."""
         self._report.end("bwd_inner")
         self._report.begin("bwd_allreduce")
         self.optimizer.end_backward()
@@ -250,10 +278,39 @@ class DeepSpeedEngine(
         self._report.end("bwd")
         self._call_order.after_backward()
         self._reduction_owed = self._inside_no_sync
-        divisor = self.gradient_accumulation_steps() if scale_wrt_gas else 1
-        boundary = self.is_gradient_accumulation_boundary()
-        self._report.after_backward(loss, divisor, boundary, self.global_samples)
-        return loss / divisor if divisor != 1 else loss
+        self._torch_backward.epilogue_ran = True  # a script's _backward_epilogue() after it: void
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale (itself otherwise), for ``engine.scale(loss)
+        .backward()`` in place of ``engine.backward(loss)`` (torch_backward.py: the engine's
+        hooks divide by the accumulation steps and reduce)."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "engine.scale(loss) needs an optimizer (in the config or initialize)"
+            )
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.grad_fn is not None):
+            raise ValueError(
+                f"engine.scale(loss): loss must be a one-element tensor with a grad_fn, got "
+                f"{type(loss).__name__}"
+                + (
+                    f" of shape {tuple(loss.shape)} (grad_fn {loss.grad_fn})"
+                    if isinstance(loss, torch.Tensor)
+                    else ""
+                )
+                + "; for a non-scalar output call output.backward(gradient)"
+            )
+        self._torch_backward.scaled_by_engine = True
+        if self.loss_scaler is None or self.loss_scaler.loss_scale == 1.0:
+            return loss
+        return loss * self.loss_scaler.loss_scale
+
+    def _backward_epilogue(self) -> None:
+        """DeepSpeed's name, which scripts call after their own ``loss.backward()``: reduces
+        the gradients that backward left in the parameters (nothing when its epilogue already ran
+        by itself; see torch_backward.py)."""
+        if self.optimizer is None:
+            raise RuntimeError("engine._backward_epilogue() needs an optimizer")
+        self._torch_backward.script_epilogue()
 
     def step(self, lr_kwargs=None) -> None:
         """At an accumulation boundary: the optimizer step and the LR schedule, or neither when
@@ -281,6 +338,8 @@ class DeepSpeedEngine(
         self._report.after_step(self, boundary, profiled)
         self.micro_steps += 1
         self._call_order.after_step()
+        self._torch_backward.epilogue_ran = False
+        self._torch_backward.scaled_by_engine = False
         if skipped is not None:
             raise_if_asked(self.config.nonfinite_gradients, skipped)
 
@@ -336,6 +395,7 @@ class DeepSpeedEngine(
         """Removes every hook the engine installed on the model; a ZeRO-3 model stays
         partitioned (calling it afterwards raises an error naming a parameter)."""
         self._call_order.remove()
+        self._torch_backward.remove()
         self._report.close()
         if self._zero_stage is not None:
             self._zero_stage.destroy()

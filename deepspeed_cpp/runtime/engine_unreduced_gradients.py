@@ -39,6 +39,16 @@ class EngineUnreducedGradients:
         self.optimizer.end_backward()
         self._reduction_owed = False
 
+    def _adopt_script_gradients(self) -> None:
+        """``engine._backward_epilogue()`` after a script's own backward that the engine's output
+        hooks did not see (a loss from a submodule's output): the gradients it left in ``.grad``
+        are reduced as one backward's, taken as they are (``torch_backward.py``). Needs a forward
+        since the last step, as ``engine.backward`` does; with no such gradient nothing counts
+        as a backward (``step()`` then refuses)."""
+        self._failed_step.check("engine._backward_epilogue()")
+        self._call_order.before_backward()
+        self._adopt_hand_set_gradients()
+
     def _adopt_hand_set_gradients(self) -> None:
         """``step()`` with no ``engine.backward()`` since the last step, after a script wrote the
         gradients into the parameters' ``.grad`` itself (DeepSpeed steps with them): they go

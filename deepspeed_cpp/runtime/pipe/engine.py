@@ -69,6 +69,8 @@ def _apply_pipeline_config(section, model: PipelineModule) -> None:
 class PipelineEngine(DeepSpeedEngine):
     """A pipeline stage's engine (see the module docstring)."""
 
+    _watches_outputs = False  # train_batch() runs its own backward passes
+
     def __init__(self, *, model, training_data=None, collate_fn=None, config, **kwargs):
         if not isinstance(model, PipelineModule):
             raise PipelineError(
