@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 import weakref
 
 import torch
@@ -27,6 +26,7 @@ from .engine_refusals import (
     release_previous_engine,
 )
 from .engine_state_moves import EngineStateMoves
+from .engine_torch_backward import EngineTorchBackward
 from .engine_unreduced_gradients import EngineUnreducedGradients
 from .failed_step import FailedStepGuard
 from .half_inputs import cast_floating_to_half, cast_parameters
@@ -49,6 +49,7 @@ class DeepSpeedEngine(
     EngineStateMoves,
     EngineModelLookup,
     EngineUnreducedGradients,
+    EngineTorchBackward,
     EngineConfigReaders,
     torch.nn.Module,
 ):
@@ -136,7 +137,6 @@ class DeepSpeedEngine(
         # there, so that the gradients it left unreduced are reduced before a step.
         self._inside_no_sync = False
         self._reduction_owed = False
-        self._last_log = (time.perf_counter(), 0)
 
         self.loss_scaler = None
         if self.fp16_enabled():
@@ -280,38 +280,6 @@ class DeepSpeedEngine(
         self._reduction_owed = self._inside_no_sync
         self._torch_backward.epilogue_ran = True  # a script's _backward_epilogue() after it: void
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the fp16 loss scale (itself otherwise), for ``engine.scale(loss)
-        .backward()`` in place of ``engine.backward(loss)`` (torch_backward.py: the engine's
-        hooks divide by the accumulation steps and reduce)."""
-        if self.optimizer is None:
-            raise RuntimeError(
-                "engine.scale(loss) needs an optimizer (in the config or initialize)"
-            )
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.grad_fn is not None):
-            raise ValueError(
-                f"engine.scale(loss): loss must be a one-element tensor with a grad_fn, got "
-                f"{type(loss).__name__}"
-                + (
-                    f" of shape {tuple(loss.shape)} (grad_fn {loss.grad_fn})"
-                    if isinstance(loss, torch.Tensor)
-                    else ""
-                )
-                + "; for a non-scalar output call output.backward(gradient)"
-            )
-        self._torch_backward.scaled_by_engine = True
-        if self.loss_scaler is None or self.loss_scaler.loss_scale == 1.0:
-            return loss
-        return loss * self.loss_scaler.loss_scale
-
-    def _backward_epilogue(self) -> None:
-        """DeepSpeed's name, which scripts call after their own ``loss.backward()``: reduces
-        the gradients that backward left in the parameters (nothing when its epilogue already ran
-        by itself; see torch_backward.py)."""
-        if self.optimizer is None:
-            raise RuntimeError("engine._backward_epilogue() needs an optimizer")
-        self._torch_backward.script_epilogue()
-
     def step(self, lr_kwargs=None) -> None:
         """At an accumulation boundary: the optimizer step and the LR schedule, or neither when
         the gradients are not finite (fp16 overflow, NaN/inf: ``nonfinite_gradients.py``);
@@ -333,13 +301,10 @@ class DeepSpeedEngine(
         if boundary:
             skipped = self._optimizer_step(lr_kwargs)
         self._report.end("step")
-        if boundary:
-            self._log_progress()
         self._report.after_step(self, boundary, profiled)
         self.micro_steps += 1
         self._call_order.after_step()
-        self._torch_backward.epilogue_ran = False
-        self._torch_backward.scaled_by_engine = False
+        self._torch_backward.after_step()
         if skipped is not None:
             raise_if_asked(self.config.nonfinite_gradients, skipped)
 
@@ -408,24 +373,6 @@ class DeepSpeedEngine(
             self.optimizer.zero_grad()
         else:
             self.module.zero_grad(set_to_none=set_to_none)
-
-    def _log_progress(self) -> None:
-        every = self.config.steps_per_print
-        if not every or self.global_steps % every != 0 or self.global_rank != 0:
-            return
-        now = time.perf_counter()
-        last_time, last_samples = self._last_log
-        samples_per_second = (self.global_samples - last_samples) / max(now - last_time, 1e-9)
-        self._last_log = (now, self.global_samples)
-        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-        logger.info(
-            "deepspeed_cpp: step=%d skipped=%d lr=%s loss_scale=%s samples/sec=%.2f",
-            self.global_steps,
-            self.skipped_steps,
-            [round(lr, 10) for lr in self.get_lr()],
-            scale,
-            samples_per_second,
-        )
 
     # --- what scripts ask the engine ----------------------------------------------------------
     def train(self, mode: bool = True):

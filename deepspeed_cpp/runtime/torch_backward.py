@@ -146,6 +146,12 @@ class TorchBackward:
         self._open_task, self._dividing_task = None, None
         self._engine._end_stage_backward()  # sets epilogue_ran
 
+    def after_step(self) -> None:
+        """A step ends what the last backward and ``engine.scale`` left: a script's
+        ``_backward_epilogue()`` after it reduces again, and the next loss must be scaled again."""
+        self.epilogue_ran = False
+        self.scaled_by_engine = False
+
     def script_epilogue(self) -> None:
         """``engine._backward_epilogue()`` called by the script: void after a backward whose
         epilogue ran by itself; else the gradients the script's own backward left in the

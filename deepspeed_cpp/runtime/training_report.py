@@ -22,6 +22,7 @@ import torch
 
 from ..accelerator import get_accelerator
 from ..monitor import MonitorMaster
+from ..utils.logging import logger
 from ..utils.timer import (
     GLOBAL_TIMERS,
     MICRO_TIMERS,
@@ -56,6 +57,7 @@ class TrainingReport:
         self._phase_seconds: dict[str, float] | None = None
         self._phase_starts: dict[str, float] = {}
         self._rank = rank
+        self._last_log = (time.perf_counter(), 0)  # for the samples/sec of the progress line
 
     # --- timers: "fwd", "bwd", "bwd_inner", "bwd_allreduce", "step" (micro and global) ----------
     def begin(self, name: str) -> None:
@@ -138,6 +140,8 @@ class TrainingReport:
             self._losses = None
 
     def after_step(self, engine, boundary: bool, profiled: bool = False) -> None:
+        if boundary:
+            self._log_progress(engine)
         if profiled and boundary:
             self.print_flops_profile(engine)
         if boundary and self._writes:
@@ -165,6 +169,25 @@ class TrainingReport:
         every = self.steps_per_print
         if every and engine.global_steps % every == 0:
             self.timers.log(GLOBAL_TIMERS)
+
+    def _log_progress(self, engine) -> None:
+        """Rank 0's progress line every ``steps_per_print`` steps (DeepSpeed's cadence)."""
+        every = engine.config.steps_per_print
+        if not every or engine.global_steps % every != 0 or engine.global_rank != 0:
+            return
+        now = time.perf_counter()
+        last_time, last_samples = self._last_log
+        samples_per_second = (engine.global_samples - last_samples) / max(now - last_time, 1e-9)
+        self._last_log = (now, engine.global_samples)
+        scale = engine.loss_scaler.loss_scale if engine.loss_scaler is not None else 1.0
+        logger.info(
+            "deepspeed_cpp: step=%d skipped=%d lr=%s loss_scale=%s samples/sec=%.2f",
+            engine.global_steps,
+            engine.skipped_steps,
+            [round(lr, 10) for lr in engine.get_lr()],
+            scale,
+            samples_per_second,
+        )
 
     def close(self) -> None:
         self.monitor.close()
