@@ -229,9 +229,9 @@ def worker(rank: int, args) -> dict:
             thread_start = time.thread_time()
             output = engine(batch)
             loss = output.square().mean() if args.model == "deep" else lm_loss(output, batch)
-            forward_end = time.perf_counter()
+            forward_end, forward_cpu = time.perf_counter(), time.process_time()
             engine.backward(loss)
-            backward_end = time.perf_counter()
+            backward_end, backward_cpu = time.perf_counter(), time.process_time()
             engine.step()
             if measured:
                 phases[label].append(
@@ -239,6 +239,9 @@ def worker(rank: int, args) -> dict:
                         forward_end - start,
                         backward_end - forward_end,
                         time.perf_counter() - backward_end,
+                        forward_cpu - cpu_start,
+                        backward_cpu - forward_cpu,
+                        time.process_time() - backward_cpu,
                     ]
                 )
                 times[label].append(time.perf_counter() - start)
@@ -292,10 +295,13 @@ def main() -> None:
         print(f"{label + ' / ZeRO-2':33} {slowest('step', label) / slowest('step', ZERO2):10.2f} "
               f"{slowest('mean', label) / slowest('mean', ZERO2):8.2f} "
               f"{slowest('cpu', label) / slowest('cpu', ZERO2):7.2f}")  # fmt: skip
-    print(f"{'phases (median ms, slowest rank)':33} {'forward':>10} {'backward':>8} {'step':>7}")
+    # Wall time, then the process's CPU time (all threads: the work, whatever the load).
+    print(f"{'phases (median ms, slowest rank)':33} {'forward':>10} {'backward':>8} {'step':>7}"
+          f" {'CPU fwd':>8} {'CPU bwd':>8} {'CPU step':>8}")  # fmt: skip
     for label in labels:
-        cells = [max(r["phases"][label][i] for r in ranks) * 1e3 for i in range(3)]
-        print(f"deepspeed_cpp {label:19} {cells[0]:10.1f} {cells[1]:8.1f} {cells[2]:7.1f}")
+        cells = [max(r["phases"][label][i] for r in ranks) * 1e3 for i in range(6)]
+        print(f"deepspeed_cpp {label:19} {cells[0]:10.1f} {cells[1]:8.1f} {cells[2]:7.1f} "
+              f"{cells[3]:8.1f} {cells[4]:8.1f} {cells[5]:8.1f}")  # fmt: skip
     if args.breakdown:
         for label in labels[1:]:
             print(f"  {label} per step (rank 0 / rank 1, inclusive ms; calls):")
