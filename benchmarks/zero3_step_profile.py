@@ -210,6 +210,8 @@ def worker(rank: int, args) -> dict:
     times: dict[str, list[float]] = {label: [] for label in engines}
     cpu: dict[str, list[float]] = {label: [] for label in engines}
     thread: dict[str, list[float]] = {label: [] for label in engines}
+    # Wall time of each phase of a step, per engine: forward, backward, step.
+    phases: dict[str, list[list[float]]] = {label: [] for label in engines}
     for round_index in range(args.warmup + args.rounds):
         if args.model == "deep":
             batch = torch.randn(32, 256, generator=generator)
@@ -227,9 +229,21 @@ def worker(rank: int, args) -> dict:
             thread_start = time.thread_time()
             output = engine(batch)
             loss = output.square().mean() if args.model == "deep" else lm_loss(output, batch)
+            forward_end, forward_cpu = time.perf_counter(), time.process_time()
             engine.backward(loss)
+            backward_end, backward_cpu = time.perf_counter(), time.process_time()
             engine.step()
             if measured:
+                phases[label].append(
+                    [
+                        forward_end - start,
+                        backward_end - forward_end,
+                        time.perf_counter() - backward_end,
+                        forward_cpu - cpu_start,
+                        backward_cpu - forward_cpu,
+                        time.process_time() - backward_cpu,
+                    ]
+                )
                 times[label].append(time.perf_counter() - start)
                 cpu[label].append(time.process_time() - cpu_start)
                 thread[label].append(time.thread_time() - thread_start)
@@ -240,6 +254,8 @@ def worker(rank: int, args) -> dict:
         "mean": {label: statistics.fmean(values) for label, values in times.items()},
         "cpu": {label: statistics.median(values) for label, values in cpu.items()},
         "thread": {label: statistics.median(values) for label, values in thread.items()},
+        "phases": {label: [statistics.median(column) for column in zip(*rows)]
+                   for label, rows in phases.items()},
         "breakdown": {label: {k: (v[0] / args.rounds, v[1] / args.rounds)
                               for k, v in b.seconds.items()}
                       for label, b in breakdowns.items()},
@@ -279,6 +295,13 @@ def main() -> None:
         print(f"{label + ' / ZeRO-2':33} {slowest('step', label) / slowest('step', ZERO2):10.2f} "
               f"{slowest('mean', label) / slowest('mean', ZERO2):8.2f} "
               f"{slowest('cpu', label) / slowest('cpu', ZERO2):7.2f}")  # fmt: skip
+    # Wall time, then the process's CPU time (all threads: the work, whatever the load).
+    print(f"{'phases (median ms, slowest rank)':33} {'forward':>10} {'backward':>8} {'step':>7}"
+          f" {'CPU fwd':>8} {'CPU bwd':>8} {'CPU step':>8}")  # fmt: skip
+    for label in labels:
+        cells = [max(r["phases"][label][i] for r in ranks) * 1e3 for i in range(6)]
+        print(f"deepspeed_cpp {label:19} {cells[0]:10.1f} {cells[1]:8.1f} {cells[2]:7.1f} "
+              f"{cells[3]:8.1f} {cells[4]:8.1f} {cells[5]:8.1f}")  # fmt: skip
     if args.breakdown:
         for label in labels[1:]:
             print(f"  {label} per step (rank 0 / rank 1, inclusive ms; calls):")

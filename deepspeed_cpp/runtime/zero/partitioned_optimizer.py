@@ -287,8 +287,8 @@ class ZeroPartitionedOptimizer:
                 return False
             inverse_scale = 1.0 / self.loss_scaler.loss_scale
             if inverse_scale != 1.0:
-                for grad in self.shard_grads:
-                    grad.mul_(inverse_scale)
+                # One op over all shards (stage 3 holds one per parameter: hundreds).
+                torch._foreach_mul_(self.shard_grads, inverse_scale)
         norms = self.stepper.shard_grad_norms()
         self.global_grad_norm = self.gradient_checks.global_norm(norms)
         if not math.isfinite(self.global_grad_norm):
@@ -296,8 +296,7 @@ class ZeroPartitionedOptimizer:
         if self.gradient_clipping > 0.0:
             coefficient = self.gradient_clipping / (self.global_grad_norm + 1e-6)
             if coefficient < 1.0:
-                for grad in self.shard_grads:
-                    grad.mul_(coefficient)
+                torch._foreach_mul_(self.shard_grads, coefficient)
         self.stepper.step_and_gather()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
@@ -338,8 +337,7 @@ class ZeroPartitionedOptimizer:
     def _apply_pending_zero(self) -> None:
         # Only a step with no reduction since zero_grad() reads shard gradients still pending.
         if self._shard_grads_zero_pending:
-            for grad in self.shard_grads:
-                grad.zero_()
+            torch._foreach_zero_(self.shard_grads)
             self._shard_grads_zero_pending = False
 
     # --- what code holding "the optimizer" expects ------------------------------------------
