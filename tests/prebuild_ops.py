@@ -13,6 +13,9 @@ compiler's error where it belongs.
 
 import os
 import sys
+from pathlib import Path
+
+from fused_adam_wheel_build import SESSION_DIR, built_wheel
 
 from deepspeed_cpp.ops.op_builder import (
     AsyncIOBuilder,
@@ -42,24 +45,30 @@ IN_ORDER_OF_FIRST_USE = (
 )
 
 
-# Last, once the CPU ops are done: the MoE gating kernel's nvcc build (~20 s), for the one
-# architecture test_moe_gating_cuda.py builds it for (the architectures are part of the cache
-# key), which that test then finds built instead of compiling in the foreground.
+# After the CPU ops, the two nvcc builds of the suite, each of which its test then finds done:
+# the fused Adam wheel (~35 s, test_fused_adam_build.py; only with conftest.py's session folder)
+# and the MoE gating kernel (~20 s) for the one architecture test_moe_gating_cuda.py builds it
+# for (the architectures are part of the cache key). A failed build is the test's to report.
 MOE_CUDA_ARCH_LIST = "8.0"
+
+
+def _load(op, failed: list[str]) -> None:
+    try:
+        if op.is_compatible()[0]:
+            op.load()
+    except Exception as error:  # noqa: BLE001 - the test that needs the op reports it
+        failed.append(f"{op.NAME}: {error}")
 
 
 def main() -> int:
     failed = []
-    for family in (*IN_ORDER_OF_FIRST_USE, MoECudaBuilder):
-        if family is MoECudaBuilder:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = MOE_CUDA_ARCH_LIST
-        op = family()
-        try:
-            if not op.is_compatible()[0]:
-                continue
-            op.load()
-        except Exception as error:  # noqa: BLE001 - the test that needs the op reports it
-            failed.append(f"{op.NAME}: {error}")
+    for family in IN_ORDER_OF_FIRST_USE:
+        _load(family(), failed)
+    session = os.environ.get(SESSION_DIR)
+    if session:
+        built_wheel(Path(session))
+    os.environ["TORCH_CUDA_ARCH_LIST"] = MOE_CUDA_ARCH_LIST
+    _load(MoECudaBuilder(), failed)
     for line in failed:
         print(f"prebuild_ops: {line}", file=sys.stderr)
     return 0
