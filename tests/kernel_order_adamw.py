@@ -9,6 +9,11 @@ has to round as the kernels do. This one is written from the formula the header 
 (its operations, in its order, fused multiply-adds rounded once), in torch, and every step is
 checked against torch.optim.AdamW run in float64 on the same gradients, so the reference stays
 AdamW and only its float32 rounding follows the kernels.
+
+Every float32 operation is computed in float64 and rounded to float32 once: products are exact
+in float64, and a float64 square root or quotient rounded to float32 is the correctly rounded
+float32 one (53 >= 2 * 24 + 2 bits), as sqrtf and '/' are. torch's own float32 sqrt on the CPU is
+not always correctly rounded (a vectorised approximation: one ulp off for some inputs).
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ def fma32(a: torch.Tensor, b: torch.Tensor | float, c: torch.Tensor) -> torch.Te
     below = torch.where(rounded.double() < s, rounded, neighbour)
     fixed = torch.where(error > 0, above, below)
     return torch.where(halfway & (error != 0), fixed, rounded)
+
+
+def _mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float32 a * b rounded once: exact in float64, then rounded."""
+    return (a.double() * b.double()).float()
 
 
 class KernelOrderAdamW(torch.optim.Optimizer):
@@ -75,11 +85,12 @@ class KernelOrderAdamW(torch.optim.Optimizer):
                 bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
                 f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
                 g = p.grad
-                m = fma32(state["exp_avg"], f32(beta1), f32(1.0 - beta1) * g)
-                v = fma32(state["exp_avg_sq"], f32(beta2), (f32(1.0 - beta2) * g) * g)
-                denom = fma32(v.sqrt(), f32(1.0 / math.sqrt(bc2)), torch.full_like(v, group["eps"]))
-                update = m / denom
-                decayed = p * f32(1.0 - lr * group["weight_decay"])
+                m = fma32(state["exp_avg"], f32(beta1), _mul(f32(1.0 - beta1), g))
+                v = fma32(state["exp_avg_sq"], f32(beta2), _mul(_mul(f32(1.0 - beta2), g), g))
+                root = v.double().sqrt().float()
+                denom = fma32(root, f32(1.0 / math.sqrt(bc2)), torch.full_like(v, group["eps"]))
+                update = (m.double() / denom.double()).float()
+                decayed = _mul(p, f32(1.0 - lr * group["weight_decay"]))
                 p.copy_(fma32(update, f32(-lr / bc1), decayed))
                 state["exp_avg"], state["exp_avg_sq"] = m, v
         for shadow, p in zip(self._shadow, self._params()):
