@@ -61,11 +61,16 @@ class KernelOrderAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.dtype != torch.float32:
                     raise ValueError(f"KernelOrderAdamW steps float32 parameters, got {p.dtype}")
-        shadow = [p.detach().double().clone().requires_grad_(True) for p in self._params()]
-        self._shadow = shadow
+        self._shadow = [p.detach().double().clone().requires_grad_(True) for p in self._params()]
+        shadows = iter(self._shadow)
         self._float64 = torch.optim.AdamW(
-            shadow, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
-        )
+            [
+                {**{k: v for k, v in g.items() if k != "params"},
+                 "params": [next(shadows) for _ in g["params"]]}
+                for g in self.param_groups
+            ],
+            foreach=False,
+        )  # fmt: skip
 
     def _params(self):
         return [p for group in self.param_groups for p in group["params"]]
@@ -96,7 +101,7 @@ class KernelOrderAdamW(torch.optim.Optimizer):
         for shadow, p in zip(self._shadow, self._params()):
             shadow.grad = p.grad.double()
         for shadow_group, group in zip(self._float64.param_groups, self.param_groups):
-            shadow_group["lr"] = group["lr"]
+            shadow_group["lr"] = group["lr"]  # a schedule may have changed it
         self._float64.step()
         scale = max(s.abs().max().item() for s in self._shadow)
         worst = max(
