@@ -69,7 +69,7 @@ def test_matches_single_process_adamw_2_ranks(pool2, dtype, gas, clip, threshold
     worst = h.max_relative_difference(ours, h.named_state(reference))
     # fp32: DS_TEST_SEED=1715069634 gave 2.02e-6 ([fp32-1-0.0-0]) while the reference stepped
     # with torch.optim.AdamW, whose float32 rounding differs from the kernels' (the gradients
-    # were bitwise equal); with the kernels' rounding (h.reference) 8.5e-9.
+    # were bitwise equal); with the kernels' rounding (h.reference) 0.0, as for 4 fresh seeds.
     assert worst <= h.tolerance(dtype), f"seed {seed}: {worst}"
     small = [n for n, p in h.make_model(0).named_parameters() if p.numel() <= threshold]
     assert results[0]["persistent"] == sorted(small)
