@@ -51,6 +51,27 @@ def pytest_sessionstart(session):
     )
 
 
+# The background's builds for a test, made only when the session runs that test (the prebuild
+# waits for this list after the CPU ops; tests/prebuild_ops.py).
+BACKGROUND_BUILDS = {
+    "fused_adam_wheel": "test_fused_adam_build.py::test_wheel_build_holds_each_architecture",
+    "moe_cuda": "test_moe_gating_cuda.py::test_cuda_kernel_builds_and_registers",
+}
+
+
+def pytest_collection_finish(session):
+    if not _SESSION_DIRS:
+        return
+    wanted = [
+        build
+        for build, test in BACKGROUND_BUILDS.items()
+        if any(test in item.nodeid for item in session.items)
+    ]
+    partial = Path(_SESSION_DIRS[-1]) / "wanted.partial"
+    partial.write_text("\n".join(wanted))
+    partial.rename(partial.with_name("wanted"))
+
+
 def pytest_sessionfinish(session, exitstatus):
     import shutil
     import signal
