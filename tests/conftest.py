@@ -14,6 +14,7 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))
 # Niced, so the tests keep the CPU they ask for; stopped (its whole process group, compilers
 # included) when the session ends, a half-done build being cleared by the next one that needs it.
 _PREBUILD: list = []
+_SESSION_DIRS: list[str] = []
 
 
 def pytest_sessionstart(session):
@@ -29,6 +30,12 @@ def pytest_sessionstart(session):
     prestart(2)
     if os.environ.get("DS_TEST_PREBUILD", "1") == "0":
         return
+    # Builds made once per session, by the background or by the test that needs one first
+    # (tests/fused_adam_wheel_build.py); seen by both through the environment.
+    import tempfile
+
+    _SESSION_DIRS.append(tempfile.mkdtemp(prefix="ds_test_session_"))
+    os.environ["DS_TEST_BACKGROUND_DIR"] = _SESSION_DIRS[-1]
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
     # This checkout's deepspeed_cpp, as the tests import it (not another one installed).
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
@@ -44,7 +51,29 @@ def pytest_sessionstart(session):
     )
 
 
+# The background's builds for a test, made only when the session runs that test (the prebuild
+# waits for this list after the CPU ops; tests/prebuild_ops.py).
+BACKGROUND_BUILDS = {
+    "fused_adam_wheel": "test_fused_adam_build.py::test_wheel_build_holds_each_architecture",
+    "moe_cuda": "test_moe_gating_cuda.py::test_cuda_kernel_builds_and_registers",
+}
+
+
+def pytest_collection_finish(session):
+    if not _SESSION_DIRS:
+        return
+    wanted = [
+        build
+        for build, test in BACKGROUND_BUILDS.items()
+        if any(test in item.nodeid for item in session.items)
+    ]
+    partial = Path(_SESSION_DIRS[-1]) / "wanted.partial"
+    partial.write_text("\n".join(wanted))
+    partial.rename(partial.with_name("wanted"))
+
+
 def pytest_sessionfinish(session, exitstatus):
+    import shutil
     import signal
 
     for process in _PREBUILD:
@@ -52,6 +81,11 @@ def pytest_sessionfinish(session, exitstatus):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     _PREBUILD.clear()
+    for folder in _SESSION_DIRS:  # this session's only (a nested pytest inherits the variable)
+        shutil.rmtree(folder, ignore_errors=True)
+        if os.environ.get("DS_TEST_BACKGROUND_DIR") == folder:
+            del os.environ["DS_TEST_BACKGROUND_DIR"]
+    _SESSION_DIRS.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO_ROOT
+from prebuild_ops import MOE_CUDA_ARCH_LIST
 
 _BUILD_SCRIPT = """
 import torch
@@ -37,7 +38,8 @@ print("CUDA GATING BUILT")
 
 def test_cuda_kernel_builds_and_registers():
     # One architecture keeps the nvcc build short; the kernel is architecture-independent code.
-    env = dict(os.environ, TORCH_CUDA_ARCH_LIST="8.0", PYTHONPATH=str(REPO_ROOT))
+    # (tests/prebuild_ops.py builds the same in the session's background: then this loads it.)
+    env = dict(os.environ, TORCH_CUDA_ARCH_LIST=MOE_CUDA_ARCH_LIST, PYTHONPATH=str(REPO_ROOT))
     ran = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT], env=env, capture_output=True,
                          text=True, timeout=900)  # fmt: skip
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]

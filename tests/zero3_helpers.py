@@ -7,6 +7,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from kernel_order_adamw import KernelOrderAdamW
 
 MICRO_BATCH = 4
 VOCAB, HIDDEN = 23, 37
@@ -118,9 +119,10 @@ def one_thread():
 
 def reference(seed, steps, gas, world, clip, dtype=torch.float32, *, flip_every=False,
               rare_at=None, eps=EPS, model=None, delayed_after=None):  # fmt: skip
-    """One process, the same global batch, torch.optim.AdamW over fp32 masters; gradients are
-    summed as ZeRO-2/3 sum them (over ranks per micro-step, then over micro-steps: the order
-    matters at 1e-6, see test_engine_zero._reference) and unused parameters get zero gradients.
+    """One process, the same global batch, AdamW over fp32 masters rounding as the kernels do
+    (tests/kernel_order_adamw.py); gradients are summed as ZeRO-2/3 sum them (over ranks per
+    micro-step, then over micro-steps: the order matters at 1e-6, see
+    test_engine_zero._reference) and unused parameters get zero gradients.
 
     ``delayed_after``: the delayed parameter update after that many ordinary steps: step t's
     update reaches the model only at step t+1, after step t+1's gradients were computed (and
@@ -129,7 +131,8 @@ def reference(seed, steps, gas, world, clip, dtype=torch.float32, *, flip_every=
         model = (model if model is not None else make_model(seed)).to(dtype)
         params = [p for p in model.parameters() if p.requires_grad]
         masters = [p.detach().float().clone().requires_grad_(True) for p in params]
-        optimizer = torch.optim.AdamW(
+        # AdamW rounding as the engine's kernels round (tests/kernel_order_adamw.py).
+        optimizer = KernelOrderAdamW(
             masters, lr=LR, betas=BETAS, eps=eps, weight_decay=WEIGHT_DECAY
         )
         micro = 0
