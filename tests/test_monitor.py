@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import time
 import zipfile
 from pathlib import Path
 
@@ -196,14 +197,27 @@ def _train_with_timers(root: str, stage: int):
     }
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
     engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    timer = engine.tput_timer
+    # DeepSpeed's throughput timer: untimed until start_step optimizer steps are done.
+    timed_from = timer.start_step * GAS
+    outer = 0.0  # seconds around the timed micro-steps, measured here
     try:
-        for _ in range(STEPS * GAS):
+        for micro in range(STEPS * GAS):
+            begin = time.time()
             engine.backward(engine(torch.randn(MICRO, 5)).pow(2).mean())
+            assert timer.started and (timer.start_time > 0) == (micro >= timed_from), micro
             engine.step()
+            if micro >= timed_from:
+                outer += time.time() - begin
+            assert not timer.started and timer.micro_step_count == micro + 1
+            assert timer.global_step_count == (micro + 1) // GAS
     finally:
         logging.getLogger("deepspeed_cpp").removeHandler(handler)
         engine.destroy()
-    return [line for line in lines if line.startswith("time (ms)")]
+    assert 0 < timer.total_elapsed_time <= outer  # its spans lie inside ours
+    speed = timer.batch_size * (STEPS - timer.start_step) / timer.total_elapsed_time
+    throughput = (timer.batch_size, timer.avg_samples_per_sec(), speed, timer.step_elapsed_time)
+    return [line for line in lines if line.startswith("time (ms)")], throughput
 
 
 # ZeRO-3's timers that every step of this model runs (backward_all_gather only where a unit
@@ -226,7 +240,12 @@ def _timer_values(line: str) -> dict[str, float]:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_wall_clock_breakdown_logs_deepspeed_timers(pool2, tmp_path, stage):
-    lines = pool2.run(_train_with_timers, str(tmp_path), stage)
+    results = pool2.run(_train_with_timers, str(tmp_path), stage)
+    lines = [lines for lines, _ in results]
+    for batch_size, average, speed, step_elapsed in (throughput for _, throughput in results):
+        assert batch_size == MICRO * GAS * 2  # engine.tput_timer: samples per optimizer step
+        assert average == pytest.approx(speed, rel=1e-12) and average > 0
+        assert step_elapsed == 0  # reset at every boundary
     assert lines[1] == []  # rank 0 logs
     micro = [line for line in lines[0] if "fwd_microstep" in line]
     global_ = [line for line in lines[0] if "| fwd:" in line]

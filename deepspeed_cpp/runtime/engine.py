@@ -12,6 +12,7 @@ from ..accelerator import get_accelerator
 from ..comm.logging_api import configure as configure_comms_logger
 from ..module_inject import tensor_parallel_info
 from ..utils.logging import logger
+from ..utils.throughput_timer import ThroughputTimer
 from ..utils.z3_leaf_modules import apply_zero_leaf_module_config
 from .call_order import CallOrder
 from .config import DeepSpeedConfig
@@ -137,6 +138,9 @@ class DeepSpeedEngine(
         # there, so that the gradients it left unreduced are reduced before a step.
         self._inside_no_sync = False
         self._reduction_owed = False
+        # DeepSpeed's engine.tput_timer, which scripts read for their samples/sec; its own log
+        # line is off (steps_per_output None): the report's progress line gives the speed.
+        self.tput_timer = ThroughputTimer(batch_size=self.train_batch_size())
 
         self.loss_scaler = None
         if self.fp16_enabled():
@@ -227,6 +231,7 @@ class DeepSpeedEngine(
             # fp16.auto_cast (DeepSpeed's): floating-point inputs, however nested, become fp16
             # to match the fp16 module; integer inputs (token ids, labels) are left as they are.
             inputs, kwargs = cast_floating_to_half((inputs, kwargs))
+        self.tput_timer.start()
         self._torch_backward.inside_engine_forward = True
         try:
             output = self.module(*inputs, **kwargs)
@@ -302,6 +307,7 @@ class DeepSpeedEngine(
             skipped = self._optimizer_step(lr_kwargs)
         self._report.end("step")
         self._report.after_step(self, boundary, profiled)
+        self.tput_timer.stop(global_step=boundary, report_speed=False)
         self.micro_steps += 1
         self._call_order.after_step()
         self._torch_backward.after_step()

@@ -11,6 +11,7 @@ import os
 import time
 
 from .logging import logger
+from .throughput_timer import ThroughputTimer  # noqa: F401 - DeepSpeed's name in this module
 
 # DeepSpeed's engine timer names: a micro timer covers one micro-step and is logged at every
 # step() call; a global timer sums the micro-steps since it was last logged (every

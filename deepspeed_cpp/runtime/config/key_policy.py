@@ -136,7 +136,11 @@ _NO_API = "it configures a DeepSpeed API that deepspeed_cpp does not provide yet
 
 POLICIES: tuple[KeyPolicy, ...] = (
     # --- logging, monitoring and profiling: no effect on training -----------------------------
-    _ignored("timers", "deepspeed_cpp's timers are set by wall_clock_breakdown"),
+    _ignored(
+        "timers",
+        "deepspeed_cpp's timers are set by wall_clock_breakdown; its throughput timer "
+        "(engine.tput_timer) is always on",
+    ),
     _ignored("dump_state", "deepspeed_cpp does not print its state after initialisation"),
     _ignored("vocabulary_size", "DeepSpeed only uses it for a tensor-core alignment warning"),
     _ignored("log_level", "deepspeed_cpp's log level is set on the 'deepspeed_cpp' logger"),
