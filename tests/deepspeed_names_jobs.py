@@ -79,13 +79,26 @@ def unwrap_for_generation(seed: int) -> dict:
         "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": zero,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
     }
     engine, _, _, _ = deepspeed.initialize(model=model, config=config)
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed + 1))
+    offload = engine.optimizer.parameter_offload  # DeepSpeed's (and trl's) way to the hooks
+    hooks_before = len(offload.forward_hooks)
+    with torch.no_grad():
+        engine(x)  # an evaluation forward: its pass is still open when the block starts
     with unwrap_model_for_generation(engine) as unwrapped:
+        hooks_inside = len(offload.forward_hooks) + len(offload.backward_hooks)
         whole = [p.detach().clone() for p in unwrapped.module.parameters()]
         outputs = [unwrapped(x).detach(), unwrapped(x).detach()]
     after = [p.ds_status.name for p in engine.module.parameters()]
+    hooks_after = len(offload.forward_hooks)
+    for _ in range(2):  # training goes on with the hooks back (same data on every rank)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        trained = [p.detach().clone() for p in engine.module.parameters()]
     clipping = engine.gradient_clipping()  # DeepSpeed's accessor; the config sets none
     return {"whole": whole, "reference": reference, "outputs": outputs, "after": after,
-            "clipping": clipping}  # fmt: skip
+            "clipping": clipping, "hooks": (hooks_before, hooks_inside, hooks_after),
+            "trained": trained}  # fmt: skip

@@ -52,7 +52,8 @@ def tag_job(save_dir: str, mode: str | None, seed: int):
     handler.emit = lambda record: heard.append(record.getMessage())
     logging.getLogger("deepspeed_cpp").addHandler(handler)
     try:
-        engine.save_checkpoint(save_dir, tag=f"tag-{rank}")
+        # Tags of different lengths: the mismatch path gathers them padded (tag_agreement.py).
+        engine.save_checkpoint(save_dir, tag="tag-0" if rank == 0 else "tag-1-longer")
     except CheckpointTagMismatchError as error:
         assert isinstance(error, AssertionError) and isinstance(error, ValueError)
         return {"raised": str(error), "files": sorted(os.listdir(save_dir))}
@@ -80,7 +81,7 @@ def test_tag_validation_modes_on_two_ranks(pool2, tmp_path):
         results = pool2.run(tag_job, str(save_dir), mode, seed)
         if mode == "FAIL":
             for result in results:
-                assert "['tag-0', 'tag-1']" in result["raised"], result
+                assert "['tag-0', 'tag-1-longer']" in result["raised"], result
                 assert result["files"] == [], result  # nothing staged or published
             continue
         for rank, result in enumerate(results):

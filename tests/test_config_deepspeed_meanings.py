@@ -217,3 +217,53 @@ def test_ignore_unused_parameters_false_asserts_where_deepspeed_does(pool2):
         assert outcome["used_steps"] == 2 and outcome["unused_moved"]
         assert outcome["quiet_True_True"] == (1, True)
         assert outcome["quiet_False_False"] == (1, True)
+
+
+def test_configure_train_batch_size_resolves_in_place_and_asserts_like_deepspeed():
+    """DeepSpeed's ``DeepSpeedConfig._configure_train_batch_size()`` after a script set the three
+    batch fields by hand (None: derive it): any two give the third, one of train/micro gives
+    accumulation 1, for the world size the config was finalised for; contradictions and
+    underivable values raise an AssertionError (DeepSpeed asserts) naming the values."""
+    from deepspeed_cpp.runtime.config.errors import BatchSizeError
+
+    world = int(torch.randint(2, 5, ()))
+    micro, accumulation = (int(v) for v in torch.randint(1, 9, (2,)))
+    train = micro * accumulation * world
+    config = DeepSpeedConfig.load({"train_batch_size": world}, world_size=world)
+    given_sets = [
+        (train, micro, accumulation),
+        (train, micro, None),
+        (train, None, accumulation),
+        (None, micro, accumulation),
+    ]
+    for given in given_sets:
+        config.train_batch_size, config.train_micro_batch_size_per_gpu = given[:2]
+        config.gradient_accumulation_steps = given[2]
+        config._configure_train_batch_size()
+        resolved = (
+            config.train_batch_size,
+            config.train_micro_batch_size_per_gpu,
+            config.gradient_accumulation_steps,
+        )
+        assert resolved == (train, micro, accumulation), given
+    for given, expected in (
+        ((None, micro, None), micro * world),
+        ((micro * world, None, None), micro * world),
+    ):
+        config.train_batch_size, config.train_micro_batch_size_per_gpu = given[:2]
+        config.gradient_accumulation_steps = given[2]
+        config._configure_train_batch_size()
+        assert (config.train_batch_size, config.gradient_accumulation_steps) == (expected, 1)
+    # DeepSpeed's failing rows (its TestBatchConfig): contradicting, underivable, gas alone.
+    bad = [
+        (train + 1, micro, accumulation),
+        (micro * world + 1, micro, None),
+        (None, None, accumulation),
+    ]
+    for given in bad:
+        config.train_batch_size, config.train_micro_batch_size_per_gpu = given[:2]
+        config.gradient_accumulation_steps = given[2]
+        with pytest.raises(AssertionError) as raised:
+            config._configure_train_batch_size()
+        assert isinstance(raised.value, BatchSizeError), given
+        assert "train_batch_size" in str(raised.value), given

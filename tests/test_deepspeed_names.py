@@ -497,6 +497,24 @@ def test_unwrap_model_for_generation_gathers_a_zero3_model(pool2):
         for output in result["outputs"]:
             torch.testing.assert_close(output, expected, rtol=1e-6, atol=1e-6)
         assert result["after"] == ["NOT_AVAILABLE"] * 4  # partitioned again after the block
+        # The gathering hooks are gone inside the block (DeepSpeed removes them) and back after.
+        before, inside, after = result["hooks"]
+        assert before > 0 and inside == 0 and after == before
+        # Two SGD steps after the block match torch's on the whole model (identical data on
+        # both ranks: the averaged gradient is the single-process one).
+        reference = torch.nn.Sequential(
+            torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+        )
+        with torch.no_grad():
+            for param, value in zip(reference.parameters(), result["reference"]):
+                param.copy_(value)
+        sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for _ in range(2):
+            sgd.zero_grad()
+            reference(x).pow(2).mean().backward()
+            sgd.step()
+        for trained, expected in zip(result["trained"], reference.parameters()):
+            torch.testing.assert_close(trained, expected.detach(), rtol=1e-5, atol=1e-6)
         assert result["clipping"] == 0.0  # deepspeed_cpp's default (DeepSpeed 0.19.8's is 1.0)
 
 

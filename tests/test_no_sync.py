@@ -6,7 +6,9 @@ prescribe (``runtime/no_sync.py``):
   rank's own accumulated gradient), then one outside: the step uses the mean over the ranks of
   all three micro-batches' gradients;
 - step 2: one backward inside ``no_sync()``, then ``step()`` straight after the block: the
-  engine reduces what the block left before stepping;
+  engine reduces what the block left before stepping (at ZeRO-0 rank 0 calls DeepSpeed's
+  ``engine.allreduce_gradients()`` first, twice: the mean over the ranks, reduced once; inside
+  the block it raises);
 - step 3: gradients written into ``.grad`` by hand (different on each rank), ``step()`` with no
   backward: they are reduced and stepped with, as DeepSpeed does; a second ``step()`` still
   raises StepWithoutBackwardError;
@@ -82,7 +84,18 @@ def _no_sync_job(stage: int, seed: int, batches, hand_grads):
         out["states"].append([p.detach().clone() for p in params])
         with engine.no_sync():
             engine.backward(_loss(engine, mine[3]))
-        engine.step()  # straight after the block: the engine reduces first
+            try:
+                engine.allreduce_gradients()
+            except RuntimeError as error:
+                out["errors"]["allreduce"] = str(error)
+        # At ZeRO-0 rank 0 calls it, rank 1 steps straight after the block (the engine reduces
+        # first): one reduction each, the same collective (at ZeRO-1 safe_get_full_grad is a
+        # collective of its own, so there both step straight after the block).
+        if stage == 0 and rank == 0:
+            engine.allreduce_gradients()  # DeepSpeed's public call: reduces now
+            engine.allreduce_gradients()  # nothing owed any more: no second averaging
+            out["reduced_grads"] = [safe_get_full_grad(p).clone() for p in params]
+        engine.step()
         out["states"].append([p.detach().clone() for p in params])
     for param, grad in zip(params, hand_grads[rank]):
         param.grad = grad.clone()
@@ -138,7 +151,8 @@ def test_no_sync_and_hand_set_gradients_match_reference(pool2, stage):
     if stage < 2:
         expected_local = [_grads(reference, rank[:2]) for rank in batches64]
         step_with([_grads(reference, rank[:3]) for rank in batches64])
-        step_with([_grads(reference, rank[3:4]) for rank in batches64])
+        second = [_grads(reference, rank[3:4]) for rank in batches64]
+        step_with(second)
     step_with([[g.double() for g in rank] for rank in hand_grads])
 
     for rank, out in enumerate(pool2.run(_no_sync_job, stage, seed, batches, hand_grads)):
@@ -161,6 +175,10 @@ def test_no_sync_and_hand_set_gradients_match_reference(pool2, stage):
         assert errors["step"][0] == "NoSyncError", errors
         assert "It is illegal to call Engine.step() inside no_sync" in errors["step"][1]
         assert "reentry is unsupported" in errors["nested"][1], errors
+        assert "inside engine.no_sync()" in errors["allreduce"], errors
+        if stage == 0 and rank == 0:  # allreduce_gradients() after the block: the ranks' mean
+            for g, *w in zip(out["reduced_grads"], *second):
+                torch.testing.assert_close(g.double(), sum(w) / 2, rtol=1e-5, atol=1e-7)
         if stage == 0:
             assert out["fp16"] == (1, 2.0**7, True), out["fp16"]
             assert out["returned"][0] == pytest.approx(out["returned"][1], rel=1e-6)

@@ -32,6 +32,26 @@ class EngineUnreducedGradients:
             if self.optimizer is not None:
                 self.optimizer.read_local_gradients(False)
 
+    def allreduce_gradients(self, bucket_size=None) -> None:
+        """DeepSpeed's public call: reduces (averages over the data-parallel ranks) the
+        gradients of the backward passes so far. A backward at an accumulation boundary already
+        reduced its gradients at every stage (DeepSpeed's backward calls this at its end), so
+        that leaves nothing to do; what ``no_sync()`` blocks left on each rank is reduced now,
+        at a boundary, instead of at ``step()``. Not inside a ``no_sync()`` block, whose point
+        is that nothing is reduced; ``bucket_size`` is accepted for DeepSpeed's signature (the
+        stage's reduce buckets are planned at initialize)."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "engine.allreduce_gradients needs an optimizer (in the config or initialize)"
+            )
+        if self._inside_no_sync:
+            raise RuntimeError(
+                "engine.allreduce_gradients() inside engine.no_sync(): the block exists to keep "
+                "the gradients unreduced; call it after the block"
+            )
+        if self._reduction_owed and self.is_gradient_accumulation_boundary():
+            self._reduce_local_gradients()
+
     def _reduce_local_gradients(self) -> None:
         """Reduces what the backward passes accumulated unreduced, as the backward of an
         accumulation boundary would (stages 0/1: every parameter not reduced is handed over)."""

@@ -33,6 +33,7 @@ from .auto_values import (
 )
 from .batch_size import resolve_batch_sizes
 from .errors import (
+    BatchSizeError,
     DeepSpeedConfigError,
     GradAccumDtypeNotImplementedError,
     describe_validation_error,
@@ -370,6 +371,25 @@ class DeepSpeedConfig(ConfigSection):
         final.gradient_accumulation_steps = sizes.gradient_accumulation_steps
         final._world_size = world_size
         return final
+
+    def _configure_train_batch_size(self) -> None:
+        """DeepSpeed's (its tests and scripts that edit a built config call it): the three
+        batch fields resolved again, in place, from those set (None: derived), for the world
+        size the config was finalised for. Values that contradict each other or leave one
+        underivable raise ``BatchSizeError`` (an AssertionError, as DeepSpeed's)."""
+        world_size = self._world_size or _data_parallel_world_size(None)
+        given = (
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+        )
+        try:
+            sizes = resolve_batch_sizes(*given, world_size)
+        except ValueError as error:
+            raise BatchSizeError([str(error)], self._source) from None
+        self.train_batch_size = sizes.train_batch_size
+        self.train_micro_batch_size_per_gpu = sizes.train_micro_batch_size_per_gpu
+        self.gradient_accumulation_steps = sizes.gradient_accumulation_steps
 
     # --- read-only views -----------------------------------------------------------------------
     @property

@@ -36,6 +36,12 @@ class DeepSpeedConfigError(ValueError):
         return type(self), (self.problems, self.source)
 
 
+class BatchSizeError(DeepSpeedConfigError, AssertionError):
+    """Batch sizes that contradict each other or leave one underivable, from
+    ``DeepSpeedConfig._configure_train_batch_size``: DeepSpeed asserts there, so scripts (and its
+    tests) catch AssertionError."""
+
+
 class GradAccumDtypeNotImplementedError(DeepSpeedConfigError, NotImplementedError):
     """A config DeepSpeed refuses with NotImplementedError too: a ``data_types.grad_accum_dtype``
     other than the model's dtype without ZeRO (``grad_accum_dtype.py``)."""

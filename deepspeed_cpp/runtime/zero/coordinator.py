@@ -171,7 +171,6 @@ class ParameterCoordinator:
 
     # --- hooks ------------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
-        self._hooks.append(self.module.register_forward_pre_hook(self._root_pre_forward))
         # Units each module needs: its own (first), then those it was seen to borrow.
         self._module_units: dict[int, list[int]] = {}
         self._checked_modules: dict[int, list[torch.nn.Module]] = {}
@@ -188,8 +187,6 @@ class ParameterCoordinator:
                 self._checked_modules[id(submodule)] = (
                     list(submodule.modules()) if id(submodule) in self._whole_units else [submodule]
                 )
-                self._hooks.append(submodule.register_forward_pre_hook(self._pre_forward))
-                self._hooks.append(submodule.register_forward_hook(self._post_forward))
             if any(pp.is_partitioned(p) for p in submodule._parameters.values() if p is not None):
                 submodule.__dict__["_parameters"] = _FetchOnAccess(
                     submodule._parameters, self._fetch_on_access
@@ -202,6 +199,50 @@ class ParameterCoordinator:
                     self._hooks.append(
                         param.register_post_accumulate_grad_hook(self._after_accumulate)
                     )
+        self.install_forward_hooks()
+
+    # DeepSpeed's names (its ``DeepSpeedZeRoOffload``, reached as ``optimizer.parameter_offload``;
+    # trl's generation helpers remove and restore the hooks through them). ``forward_hooks``: the
+    # handles of the gathering module hooks. ``backward_hooks`` stays empty: the gathers before a
+    # module's backward are hooks on its outputs, registered by its forward hook, so removing the
+    # forward hooks removes them too; the parameters' gradient hooks (the reduction) are never
+    # handed out, as removing them would make a backward silently skip the reduction.
+    forward_hooks: list
+    backward_hooks: list
+
+    def install_forward_hooks(self) -> None:
+        """(Re)installs the module hooks that gather and release the units; ones still
+        installed are removed first, so calling it twice leaves one set."""
+        self.remove_forward_hooks()
+        hooks = [self.module.register_forward_pre_hook(self._root_pre_forward)]
+        for submodule in self.module.modules():
+            if id(submodule) not in self._inside_leaf:
+                hooks.append(submodule.register_forward_pre_hook(self._pre_forward))
+                hooks.append(submodule.register_forward_hook(self._post_forward))
+        self._forward_handles = hooks
+        self.forward_hooks = list(hooks)
+        self.backward_hooks = []
+
+    def remove_forward_hooks(self) -> None:
+        """Removes the module hooks: the model then runs on whatever its parameters hold (the
+        caller gathers them, as ``unwrap_model_for_generation`` does). Ends an open pass first
+        (collective, as ``release_held``)."""
+        if getattr(self, "_forward_handles", None) and self._pass_open:
+            self.release_held()
+        for handle in getattr(self, "_forward_handles", ()):
+            handle.remove()
+        self._forward_handles = []
+        self.forward_hooks = []
+        self.backward_hooks = []
+
+    def _register_deepspeed_module(self, module: torch.nn.Module) -> None:
+        """DeepSpeed's name for re-adding the hooks (trl calls it after generation)."""
+        if module is not self.module:
+            raise ValueError(
+                "_register_deepspeed_module: the module must be the engine's own module "
+                f"({type(self.module).__name__}), got {type(module).__name__}"
+            )
+        self.install_forward_hooks()
 
     def params_with_grad_hooks(self) -> set[int]:
         """``id(param)`` of every parameter whose gradient this coordinator hears of."""
@@ -410,6 +451,7 @@ class ParameterCoordinator:
         parameter instead of failing on an empty tensor."""
         if self._pass_open:
             self.end_pass()
+        self.remove_forward_hooks()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

@@ -82,6 +82,12 @@ class ZeroStage3:
             object.__setattr__(self, name, value)
 
     @property
+    def parameter_offload(self) -> ParameterCoordinator:
+        """DeepSpeed's name for the part holding the ZeRO-3 hooks (``forward_hooks``,
+        ``_register_deepspeed_module``): the coordinator."""
+        return self.coordinator
+
+    @property
     def trains(self) -> bool:
         return self.partitioned is not None
 
