@@ -172,7 +172,7 @@ class TrainingReport:
 
     def _log_progress(self, engine) -> None:
         """Rank 0's progress line every ``steps_per_print`` steps (DeepSpeed's cadence)."""
-        every = engine.config.steps_per_print
+        every = self.steps_per_print
         if not every or engine.global_steps % every != 0 or engine.global_rank != 0:
             return
         now = time.perf_counter()

@@ -69,7 +69,7 @@ FIELDS: dict[str, FieldUse] = {
     "train_batch_size": _read(_ENGINE),
     "train_micro_batch_size_per_gpu": _read(_ENGINE),
     "gradient_accumulation_steps": _read(_ENGINE),
-    "steps_per_print": _read(_ENGINE),
+    "steps_per_print": _read(_REPORT),
     "wall_clock_breakdown": _read(_REPORT),
     "memory_breakdown": _read(_REPORT),
     **{f"{section}.enabled": _read("monitor/monitor.py") for section in _MONITORS},
