@@ -11,7 +11,6 @@ raises the same ``RankDisagreementError`` naming the differing keys and each ran
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .collective_errors import named_collective
+from .text_agreement import same_on_every_rank
 
 FAILED = "set-up failed"  # the key of a rank that could not describe itself (see below)
 _REACHED = "reached"  # the first entry: where the rank is; two agreements must not pair up
@@ -56,25 +56,14 @@ def agree_on_entries(
     # Every agreement is the same all-gather: a rank at another agreement point (zero.Init on
     # one rank, initialize() on the other) pairs with it, and must be told apart.
     entries = [(_REACHED, what), *entries]
-    encoded = json.dumps(entries).encode()
-    digest = torch.frombuffer(bytearray(hashlib.sha256(encoded).digest()), dtype=torch.uint8)
-    if not _takes_host_tensors(group) and device is not None:
-        digest = digest.to(device)
-    digests = [torch.empty_like(digest) for _ in range(world_size)]
-    with named_collective(f"all_gather of the set-up digests {what} (rank agreement)"):
-        dist.all_gather(digests, digest, group=group)
-    if all(torch.equal(other, digests[0]) for other in digests[1:]):
+    digests = f"all_gather of the set-up digests {what} (rank agreement)"
+    if same_on_every_rank(json.dumps(entries).encode(), digests, group, device):
         return
     descriptions: list = [None] * world_size
     texts = [entries[0], *readable(entries[1:])] if readable is not None else entries
     with named_collective(f"all_gather of the set-up descriptions {what} (rank agreement)"):
         dist.all_gather_object(descriptions, texts, group=group)
     raise RankDisagreementError(describe_disagreement(descriptions, what, advice))
-
-
-def _takes_host_tensors(group) -> bool:
-    backend = dist.get_backend(group)
-    return backend in ("gloo", "mpi") or "cpu:" in backend
 
 
 def describe_disagreement(descriptions: list[list], what: str, advice: str) -> str:

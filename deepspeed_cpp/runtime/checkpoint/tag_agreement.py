@@ -14,12 +14,7 @@ message and rank 0's tag.
 
 from __future__ import annotations
 
-import hashlib
-
-import torch
-import torch.distributed as dist
-
-from ...comm.collective_errors import named_collective
+from ...comm.text_agreement import all_gather_text, same_on_every_rank
 from ...utils.logging import logger
 
 MODES = ("IGNORE", "WARN", "FAIL")
@@ -36,15 +31,10 @@ def agree_on_tag(tag: str, mode: str = "WARN") -> str:
     ``mode`` "FAIL"."""
     if mode not in MODES:
         raise ValueError(f"checkpoint.tag_validation = {mode!r}: expected one of {list(MODES)}")
-    device = _collective_device()
-    digest = hashlib.sha256(tag.encode("utf-8")).digest()
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.int64).to(device)
-    digests = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    with named_collective("all_gather of the tag's digest at the start of save_checkpoint"):
-        dist.all_gather(digests, mine)
-    if all(torch.equal(d, digests[0]) for d in digests):
+    digests = "all_gather of the tag's digest at the start of save_checkpoint"
+    if same_on_every_rank(tag.encode("utf-8"), digests):
         return tag
-    tags = _gather_texts(tag, device)
+    tags = all_gather_text(tag, "of the tags in save_checkpoint")
     differ = f"save_checkpoint: the ranks gave different tags {tags}"
     if mode == "FAIL":
         raise CheckpointTagMismatchError(
@@ -61,34 +51,3 @@ def agree_on_tag(tag: str, mode: str = "WARN") -> str:
         mode,
     )
     return tags[0]
-
-
-def _collective_device() -> torch.device:
-    """Where the world group's tensors must live: the host for gloo, else the accelerator."""
-    if "gloo" in str(dist.get_backend()):
-        return torch.device("cpu")
-    from ...accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
-
-
-def _gather_texts(text: str, device: torch.device) -> list[str]:
-    """Every rank's ``text``, as UTF-8 bytes padded to the longest (two tensor all-gathers)."""
-    data = text.encode("utf-8")
-    world = dist.get_world_size()
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(world)]
-    with named_collective("all_gather of the tags' lengths in save_checkpoint"):
-        dist.all_gather(lengths, length)
-    longest = max(int(n) for n in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    if data:
-        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    padded = padded.to(device)
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    with named_collective("all_gather of the tags in save_checkpoint"):
-        dist.all_gather(gathered, padded)
-    return [
-        bytes(g[: int(n)].cpu().tolist()).decode("utf-8", errors="replace")
-        for g, n in zip(gathered, lengths)
-    ]
