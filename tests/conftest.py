@@ -31,7 +31,7 @@ def pytest_sessionstart(session):
     if os.environ.get("DS_TEST_PREBUILD", "1") == "0":
         return
     # Builds made once per session, by the background or by the test that needs one first
-    # (tests/fused_adam_wheel_build.py); seen by both through the environment.
+    # (tests/session_builds.py); seen by both through the environment.
     import tempfile
 
     _SESSION_DIRS.append(tempfile.mkdtemp(prefix="ds_test_session_"))
@@ -54,8 +54,13 @@ def pytest_sessionstart(session):
 # The background's builds for a test, made only when the session runs that test (the prebuild
 # waits for this list after the CPU ops; tests/prebuild_ops.py).
 BACKGROUND_BUILDS = {
-    "fused_adam_wheel": "test_fused_adam_build.py::test_wheel_build_holds_each_architecture",
-    "moe_cuda": "test_moe_gating_cuda.py::test_cuda_kernel_builds_and_registers",
+    "fused_adam_wheel": ("test_fused_adam_build.py::test_wheel_build_holds_each_architecture",),
+    "moe_cuda": ("test_moe_gating_cuda.py::test_cuda_kernel_builds_and_registers",),
+    "stable_abi_wheel": ("test_op_loading.py::", "test_stable_abi_wheel.py::"),
+    "other_torch_venv": (
+        "test_stable_abi_wheel.py::test_wheel_loads_prebuilt_under_torch_2_13_without_a_compiler",
+        "test_stable_abi_wheel.py::test_cpu_adam_and_a_zero2_step_pass_under_torch_2_13",
+    ),
 }
 
 
@@ -64,8 +69,8 @@ def pytest_collection_finish(session):
         return
     wanted = [
         build
-        for build, test in BACKGROUND_BUILDS.items()
-        if any(test in item.nodeid for item in session.items)
+        for build, tests in BACKGROUND_BUILDS.items()
+        if any(test in item.nodeid for test in tests for item in session.items)
     ]
     partial = Path(_SESSION_DIRS[-1]) / "wanted.partial"
     partial.write_text("\n".join(wanted))
@@ -145,53 +150,14 @@ def _close_shared_pools():
     close_shared_pools()
 
 
-def copy_tracked_tree(destination: Path) -> Path:
-    """Copies the tracked (and untracked, not ignored) files to `destination`: a clean source
-    tree with no build/, no compiled library and no venv, as a fresh clone would have."""
-    import subprocess
-
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                           cwd=REPO_ROOT, capture_output=True, text=True, check=True)  # fmt: skip
-    for name in files.stdout.splitlines():
-        if (REPO_ROOT / name).is_file():
-            (destination / name).parent.mkdir(parents=True, exist_ok=True)
-            (destination / name).write_bytes((REPO_ROOT / name).read_bytes())
-    return destination
-
-
-# The shared pre-built wheel: cpu_adam and the schema library, both on PyTorch's stable C ABI, so
-# the wheel is abi3 and serves every torch from 2.13 on. test_op_loading.py installs it next to
-# this torch; test_stable_abi_wheel.py into a venv with torch 2.13.0.
-PREBUILT_FLAGS = {"DS_BUILD_CPU_ADAM": "1"}
-PREBUILT_LIBRARIES = ["cpu_adam", "registry"]
-
-
 @pytest.fixture(scope="session")
 def prebuilt_cpu_adam_wheel(tmp_path_factory):
-    """One wheel with cpu_adam pre-built, built with `setup.py build_ext -j2 bdist_wheel` from a
-    clean copy: setuptools' -jN used to build extensions concurrently into one build folder, where
-    torch's build.ninja files overwrite each other (ld: cannot find .../cpu_isa.o)."""
-    import subprocess
-    import zipfile
+    """The shared pre-built wheel (tests/session_builds.py: cpu_adam and the schema library on
+    PyTorch's stable C ABI, so abi3 and serving every torch from 2.13 on), built in the session's
+    background or now. test_op_loading.py installs it next to this torch; test_stable_abi_wheel.py
+    into a venv with torch 2.13.0."""
+    from session_builds import stable_abi_wheel
 
-    root = tmp_path_factory.mktemp("prebuilt")
-    source = copy_tracked_tree(root / "source")
-    env = dict(os.environ, **PREBUILT_FLAGS)
-    built = subprocess.run(
-        [sys.executable, "setup.py", "build_ext", "-j2", "bdist_wheel", "-d", str(root / "dist")],
-        env=env,
-        cwd=source,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    (wheel,) = (root / "dist").glob("deepspeed_cpp-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    libraries = sorted(
-        n.split("/")[-1].split(".")[0]
-        for n in names
-        if n.startswith("deepspeed_cpp/_ops/") and n.endswith(".so")
-    )
-    assert libraries == PREBUILT_LIBRARIES, names
-    return wheel
+    built = stable_abi_wheel(tmp_path_factory.mktemp("prebuilt"))
+    assert "error" not in built, built.get("error")
+    return Path(built["wheel"])

@@ -1,43 +1,28 @@
 """The suite's one nvcc wheel build (DS_BUILD_FUSED_ADAM=1, test_fused_adam_build.py), done once
-per session, by whichever asks first: tests/prebuild_ops.py in the session's background after the
-CPU ops, or the test itself. Both build from a clean copy of the checkout (never in the source
-tree, where test_op_loading.py's own pip builds run) into the session folder conftest.py names
-in DS_TEST_BACKGROUND_DIR, holding a lock while they build; the second finds the result there.
+per session (tests/session_builds.py), by whichever asks first: tests/prebuild_ops.py in the
+session's background after the CPU ops, or the test itself. Built from a clean copy of the
+checkout (never in the source tree, where test_op_loading.py's own pip builds run).
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from session_builds import built_once, copy_tracked_tree
+
 ARCH_LIST = "8.0;9.0+PTX"
-SESSION_DIR = "DS_TEST_BACKGROUND_DIR"
 
 
 def built_wheel(fallback_dir: Path) -> dict:
     """{"returncode", "stdout", "stderr", "wheels"}: the session's build, made now if nobody
     made it yet (in ``fallback_dir`` when there is no session folder)."""
-    session = os.environ.get(SESSION_DIR)
-    root = Path(session) / "fused_adam_wheel" if session else fallback_dir
-    root.mkdir(parents=True, exist_ok=True)
-    result_file = root / "result.json"
-    with open(root / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # waits while the other one builds
-        if not result_file.is_file():
-            result = _build(root)
-            partial = root / "result.json.partial"
-            partial.write_text(json.dumps(result))
-            partial.rename(result_file)
-    return json.loads(result_file.read_text())
+    return built_once("fused_adam_wheel", _build, fallback_dir)
 
 
 def _build(root: Path) -> dict:
-    from conftest import copy_tracked_tree
-
     source = copy_tracked_tree(root / "source")
     wheels = root / "wheels"
     env = dict(os.environ, DS_BUILD_FUSED_ADAM="1", TORCH_CUDA_ARCH_LIST=ARCH_LIST)

@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from fused_adam_wheel_build import SESSION_DIR, built_wheel
+from fused_adam_wheel_build import built_wheel
+from session_builds import SESSION_DIR, other_torch_venv, stable_abi_wheel
 
 from deepspeed_cpp.ops.op_builder import (
     AsyncIOBuilder,
@@ -81,8 +82,20 @@ def main() -> int:
     if "fused_adam_wheel" in wanted:
         built_wheel(Path(session))
     if "moe_cuda" in wanted:
+        before = os.environ.get("TORCH_CUDA_ARCH_LIST")
         os.environ["TORCH_CUDA_ARCH_LIST"] = MOE_CUDA_ARCH_LIST
         _load(MoECudaBuilder(), failed)
+        # The wheels below are built with the session's own environment, as their tests would.
+        if before is None:
+            del os.environ["TORCH_CUDA_ARCH_LIST"]
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = before
+    # The stable-ABI wheel (test_op_loading.py) and, with it installed, the venv with torch 2.13.0
+    # and the zero op compiled for it (test_stable_abi_wheel.py): tests/session_builds.py.
+    if "stable_abi_wheel" in wanted:
+        stable_abi_wheel(Path(session) / "stable_abi_wheel")
+    if "other_torch_venv" in wanted:
+        other_torch_venv(Path(session) / "other_torch_venv")
     for line in failed:
         print(f"prebuild_ops: {line}", file=sys.stderr)
     return 0

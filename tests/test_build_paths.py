@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import copy_tracked_tree
+from session_builds import copy_tracked_tree
 
 # Files every install must carry: the schemas, a shared CPU-optimizer source, a family header.
 REQUIRED_SOURCES = [

@@ -9,23 +9,20 @@ pip's configured indexes; when neither has it the test fails saying so, it never
 
 torch 2.13.0 does not depend on this checkout: it is unpacked once per machine (about 10 s) into
 ~/.cache/deepspeed_cpp/other-torch and reused; the venv, the wheel, its install and the zero op's
-JIT build for 2.13.0 are new on every run.
+JIT build for 2.13.0 are new on every run, made in the session's background
+(tests/session_builds.py) while other tests run.
 """
 
-import os
 import re
-import shutil
-import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
+import session_builds
 from conftest import REPO_ROOT
-
-OTHER_TORCH = "2.13.0+cpu"
-WHEEL_CACHE = Path(os.environ.get("DS_OTHER_TORCH_WHEELS", REPO_ROOT / ".cache" / "other-torch"))
+from session_builds import OTHER_TORCH, tool_path
+from session_builds import run as _run
 
 # Run in the other venv with no compiler: everything must come from the wheel, and only there.
 PREBUILT_CHECK = """
@@ -59,96 +56,24 @@ SMOKE_TESTS = [
 ]
 
 
-def _env(**overrides) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DS_BUILD_")}
-    env.pop("PYTHONPATH", None)  # the source tree must not shadow the installed wheel
-    env.update(overrides)
-    return env
-
-
-def _run(args, cwd, timeout=900, **env):
-    return subprocess.run(
-        [str(a) for a in args],
-        cwd=cwd,
-        env=_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def _other_torch_site() -> Path:
-    """torch 2.13.0 unpacked into a folder of its own, once per machine: installed into a
-    temporary sibling first and renamed into place complete, so a run that stops half-way or a
-    second run at the same time never sees a partial torch."""
-    python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    root = Path.home() / ".cache" / "deepspeed_cpp" / "other-torch"
-    site = root / f"torch-{OTHER_TORCH}-{python}"
-    if (site / "torch" / "version.py").is_file():
-        return site
-    root.mkdir(parents=True, exist_ok=True)
-    partial = root / f".partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    find_links = ["--find-links", WHEEL_CACHE] if WHEEL_CACHE.is_dir() else []
-    torch_install = _run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:",
-         *find_links, "--target", partial, f"torch=={OTHER_TORCH}"],
-        cwd=root,
-    )  # fmt: skip
-    if torch_install.returncode != 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        pytest.fail(
-            f"torch {OTHER_TORCH} could not be installed into {partial}, so the stable-ABI wheel "
-            f"cannot be tried under another torch. Run scripts/setup_env.sh (it downloads the "
-            f"wheel into {WHEEL_CACHE}) or set DS_OTHER_TORCH_WHEELS to a folder holding "
-            f"torch-{OTHER_TORCH}-*.whl. pip said:\n{torch_install.stderr[-2000:]}"
-        )
-    try:
-        partial.rename(site)
-    except OSError:  # another run put its complete copy there first
-        shutil.rmtree(partial, ignore_errors=True)
-    return site
-
-
 @pytest.fixture(scope="module")
-def other_torch_venv(prebuilt_cpu_adam_wheel, tmp_path_factory):
-    """A venv whose own site-packages holds the wheel, then (through .pth lines, in name order)
-    torch 2.13.0 and after it the rest (numpy, pydantic, pytest, torch's pure-Python
-    dependencies) seen from this environment: nothing else is downloaded or shadows torch."""
-    root = tmp_path_factory.mktemp("other_torch")
-    venv = root / "venv"
-    made = _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=root)
-    assert made.returncode == 0, made.stderr
-    python = venv / "bin" / "python"
-    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    theirs = Path(_run([python, "-c", purelib], cwd=root).stdout.strip())
-    (theirs / "a_other_torch.pth").write_text(f"{_other_torch_site()}\n")
-    ours = _run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", theirs,
-         prebuilt_cpu_adam_wheel],
-        cwd=root,
-    )  # fmt: skip
-    assert ours.returncode == 0, ours.stderr
-    # Read after a_other_torch.pth: this environment's torch 2.14 comes after 2.13.0 on sys.path.
-    (theirs / "our_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return python, theirs
-
-
-def _tool_path(python: Path) -> str:
-    # ninja (torch's JIT builds) lives beside this interpreter.
-    return os.pathsep.join(
-        [str(python.parent), str(Path(sys.executable).parent), os.environ["PATH"]]
-    )
+def other_torch_venv(tmp_path_factory):
+    """(python, site-packages, JIT cache) of the venv with torch 2.13.0 and the wheel installed
+    (tests/session_builds.py: built in the session's background or now)."""
+    built = session_builds.other_torch_venv(tmp_path_factory.mktemp("other_torch"))
+    if "error" in built:
+        pytest.fail(built["error"])
+    return Path(built["python"]), Path(built["site"]), Path(built["jit"])
 
 
 def test_wheel_loads_prebuilt_under_torch_2_13_without_a_compiler(other_torch_venv, tmp_path):
-    python, theirs = other_torch_venv
+    python, theirs, _jit = other_torch_venv
     ran = _run(
         [python, "-c", PREBUILT_CHECK, theirs, OTHER_TORCH],
         cwd=tmp_path,
         CXX=str(tmp_path / "no-such-compiler"),
         DS_CPP_EXTENSIONS_DIR=str(tmp_path / "empty-cache"),
-        PATH=_tool_path(python),
+        PATH=tool_path(python),
     )
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     assert f"PREBUILT OK {OTHER_TORCH}" in ran.stdout
@@ -157,14 +82,15 @@ def test_wheel_loads_prebuilt_under_torch_2_13_without_a_compiler(other_torch_ve
 
 
 def test_cpu_adam_and_a_zero2_step_pass_under_torch_2_13(other_torch_venv, tmp_path):
-    python, _ = other_torch_venv
+    python, _site, jit = other_torch_venv
     tests = [REPO_ROOT / "tests" / name for name in SMOKE_TESTS]
     ran = _run(
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
         cwd=tmp_path,
-        DS_CPP_EXTENSIONS_DIR=str(tmp_path / "jit"),  # the zero op, compiled for 2.13.0
+        # The zero op, compiled for 2.13.0 there while the venv was made (or now, if that failed).
+        DS_CPP_EXTENSIONS_DIR=str(jit),
         DS_TEST_PREBUILD="0",  # conftest's background builds would compile the source tree's ops
-        PATH=_tool_path(python),
+        PATH=tool_path(python),
     )
     assert ran.returncode == 0, ran.stdout[-5000:] + ran.stderr[-3000:]
     assert " failed" not in ran.stdout and " skipped" not in ran.stdout, ran.stdout[-3000:]
