@@ -124,6 +124,12 @@ def _train(case: dict, batches) -> dict:
         "ours": _params(ours),
         "steps": [e.global_steps for e in ours],
         "scales": [e.loss_scaler.loss_scale for e in ours if e.loss_scaler is not None],
+        # Parameter hooks (the division by the accumulation steps) on the engines that only
+        # ever ran engine.backward: none, whatever the accumulation steps.
+        "hooked_by_engine_backward": [
+            e._torch_backward._param_hooks is not None for e in reference
+        ],
+        "hooked_by_torch_backward": [e._torch_backward._param_hooks is not None for e in ours],
     }
     for engine in reference + ours:
         engine.destroy()
@@ -209,6 +215,11 @@ def test_torch_style_backward_equals_engine_backward(pool2):
                     case,
                     (ref - got).abs().max(),
                 )
+            # The per-parameter division hooks: only where a torch-style backward through the
+            # engine divides (accumulation steps > 1), never for engine.backward alone.
+            divides = case["style"] != "module" and case["gas"] > 1
+            assert result["hooked_by_torch_backward"] == [divides] * case["engines"], case
+            assert not any(result["hooked_by_engine_backward"]), case
             moved = _model(seed).net[0].weight.detach()
             assert not torch.equal(result["ours"][0], moved), case  # it trained
         assert "Direct calls to tensor.backward() are not supported" in refusals["stage0"]

@@ -79,8 +79,8 @@ class TorchBackward:
         self.epilogue_ran = False
         self._hook = module.register_forward_hook(self._watch_output) if watch else None
         # Division by the accumulation steps, at the parameters (see _divide_at_parameters):
-        # the graph task it applies to, and the hooks (installed at the first forward through
-        # the engine with more than one accumulation step).
+        # the graph task it applies to, and the hooks (installed at the first torch-style
+        # backward through the engine with more than one accumulation step).
         self._dividing_task: int | None = None
         self._param_hooks: list | None = None
 
@@ -97,9 +97,6 @@ class TorchBackward:
         if not tensors:
             return
         through_engine = self.inside_engine_forward
-        if through_engine and self._param_hooks is None:
-            if self._engine.gradient_accumulation_steps() > 1:
-                self._divide_at_parameters()
         for tensor in tensors:
             tensor.register_hook(self._make_hook(through_engine))
 
@@ -139,6 +136,11 @@ class TorchBackward:
         engine._begin_stage_backward()
         self._open_task = task
         divides = through_engine and engine.gradient_accumulation_steps() > 1
+        if divides and self._param_hooks is None:
+            # Installed at the first torch-style backward that divides, before any parameter's
+            # gradient is computed (this runs at the first output gradient): a script that only
+            # calls engine.backward never pays a Python hook per parameter per backward.
+            self._divide_at_parameters()
         self._dividing_task = task if divides else None
         torch.autograd.Variable._execution_engine.queue_callback(self._epilogue)
 
