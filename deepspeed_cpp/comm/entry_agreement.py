@@ -17,8 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .collective_errors import named_collective
-from .text_agreement import same_on_every_rank
+from .text_agreement import all_gather_text, same_on_every_rank
 
 FAILED = "set-up failed"  # the key of a rank that could not describe itself (see below)
 _REACHED = "reached"  # the first entry: where the rank is; two agreements must not pair up
@@ -50,8 +49,7 @@ def agree_on_entries(
 
     A rank that failed before it could describe itself passes ``[(FAILED, its error)]``: the
     others then name it and its error instead of waiting for it in a later collective."""
-    world_size = dist.get_world_size(group)
-    if world_size == 1:
+    if dist.get_world_size(group) == 1:
         return
     # Every agreement is the same all-gather: a rank at another agreement point (zero.Init on
     # one rank, initialize() on the other) pairs with it, and must be told apart.
@@ -59,11 +57,19 @@ def agree_on_entries(
     digests = f"all_gather of the set-up digests {what} (rank agreement)"
     if same_on_every_rank(json.dumps(entries).encode(), digests, group, device):
         return
-    descriptions: list = [None] * world_size
     texts = [entries[0], *readable(entries[1:])] if readable is not None else entries
-    with named_collective(f"all_gather of the set-up descriptions {what} (rank agreement)"):
-        dist.all_gather_object(descriptions, texts, group=group)
+    gathered = all_gather_text(
+        json.dumps(texts), f"of the set-up descriptions {what} (rank agreement)", group, device
+    )
+    descriptions = [_as_tuples(json.loads(text)) for text in gathered]
     raise RankDisagreementError(describe_disagreement(descriptions, what, advice))
+
+
+def _as_tuples(value):
+    """JSON's arrays back as tuples, as the entries were (values are compared and used as keys)."""
+    if isinstance(value, list):
+        return tuple(_as_tuples(item) for item in value)
+    return value
 
 
 def describe_disagreement(descriptions: list[list], what: str, advice: str) -> str:

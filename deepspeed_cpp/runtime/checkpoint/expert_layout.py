@@ -20,11 +20,10 @@ through its plain-data ``layout_parts()`` (``runtime/zero/stage.py``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
-import torch.distributed as dist
-
-from ...comm.collective_errors import named_collective
+from ...comm.text_agreement import all_gather_text
 from ...moe.expert_names import expert_layers, global_name
 from .layout import optimizer_shard_file
 from .metadata import ZeroLayout, names_by_parameter
@@ -84,11 +83,13 @@ def checkpoint_layout(parts, names_of, group, world_size: int) -> tuple[ZeroLayo
         # Every rank holds the same parts: this rank's layout is the whole checkpoint's.
         layout = _concatenated([layout for _, _, layout in mine])[0]
         return layout, list(range(len(layout.buckets)))
-    gathered: list = [None] * dist.get_world_size(group)
-    with named_collective("all_gather of the expert-parallel layouts in save_checkpoint"):
-        dist.all_gather_object(
-            gathered, [(key, first, layout.to_json()) for key, first, layout in mine], group=group
-        )
+    # JSON text over tensor collectives: nothing another rank sent is unpickled.
+    texts = all_gather_text(
+        json.dumps([[key, first, layout.to_json()] for key, first, layout in mine]),
+        "of the expert-parallel layouts in save_checkpoint",
+        group,
+    )
+    gathered = [json.loads(text) for text in texts]
     unique = {(key, first): data for parts in gathered for key, first, data in parts}
     order = sorted(unique)
     full, starts = _concatenated([ZeroLayout.from_json(unique[k]) for k in order])

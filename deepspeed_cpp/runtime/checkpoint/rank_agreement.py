@@ -7,12 +7,11 @@ all-gathered, and if any rank failed, every rank raises, naming the ranks and th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch.distributed as dist
-
-from ...comm.collective_errors import named_collective
+from ...comm.text_agreement import all_gather_text
 
 T = TypeVar("T")
 
@@ -28,7 +27,8 @@ def agree_on(
     """Runs ``action()`` here and returns every rank's result, in rank order.
 
     If some rank raised, every rank raises ``error_type`` naming the failed ranks (a rank that
-    failed itself re-raises its own exception unchanged when ``keep_local_error``).
+    failed itself re-raises its own exception unchanged when ``keep_local_error``). Results travel
+    as JSON: a tuple comes back as a list.
     """
     local_error: Exception | None = None
     result = None
@@ -36,14 +36,20 @@ def agree_on(
         result = action()
     except Exception as error:  # noqa: BLE001 - reported to every rank below
         local_error = error
-    outcome = (
-        local_error is None,
-        result,
-        None if local_error is None else f"{type(local_error).__name__}: {local_error}",
-    )
-    outcomes = [None] * dist.get_world_size(group)
-    with named_collective(f"all_gather of every rank's outcome in {what}"):
-        dist.all_gather_object(outcomes, outcome, group=group)
+    try:
+        outcome = json.dumps(
+            [
+                local_error is None,
+                result,
+                None if local_error is None else f"{type(local_error).__name__}: {local_error}",
+            ]
+        )
+    except (TypeError, ValueError) as error:  # a result JSON cannot hold: this rank's failure
+        local_error = error
+        outcome = json.dumps([False, None, f"{type(error).__name__}: {error}"])
+    # JSON text over tensor collectives: nothing another rank sent is unpickled.
+    gathered = all_gather_text(outcome, f"of every rank's outcome in {what}", group)
+    outcomes = [json.loads(text) for text in gathered]
     failures = [(rank, text) for rank, (ok, _, text) in enumerate(outcomes) if not ok]
     if failures:
         if local_error is not None and keep_local_error:
