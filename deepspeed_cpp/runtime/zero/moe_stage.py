@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
+from ...comm.state_broadcast import broadcast_tensor_dict
 from ...moe.expert_names import expert_layers, gather_experts_to_rank0, to_local
 from ...utils import groups
 from .offload.optimizer_offload import OptimizerOffload
@@ -315,10 +316,9 @@ class ExpertParallelZeroStage:
         gathered = gather_experts_to_rank0(module, module.state_dict())
         if rank0_only:
             return gathered
-        holder = [gathered]
-        with named_collective("broadcast of the gathered module state (expert parallel)"):
-            dist.broadcast_object_list(holder, src=0, group=self.group)
-        return holder[0]
+        return broadcast_tensor_dict(
+            gathered, 0, self.group, "of the gathered module state (expert parallel)"
+        )
 
     def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
         """Loads a whole-model state dict with global expert names: this rank's experts are
