@@ -35,10 +35,14 @@ def compare_with_reference(moe, hidden, seed):
     ((out * upstream).sum() + 0.3 * l_aux).backward()
     ((ref_out * upstream).sum() + 0.3 * ref_l_aux).backward()
     torch.testing.assert_close(x_ours.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    # A weight's gradient sums every token's contribution, in another order here (dispatched
+    # tokens) than in the dense einsums: float32 rounding of terms up to ~10 that cancel to
+    # ~1e-2 (the gate's). Measured over 420 fresh runs of the cases below: at most 1.2e-6 (gate)
+    # and 1.9e-6 (experts); DS_TEST_SEED=3301168413 gave 1.05e-6 on the gate at atol 1e-6.
     for (name, mine), theirs in zip(moe.named_parameters(), reference.parameters()):
         assert (mine.grad is None) == (theirs.grad is None), name
         if mine.grad is not None:
-            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-6, atol=1e-6, msg=name)
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-6, atol=4e-6, msg=name)
     return out, exp_counts
 
 
