@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .collective_errors import named_collective
-from .text_agreement import all_gather_text, takes_host_tensors
+from .text_agreement import all_gather_text, collective_device, placed
 
 
 def broadcast_tensor_dict(state: dict | None, src: int, group, what: str) -> dict:
@@ -46,34 +46,20 @@ def broadcast_tensor_dict(state: dict | None, src: int, group, what: str) -> dic
     if "error" in sent:
         raise TypeError(sent["error"])
     if is_src:
-        placed = [_placed(tensor, group) for tensor in tensors]
+        sending = [placed(tensor, group) for tensor in tensors]
     else:
-        device = _receiving_device(group)
-        placed = [
+        device = collective_device(group)
+        sending = [
             torch.empty(entry[1], dtype=getattr(torch, entry[2]), device=device)
             for entry in sent["entries"]
             if len(entry) == 3
         ]
-    with named_collective(f"broadcast of {len(placed)} tensors {what}"):
-        for tensor in placed:
+    with named_collective(f"broadcast of {len(sending)} tensors {what}"):
+        for tensor in sending:
             dist.broadcast(tensor, src=src, group=group)
     if is_src:
         return state
-    result, received = {}, iter(placed)
+    result, received = {}, iter(sending)
     for entry in sent["entries"]:
         result[entry[0]] = next(received) if len(entry) == 3 else result[entry[1]]
     return result
-
-
-def _receiving_device(group) -> torch.device:
-    if takes_host_tensors(group):
-        return torch.device("cpu")
-    from ..accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
-
-
-def _placed(tensor: torch.Tensor, group) -> torch.Tensor:
-    """``tensor`` where ``group``'s backend takes it (a copy only when it must move)."""
-    device = _receiving_device(group)
-    return tensor if tensor.device == device else tensor.to(device)

@@ -23,14 +23,22 @@ def takes_host_tensors(group=None) -> bool:
     return backend in ("gloo", "mpi") or "cpu:" in backend
 
 
-def _placed(tensor: torch.Tensor, group, device: torch.device | None) -> torch.Tensor:
+def collective_device(group=None, device: torch.device | None = None) -> torch.device:
+    """Where ``group``'s collectives take their tensors: the host for gloo/MPI, else ``device``
+    (default: the accelerator's current device)."""
     if takes_host_tensors(group):
-        return tensor
+        return torch.device("cpu")
     if device is None:
         from ..accelerator import get_accelerator
 
         device = torch.device(get_accelerator().current_device_name())
-    return tensor.to(device)
+    return device
+
+
+def placed(tensor: torch.Tensor, group=None, device: torch.device | None = None) -> torch.Tensor:
+    """``tensor`` where ``group``'s collectives take it (a copy only when it must move)."""
+    target = collective_device(group, device)
+    return tensor if tensor.device == target else tensor.to(target)
 
 
 def same_on_every_rank(data: bytes, name: str, group=None, device=None) -> bool:
@@ -38,7 +46,7 @@ def same_on_every_rank(data: bytes, name: str, group=None, device=None) -> bool:
     digests' all-gather in errors (timeouts); ``device`` holds the digest where the backend
     takes no host tensors (default: the accelerator's current device)."""
     digest = torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8)
-    digest = _placed(digest, group, device)
+    digest = placed(digest, group, device)
     digests = [torch.empty_like(digest) for _ in range(dist.get_world_size(group))]
     with named_collective(name):
         dist.all_gather(digests, digest, group=group)
@@ -50,14 +58,14 @@ def all_gather_text(text: str, what: str, group=None, device=None) -> list[str]:
     bytes padded to the longest; ``what`` ends their names in errors."""
     data = text.encode("utf-8")
     world_size = dist.get_world_size(group)
-    length = _placed(torch.tensor([len(data)], dtype=torch.int64), group, device)
+    length = placed(torch.tensor([len(data)], dtype=torch.int64), group, device)
     lengths = [torch.empty_like(length) for _ in range(world_size)]
     with named_collective(f"all_gather of the lengths {what}"):
         dist.all_gather(lengths, length, group=group)
     padded = torch.zeros(max(int(n) for n in lengths), dtype=torch.uint8)
     if data:
         padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    padded = _placed(padded, group, device)
+    padded = placed(padded, group, device)
     gathered = [torch.empty_like(padded) for _ in range(world_size)]
     with named_collective(f"all_gather of the texts {what}"):
         dist.all_gather(gathered, padded, group=group)
