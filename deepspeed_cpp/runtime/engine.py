@@ -12,7 +12,7 @@ from ..accelerator import get_accelerator
 from ..comm.logging_api import configure as configure_comms_logger
 from ..module_inject import tensor_parallel_info
 from ..utils.logging import logger
-from ..utils.throughput_timer import ThroughputTimer
+from ..utils.throughput_timer import UNSYNCHRONIZED_THROUGHPUT, ThroughputTimer
 from ..utils.z3_leaf_modules import apply_zero_leaf_module_config
 from .call_order import CallOrder
 from .config import DeepSpeedConfig
@@ -140,7 +140,9 @@ class DeepSpeedEngine(
         self._reduction_owed = False
         # DeepSpeed's engine.tput_timer, which scripts read for their samples/sec; its own log
         # line is off (steps_per_output None): the report's progress line gives the speed.
-        self.tput_timer = ThroughputTimer(batch_size=self.train_batch_size())
+        # Unsynchronized: syncing the device at every forward and step() stalls the host's
+        # dispatch; each optimizer step waits for the device anyway (the gradient norm).
+        self.tput_timer = ThroughputTimer(UNSYNCHRONIZED_THROUGHPUT, self.train_batch_size())
 
         self.loss_scaler = None
         if self.fp16_enabled():

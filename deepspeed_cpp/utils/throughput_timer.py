@@ -13,10 +13,22 @@ tests read them.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from .logging import logger
 
 _TIME_EPSILON = 1e-6  # keeps the per-step speed finite for a step timed at zero seconds
+
+
+class ThroughputConfig(NamedTuple):
+    """DeepSpeed's ``timers.throughput`` section: what ``ThroughputTimer(config=...)`` reads."""
+
+    enabled: bool = True
+    synchronized: bool = True
+
+
+# The engine's: timed on the host, no device synchronisation per forward and step (engine.py).
+UNSYNCHRONIZED_THROUGHPUT = ThroughputConfig(enabled=True, synchronized=False)
 
 
 def _synchronize() -> None:
