@@ -9,11 +9,13 @@ from typing import ClassVar
 
 import torch
 
+from .optimizer_base import OptimizerBase
+
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOWP_DTYPES = (torch.bfloat16, torch.float16)
 
 
-class CPUOptimizerBase(torch.optim.Optimizer):
+class CPUOptimizerBase(OptimizerBase):
     """Base of the CPU optimizers over the native ops. Subclasses set STATE_KEYS and implement
     ``_native_step(group, step, params, grads, states, params_lowp)``."""
 

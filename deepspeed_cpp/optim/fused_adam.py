@@ -10,12 +10,13 @@ from ..ops.cpu_adam import cpu_adam_step_multi, load_cpu_adam
 from ..ops.fused_adam import fused_adam, load_fused_adam
 from ..ops.op_builder import OpNotAvailableError
 from .cpu_adam import check_adam_hyper_params
+from .optimizer_base import OptimizerBase
 from .torch_adam_state import complete_adam_group, refuse_unsupported_adam_flags
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(OptimizerBase):
     """Adam (``adam_w_mode=False``: L2 added to the gradient) or AdamW (decoupled weight decay).
 
     The constructor is DeepSpeed's FusedAdam's. Parameters on CUDA devices are updated by the
