@@ -99,17 +99,10 @@ class DistributedPool:
         return not self._closed and all(process.is_alive() for process in self._processes)
 
     def close(self, force: bool = False) -> None:
-        self.ask_to_stop(force)
-        self.join(force)
-
-    def ask_to_stop(self, force: bool = False) -> None:
-        """Tells every rank to leave its loop (``join`` waits for it); nothing when forced."""
         self._closed = True
         for jobs, process in zip(self._jobs, self._processes):
             if process.is_alive() and not force:
                 jobs.put(None)
-
-    def join(self, force: bool = False) -> None:
         for process in self._processes:
             process.join(timeout=0 if force else 30)
             if process.is_alive():
@@ -184,13 +177,9 @@ class SessionPool:
 
 @atexit.register
 def close_shared_pools() -> None:
-    # Every pool told first, then waited for: their ranks leave their process groups and exit
-    # side by side (~8 s at the end of a session, one pool after the other).
-    for pool in _SHARED.values():
-        pool.ask_to_stop()
-    for pool in _SHARED.values():
-        pool.join()
-    for pool in _STARTING.values():  # never used: no need to wait for its imports to finish
+    # Killed, not asked to leave: a rank that leaves its gloo group and exits takes ~4 s (measured
+    # with idle pools of 2, 3 and 4 ranks), and at the session's end nothing is left to keep.
+    for pool in [*_SHARED.values(), *_STARTING.values()]:
         pool.close(force=True)
     _SHARED.clear()
     _STARTING.clear()

@@ -148,18 +148,31 @@ def test_every_config_is_accepted_by_the_engine():
 # ---- the example, run for real -------------------------------------------------------------
 
 
-def run_example(tmp_path, config, steps, log_interval, extra=()):
-    # Started from the example's own folder with relative paths, as its README shows too.
-    output_dir = tmp_path / "out"
-    run = launch(
-        "cifar10_deepspeed.py",
-        ["--deepspeed", "--deepspeed_config", config, "--epochs", "50",
+def start_example(tmp_path, config, steps, log_interval, extra=()) -> subprocess.Popen:
+    """The example under the launcher on 2 processes, started from the example's own folder with
+    relative paths, as its README shows too; ``finish_example`` checks what it wrote."""
+    return subprocess.Popen(
+        [PYTHON, "-m", "deepspeed_cpp.launcher", "--num_procs", "2",
+         "--master_port", str(free_port()), "cifar10_deepspeed.py",
+         "--deepspeed", "--deepspeed_config", config, "--epochs", "50",
          "--max-steps", str(steps), "--log-interval", str(log_interval),
-         "--data-dir", str(tmp_path / "no_data_here"), "--output-dir", str(output_dir), *extra],
-        cwd=EXAMPLE_DIR,
+         "--data-dir", str(tmp_path / "no_data_here"), "--output-dir", str(tmp_path / "out"),
+         *extra],
+        env=launch_env(), cwd=EXAMPLE_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
     )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "using a GENERATED CIFAR-shaped data set" in run.stdout
+
+
+def finish_example(started: subprocess.Popen, tmp_path, steps):
+    try:
+        stdout, stderr = started.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        if started.poll() is None:
+            started.kill()
+            started.wait()
+    assert started.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "using a GENERATED CIFAR-shaped data set" in stdout
+    output_dir = tmp_path / "out"
     metrics = json.loads((output_dir / "metrics.json").read_text())
     # The curves went through the engine's csv_monitor, and deepspeed_cpp.plot drew the PNG.
     curves = read_run(output_dir / "csv_monitor")
@@ -173,28 +186,29 @@ def run_example(tmp_path, config, steps, log_interval, extra=()):
     assert curves["Train/Eval/test_accuracy"] == [
         (batch * steps, pytest.approx(metrics["final_test_accuracy"]))
     ]
-    assert f"wrote {output_dir / 'loss_curve.png'} (from {output_dir / 'csv_monitor'})" in (
-        run.stdout
-    )
+    assert f"wrote {output_dir / 'loss_curve.png'} (from {output_dir / 'csv_monitor'})" in stdout
     assert (output_dir / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    return run, metrics
+    return stdout, metrics
 
 
 def test_example_zero2_two_processes_learns(tmp_path):
-    run, metrics = run_example(tmp_path, "ds_config_zero2_fp32.json", steps=120, log_interval=20)
+    # ZeRO-3 (two of the four weights partitioned, the small ones persistent) trains the same
+    # network on the same data: the same curve up to float32 reduction order. Both runs at once:
+    # most of a run is processes importing torch and building the data set, one core each.
+    with_tensorboard = importlib.util.find_spec("tensorboard") is not None
+    zero2_run = start_example(tmp_path, "ds_config_zero2_fp32.json", 120, 20)
+    zero3_run = start_example(
+        tmp_path / "zero3", "ds_config_zero3_fp32.json", 120, 20,
+        extra=["--tensorboard"] if with_tensorboard else [],
+    )  # fmt: skip
+    stdout, metrics = finish_example(zero2_run, tmp_path, 120)
+    _, zero3 = finish_example(zero3_run, tmp_path / "zero3", 120)
     assert metrics["world_size"] == 2 and metrics["steps"] == 120
     losses = [loss for _, loss in metrics["loss_curve"]]
     assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
     assert losses[-1] < 0.85 * losses[0], losses
     assert metrics["final_test_accuracy"] > 0.3, metrics["final_test_accuracy"]  # chance: 0.1
-    assert "Accuracy of the network on the 2000 test images" in run.stdout
-    # ZeRO-3 (two of the four weights partitioned, the small ones persistent) trains the same
-    # network on the same data: the same curve up to float32 reduction order.
-    with_tensorboard = importlib.util.find_spec("tensorboard") is not None
-    _, zero3 = run_example(
-        tmp_path / "zero3", "ds_config_zero3_fp32.json", 120, 20,
-        extra=["--tensorboard"] if with_tensorboard else [],
-    )  # fmt: skip
+    assert "Accuracy of the network on the 2000 test images" in stdout
     if with_tensorboard:  # the same curves as TensorBoard event files beside the CSV ones
         tensorboard = read_run(tmp_path / "zero3" / "out" / "tensorboard")
         csv_curves = read_run(tmp_path / "zero3" / "out" / "csv_monitor")
@@ -220,8 +234,8 @@ def test_run_ds_moe_trains_with_experts_split_over_two_processes(tmp_path, confi
     # expert, reduced over its own expert-data-parallel group, the rest over both ranks.
     output_dir = tmp_path / "out"
     run = subprocess.run(
-        ["bash", str(EXAMPLE_DIR / "run_ds_moe.sh"), "--epochs", "50", "--max-steps", "160",
-         "--log-interval", "40", "--data-dir", str(tmp_path / "no_data_here"),
+        ["bash", str(EXAMPLE_DIR / "run_ds_moe.sh"), "--epochs", "50", "--max-steps", "80",
+         "--log-interval", "20", "--data-dir", str(tmp_path / "no_data_here"),
          "--output-dir", str(output_dir)],
         env=launch_env(PYTHON=PYTHON, MASTER_PORT=str(free_port()), CONFIG=config, TOP_K=top_k,
                        NOISY=noisy),
