@@ -23,6 +23,7 @@ from test_checkpoint import build_engine, global_batches, train
 from deepspeed_cpp.runtime.checkpoint.layout import METADATA_FILE
 from deepspeed_cpp.runtime.checkpoint.recovery_script import SCRIPT, write_recovery_script
 from deepspeed_cpp.utils.weight_files import parse_size, plan_shards
+from deepspeed_cpp.utils.zero_to_fp32 import main
 
 FROZEN = {"frozen.weight", "frozen.bias"}
 
@@ -184,7 +185,7 @@ def test_directory_form_shards_with_deepspeeds_file_names(saved, tmp_path, safe)
     _assert_same(_read_directory(output, safe)[0], state, "unsharded")
 
 
-def test_file_form_existing_directory_options_and_errors(saved, tmp_path):
+def test_file_form_existing_directory_options_and_errors(saved, tmp_path, monkeypatch, capsys):
     folder, state = saved
     (tmp_path / "existing.bin").mkdir()
     (tmp_path / "weights").write_bytes(b"old")
@@ -193,16 +194,25 @@ def test_file_form_existing_directory_options_and_errors(saved, tmp_path):
         "-m", "deepspeed_cpp.compat", "-m", "deepspeed.utils.zero_to_fp32", str(folder),
         "trainable", "-t", "global_step2", "--exclude_frozen_parameters", "-d", cwd=tmp_path,
     )  # fmt: skip
-    existing_dir, safetensors_file, existing_file, *errors = _commands_at_once(
+    existing_dir, safetensors_file, existing_file = _commands_at_once(
         (str(folder), str(tmp_path / "existing.bin")),
         (str(folder), "model.safetensors", "--safe_serialization"),
         (str(folder), "weights"),
-        (str(folder), "x.bin", "--max_shard_size", "1GB"),
-        (str(folder), "d", "--max_shard_size", "5XB"),
-        (str(tmp_path / "nowhere"), "d"),
-        (str(folder), "d", "-t", "global_step9"),
         cwd=tmp_path,
     )
+    # The refusals through the same main() in this process (the command lines above and the
+    # other tests run it as `python -m`): status 1, one line on stderr, nothing written.
+    monkeypatch.chdir(tmp_path)
+    errors = []
+    for argv in (
+        [str(folder), "x.bin", "--max_shard_size", "1GB"],
+        [str(folder), "d", "--max_shard_size", "5XB"],
+        [str(tmp_path / "nowhere"), "d"],
+        [str(folder), "d", "-t", "global_step9"],
+    ):
+        status = main(argv)
+        captured = capsys.readouterr()
+        errors.append(subprocess.CompletedProcess(argv, status, captured.out, captured.err))
     # An existing directory is an output directory (it used to die with IsADirectoryError).
     _ok(existing_dir)
     _assert_same(_read_directory(tmp_path / "existing.bin", False)[0], state, "existing dir")
