@@ -20,3 +20,17 @@ def launch_env(**overrides) -> dict:
     for name in LAUNCH_VARIABLES:
         env.pop(name, None)
     return env
+
+
+def finish(started, timeout: float = 300):
+    """``started`` (a text-mode ``subprocess.Popen`` with piped output) waited for, as a
+    ``CompletedProcess``; killed if it outlives ``timeout`` or the wait is interrupted."""
+    import subprocess
+
+    try:
+        out, err = started.communicate(timeout=timeout)
+    finally:
+        if started.poll() is None:
+            started.kill()
+            started.wait()
+    return subprocess.CompletedProcess(started.args, started.returncode, out, err)

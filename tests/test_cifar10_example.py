@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import REPO_ROOT
-from launch_helpers import free_port, launch_env
+from launch_helpers import finish, free_port, launch_env
 
 from deepspeed_cpp.plot import read_run
 
@@ -29,11 +29,15 @@ PYTHON = sys.executable
 RUN_TIMEOUT = 300
 
 
-def launch(script, script_args, num_procs=2, cwd=None):
+def launcher_command(script, script_args, num_procs=2) -> list[str]:
     """``python -m deepspeed_cpp.launcher --num_procs N script args`` on a free port."""
+    return [PYTHON, "-m", "deepspeed_cpp.launcher", "--num_procs", str(num_procs),
+            "--master_port", str(free_port()), str(script), *script_args]  # fmt: skip
+
+
+def launch(script, script_args, num_procs=2, cwd=None):
     return subprocess.run(
-        [PYTHON, "-m", "deepspeed_cpp.launcher", "--num_procs", str(num_procs),
-         "--master_port", str(free_port()), str(script), *script_args],
+        launcher_command(script, script_args, num_procs),
         env=launch_env(), cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT,
     )  # fmt: skip
 
@@ -152,25 +156,20 @@ def start_example(tmp_path, config, steps, log_interval, extra=()) -> subprocess
     """The example under the launcher on 2 processes, started from the example's own folder with
     relative paths, as its README shows too; ``finish_example`` checks what it wrote."""
     return subprocess.Popen(
-        [PYTHON, "-m", "deepspeed_cpp.launcher", "--num_procs", "2",
-         "--master_port", str(free_port()), "cifar10_deepspeed.py",
-         "--deepspeed", "--deepspeed_config", config, "--epochs", "50",
-         "--max-steps", str(steps), "--log-interval", str(log_interval),
-         "--data-dir", str(tmp_path / "no_data_here"), "--output-dir", str(tmp_path / "out"),
-         *extra],
+        launcher_command("cifar10_deepspeed.py", [
+            "--deepspeed", "--deepspeed_config", config, "--epochs", "50",
+            "--max-steps", str(steps), "--log-interval", str(log_interval),
+            "--data-dir", str(tmp_path / "no_data_here"), "--output-dir", str(tmp_path / "out"),
+            *extra]),
         env=launch_env(), cwd=EXAMPLE_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
 
 
 def finish_example(started: subprocess.Popen, tmp_path, steps):
-    try:
-        stdout, stderr = started.communicate(timeout=RUN_TIMEOUT)
-    finally:
-        if started.poll() is None:
-            started.kill()
-            started.wait()
-    assert started.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    done = finish(started, RUN_TIMEOUT)
+    stdout = done.stdout
+    assert done.returncode == 0, stdout[-3000:] + done.stderr[-3000:]
     assert "using a GENERATED CIFAR-shaped data set" in stdout
     output_dir = tmp_path / "out"
     metrics = json.loads((output_dir / "metrics.json").read_text())

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from conftest import REPO_ROOT
 from dist_pool import shared_pool
+from launch_helpers import finish as _finish
 from launch_helpers import launch_env
 from test_checkpoint import build_engine, global_batches, train
 
@@ -50,16 +51,6 @@ def _start(*args: str, cwd, **env) -> subprocess.Popen:
         [sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env=launch_env(**{"PYTHONPATH": str(REPO_ROOT), **env}),
     )  # fmt: skip
-
-
-def _finish(started: subprocess.Popen) -> subprocess.CompletedProcess:
-    try:
-        out, err = started.communicate(timeout=300)
-    finally:
-        if started.poll() is None:
-            started.kill()
-            started.wait()
-    return subprocess.CompletedProcess(started.args, started.returncode, out, err)
 
 
 def _python(*args: str, cwd, **env) -> subprocess.CompletedProcess:
