@@ -83,14 +83,14 @@ def test_zero3_step(pool2):
     # b2 20 -> 32; each rank's shard is half of that.
     for summary, latencies_positive, wrapped in results:
         assert summary == {
-            # Each fetch unit gathered once, with one all-gather of its parameters' shards
-            # (kept from forward through backward: the default max_reuse_distance never
-            # releases early); the message is one rank's part, as DeepSpeed logs it (its
-            # ``tensor`` argument): half of Linear 1 (1216 + 32) and of Linear 2 (608 + 32)
-            # elements of fp32. Then the coordinator's agreement: three int64 (unit, uses,
-            # digest) from each rank where a use launched gathers (the two units in forward)
-            # and once at the end of the pass.
-            "all_gather_into_tensor": {624 * 4: 1, 320 * 4: 1, 3 * 8: 3},
+            # Each fetch unit gathered once (kept from forward through backward: the default
+            # max_reuse_distance never releases early), on gloo by one broadcast per rank of
+            # that rank's shards of the unit's parameters: half of Linear 1 (1216 + 32) and of
+            # Linear 2 (608 + 32) elements of fp32 each. Then the coordinator's agreement:
+            # three int64 (unit, uses, digest) from each rank where a use launched gathers (the
+            # two units in forward) and once at the end of the pass.
+            "broadcast": {624 * 4: 2, 320 * 4: 2},
+            "all_gather_into_tensor": {3 * 8: 3},
             # The C++ reducer: both fetch units' gradients (the same elements as their gathers,
             # fp32, whole) in one all-reduce, consecutive units sharing a reduction up to
             # reduce_bucket_size; then the global gradient norm (one float64).

@@ -136,6 +136,10 @@ class ParameterCoordinator:
         for index, unit in enumerate(self.units):
             for param in unit:
                 self._units_of_param.setdefault(id(param), []).append(index)
+        if self.world_size > 1:  # before any optimizer reads the shards (they move)
+            shared = {key for key, units in self._units_of_param.items() if len(units) > 1}
+            for unit in self.units:
+                unit.keep_shards_together(shared)
         # id(param) -> what takes its gradient over as autograd has accumulated it (the stage's
         # reducer, ``hand_gradients_to``), called from the same hook that counts the unit down:
         # one Python hook per parameter, not one for the reducer and one for the release.

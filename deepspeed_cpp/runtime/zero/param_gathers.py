@@ -14,7 +14,7 @@ import torch
 
 from ...comm.collective_errors import named_collective
 from ...ops.zero import flatten_into, unflatten_from
-from .shard_gather import backend_for, launch_all_gather
+from .shard_gather import gathers_by_broadcast, launch_all_gather
 from .shard_set import Bucket, ShardSet
 
 
@@ -28,7 +28,7 @@ class MasterGathers:
         self.reducer = reducer
         self.buckets_final_after = buckets_final_after
         device = shards.params[0].device
-        self.gather_by_broadcast = backend_for(shards.group, device) == "gloo"
+        self.gather_by_broadcast = gathers_by_broadcast(shards.group, device)
 
     def buckets_reduced(self) -> int:
         """How many leading buckets have their shard gradient reduced in this backward (final

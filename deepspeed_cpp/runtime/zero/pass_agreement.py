@@ -29,9 +29,10 @@ module uses since the last agreement. Two ways to agree on them:
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
-from .shard_gather import all_gather_flat
+from .shard_gather import all_gather_flat, gathers_by_broadcast, launch_all_gather
 
 END = -1  # the unit of a check at the end of a pass
 HEADER_NUMEL = 5  # deviated, uses, digest, gather index, unit (int64 each)
@@ -173,9 +174,10 @@ class PassAgreement:
         header = self._header(deviated=True, unit=unit)
         self._next += 1
         layout = self.plan[self._next - 1]
-        work, gathered = _launch_stand_in(layout, header, self.fetch_group, self.world_size)
+        works, gathered = _launch_stand_in(layout, header, self.fetch_group, self.world_size)
         with named_collective("all_gather of a ZeRO-3 stand-in gather (rank agreement)"):
-            work.wait()
+            for work in works:
+                work.wait()
         rows = read_headers(gathered, layout[0], self.world_size).tolist()
         if any(row != rows[0] for row in rows):
             self._disagree(rows)
@@ -199,8 +201,9 @@ class PassAgreement:
             works.append(_launch_stand_in(layout, header, self.fetch_group, self.world_size))
             self._next += 1
         with named_collective("all_gather of ZeRO-3 stand-in gathers after a disagreement"):
-            for work, _ in works:
-                work.wait()
+            for stand_in, _ in works:
+                for work in stand_in:
+                    work.wait()
         self._fail()
         raise RuntimeError(self._message([row[4] for row in rows], [row[1] for row in rows]))
 
@@ -224,13 +227,18 @@ def header_bytes() -> int:
 
 
 def _launch_stand_in(layout: tuple[int, torch.device], header: torch.Tensor, group, world: int):
-    """Starts a gather shaped like a planned one (``layout``: its data bytes and device), its
-    data zeros and its header ``header``; returns (work, every rank's gathered bytes)."""
+    """Starts a gather shaped like a planned one (``layout``: its data bytes and device; the
+    same collectives as ``unit.py``'s), its data zeros and its header ``header``; returns (the
+    collectives' works, every rank's gathered bytes)."""
     data_bytes, device = layout
-    send = torch.zeros(data_bytes + header_bytes(), dtype=torch.uint8, device=device)
-    send[data_bytes:].copy_(header.view(torch.uint8))
-    gathered = torch.empty(send.numel() * world, dtype=torch.uint8, device=device)
-    return all_gather_flat(gathered, send, group), gathered
+    row = data_bytes + header_bytes()
+    gathered = torch.zeros(row * world, dtype=torch.uint8, device=device)
+    own = gathered.narrow(0, dist.get_rank(group) * row, row)
+    own[data_bytes:].copy_(header.view(torch.uint8))
+    works = launch_all_gather(
+        gathered, own, group, by_broadcast=gathers_by_broadcast(group, device)
+    )
+    return works, gathered
 
 
 def read_headers(gathered: torch.Tensor, data_bytes: int, world: int) -> torch.Tensor:
