@@ -2,17 +2,21 @@
 gathered with one collective instead of one per parameter.
 
 Every parameter keeps its own padded shard (``ds_tensor``: the layout the optimizer, offload homes
-and checkpoints rely on). ``unshard`` concatenates the unit's shards into one flat send buffer and
-all-gathers it once into one buffer laid out rank by rank; ``wait`` copies each parameter's
-pieces out of it into the parameter's whole tensor (``ds_whole``, whose storage is kept for the
-parameter's lifetime and emptied on release, so the views autograd saved stay valid) and frees
-the gathered buffer. A unit of one parameter gathers straight into its whole tensor, no copy.
+and checkpoints rely on), most units' shards side by side in one storage of the unit's
+(``unit_shards.py``, with room for the agreement's header after them). ``unshard`` all-gathers
+the unit's shards once into one buffer laid out rank by rank, sending straight from that storage
+(else packing this rank's shards into its row of the receive buffer first); ``wait`` copies each
+parameter's pieces out of it into the parameter's whole tensor (``ds_whole``, whose storage is
+kept for the parameter's lifetime and emptied on release, so the views autograd saved stay
+valid) and frees the gathered buffer. A unit of one parameter gathers straight into its whole
+tensor, no copy.
 
-This rank's shards are packed straight into its row of the receive buffer, from where the
-collective sends them. On gloo the all-gather is one broadcast per rank (``shard_gather.py``:
-gloo's own all-gather goes through a freshly allocated flat copy of the whole output; measured
-on the issue-27 benchmark's transformer, 2 ranks, ZeRO-3's step 1.13x -> 1.09x our ZeRO-2's),
-so a unit's gather counts as ``world`` collectives there; other backends use their all-gather.
+On gloo the all-gather is one broadcast per rank (``shard_gather.py``: gloo's own all-gather
+goes through a freshly allocated flat copy of the whole output), so a unit's gather counts as
+``world`` collectives there and this rank's row is copied out of the unit's storage, not
+received; other backends use their all-gather. Measured on the issue-27 benchmark's
+transformer, 2 ranks, both together: ZeRO-3's step 1.14x -> 1.09x our ZeRO-2's
+(``benchmarks/results/zero3_step_s10.txt``).
 
 The copy-out is what FSDP2's ``FSDPParamGroup`` does too (per-parameter shards, one all-gather
 per group): it trades one memory pass over the unit for one collective per unit, and on every
