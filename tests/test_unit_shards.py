@@ -1,8 +1,8 @@
-"""ZeRO-3 units keep their shards in one storage (``runtime/zero/unit_shards.py``), 2 real gloo
-processes: which units do (not a unit with a tied parameter), that training through gathers sent
-from those storages equals one process, that a shard replaced behind the unit's back is gathered
-by packing again (still equal), and that a checkpoint writes each master alone, not the unit's
-whole storage."""
+"""ZeRO-3 units keep their shards in one storage (``runtime/zero/unit_shards.py``), 2 and 3 real
+gloo processes: which units do (not a unit with a tied parameter), that training through gathers
+sent from those storages equals one process, that a shard replaced behind the unit's back is
+gathered by packing again (still equal), and that a checkpoint writes each master alone, not the
+unit's whole storage."""
 
 from __future__ import annotations
 
@@ -80,11 +80,15 @@ def _whole_storages(value) -> bool:
     return True
 
 
-@pytest.mark.parametrize("dtype, replace_at", [("fp32", None), ("fp32", 1), ("bf16", 1)])
-def test_units_gather_from_one_storage(pool2, tmp_path, dtype, replace_at):
-    results = pool2.run(_job, dtype, replace_at, str(tmp_path), timeout=JOB_TIMEOUT)
+@pytest.mark.parametrize(
+    "world, dtype, replace_at",
+    # 3 ranks: the middle rank's copy-out reads its own row between two received ones.
+    [(2, "fp32", None), (2, "fp32", 1), (2, "bf16", 1), (3, "fp32", None)],
+)
+def test_units_gather_from_one_storage(pools, tmp_path, world, dtype, replace_at):
+    results = pools(world).run(_job, dtype, replace_at, str(tmp_path), timeout=JOB_TIMEOUT)
     reference = z3.named_state(
-        z3.reference(11, STEPS, 1, 2, 0.0, torch.bfloat16 if dtype == "bf16" else torch.float32)
+        z3.reference(11, STEPS, 1, world, 0.0, torch.bfloat16 if dtype == "bf16" else torch.float32)
     )
     for result in results:
         layout = result["layout"]
