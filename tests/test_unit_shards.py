@@ -6,6 +6,7 @@ unit's whole storage."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
@@ -36,12 +37,45 @@ def _layout(engine) -> dict:
     return layout
 
 
-def _job(dtype: str, replace_at: int | None, folder: str) -> dict:
+@contextlib.contextmanager
+def _backend_all_gather(calls: list):
+    """Gathers by the backend's all-gather (what NCCL runs; gloo runs it too) instead of gloo's
+    broadcast per rank, counting the all-gathers launched in ``calls``."""
+    from deepspeed_cpp.runtime.zero import pass_agreement, shard_gather, unit
+
+    saved = (unit.gathers_by_broadcast, pass_agreement.gathers_by_broadcast)
+    all_gather_flat = shard_gather.all_gather_flat
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return all_gather_flat(*args, **kwargs)
+
+    unit.gathers_by_broadcast = pass_agreement.gathers_by_broadcast = lambda *_: False
+    shard_gather.all_gather_flat = counted
+    try:
+        yield
+    finally:
+        unit.gathers_by_broadcast, pass_agreement.gathers_by_broadcast = saved
+        shard_gather.all_gather_flat = all_gather_flat
+
+
+def _job(dtype: str, replace_at: int | None, folder: str, collective: str) -> dict:
+    calls = []
+    chosen = _backend_all_gather(calls) if collective == "all_gather" else contextlib.nullcontext()
+    with chosen:
+        result = _train_and_save(dtype, replace_at, folder)
+    return {**result, "all_gathers": len(calls)}
+
+
+def _train_and_save(dtype: str, replace_at: int | None, folder: str) -> dict:
     import deepspeed_cpp as deepspeed
 
     seed = 11
     model = z3.make_model(seed)
-    engine, *_ = deepspeed.initialize(model=model, config=z3.config(dtype, stage3_unit_min_numel=0))
+    # Every unit gathered alone (no prefetch coalescing): in the passes whose rank agreement
+    # rides on the gathers, each unit's gather sends the header from its storage.
+    config = z3.config(dtype, stage3_unit_min_numel=0, stage3_prefetch_bucket_size=0)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
     try:
         layout = _layout(engine)
         replaced = {}
@@ -81,12 +115,22 @@ def _whole_storages(value) -> bool:
 
 
 @pytest.mark.parametrize(
-    "world, dtype, replace_at",
-    # 3 ranks: the middle rank's copy-out reads its own row between two received ones.
-    [(2, "fp32", None), (2, "fp32", 1), (2, "bf16", 1), (3, "fp32", None)],
+    "world, dtype, replace_at, collective",
+    [
+        (2, "fp32", None, "broadcast"),
+        (2, "fp32", 1, "broadcast"),
+        (2, "bf16", 1, "broadcast"),
+        # 3 ranks: the middle rank's copy-out reads its own row between two received ones.
+        (3, "fp32", None, "broadcast"),
+        # The backend's all-gather (NCCL's path), on gloo: sent from the storage, every row
+        # received, the agreement's headers riding along.
+        (2, "fp32", None, "all_gather"),
+    ],
 )
-def test_units_gather_from_one_storage(pools, tmp_path, world, dtype, replace_at):
-    results = pools(world).run(_job, dtype, replace_at, str(tmp_path), timeout=JOB_TIMEOUT)
+def test_units_gather_from_one_storage(pools, tmp_path, world, dtype, replace_at, collective):
+    results = pools(world).run(
+        _job, dtype, replace_at, str(tmp_path), collective, timeout=JOB_TIMEOUT
+    )
     reference = z3.named_state(
         z3.reference(11, STEPS, 1, world, 0.0, torch.bfloat16 if dtype == "bf16" else torch.float32)
     )
@@ -102,3 +146,5 @@ def test_units_gather_from_one_storage(pools, tmp_path, world, dtype, replace_at
         difference = z3.max_relative_difference(result["final"], reference)
         assert difference <= z3.tolerance(dtype), difference
         assert result["written"] and all(result["written"].values()), result["written"]
+        if collective == "all_gather":  # every training step gathered (STEPS forwards)
+            assert result["all_gathers"] >= STEPS, result["all_gathers"]
