@@ -2,7 +2,8 @@
 
 ZeRO stages 1/2 reduce gradients bucket by bucket and all-gather updated parameters the same way.
 On gloo, `csrc/zero` reduces with all-reduce and keeps the rank's slice, and
-`deepspeed_cpp/runtime/zero/shard_gather.py` gathers with one broadcast per rank. This script
+`deepspeed_cpp/runtime/zero/shard_gather.py` gathers with one all-to-all between 2 ranks and one
+broadcast per rank among more. This script
 times both against gloo's own collectives on the same buckets, all launched asynchronously and
 then waited, as the engine does:
 
@@ -65,13 +66,31 @@ def worker(rank: int, args):
             for r in range(world)
         ]
 
+    def all_to_all_pair(start):
+        """2 ranks: each sends its shard to the other (nothing to itself), received in place."""
+        size, other = bucket // world, 1 - rank
+        own = gathered.narrow(0, start + rank * size, size)
+        own.copy_(shard_of(start))
+        splits = [0, 0]
+        splits[other] = size
+        received = gathered.narrow(0, start + other * size, size)
+        return [
+            dist.all_to_all_single(
+                received, own, output_split_sizes=splits, input_split_sizes=splits,
+                async_op=True,
+            )
+        ]  # fmt: skip
+
     timings = {}
-    for name, launch in [
+    launches = [
         ("reduce-scatter: gloo reduce_scatter", reduce_scatter),
         ("reduce-scatter: all_reduce + slice", all_reduce_then_slice),
         ("all-gather: gloo all_gather", all_gather),
         ("all-gather: broadcast per rank", broadcast_per_rank),
-    ]:
+    ]
+    if world == 2:
+        launches.append(("all-gather: all-to-all of the pair", all_to_all_pair))
+    for name, launch in launches:
         times = []
         for repeat in range(args.warmup + args.repeats):
             dist.barrier()
@@ -98,11 +117,12 @@ def main() -> None:
           f"{args.bucket / 1e6:.1f}M, median of {args.repeats}; slowest rank")  # fmt: skip
     seconds = {name: max(r[1][name] for r in reports) for name in reports[0][1]}
     for operation in ("reduce-scatter", "all-gather"):
-        (ref_name, reference), (ours_name, ours) = [
+        (ref_name, reference), *ours = [
             (name, value) for name, value in seconds.items() if name.startswith(operation)
         ]
         print(f"{ref_name:<40} {reference * 1e3:8.1f} ms")
-        print(f"{ours_name:<40} {ours * 1e3:8.1f} ms   {reference / ours:5.2f}x faster")
+        for ours_name, value in ours:
+            print(f"{ours_name:<40} {value * 1e3:8.1f} ms   {reference / value:5.2f}x faster")
 
 
 if __name__ == "__main__":

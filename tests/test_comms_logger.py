@@ -62,8 +62,9 @@ def test_zero2_step(pool2):
             # the C++ reducer: the bucket, fp32, all-reduced (gloo's faster way, "auto")
             # and the global gradient norm (one float64)
             "all_reduce": {1856 * 4: 1, 8: 1},
-            # the updated halves gathered back: gloo gathers by one broadcast per rank
-            "broadcast": {928 * 4: 2},
+            # the updated halves gathered back: on gloo 2 ranks exchange them with one
+            # all-to-all (logged at one rank's part, its input)
+            "all_to_all_single": {928 * 4: 1},
         }
         assert latencies_positive
         assert not wrapped  # turned off again: torch's own functions are back
@@ -84,12 +85,13 @@ def test_zero3_step(pool2):
     for summary, latencies_positive, wrapped in results:
         assert summary == {
             # Each fetch unit gathered once (kept from forward through backward: the default
-            # max_reuse_distance never releases early), on gloo by one broadcast per rank of
-            # that rank's shards of the unit's parameters: half of Linear 1 (1216 + 32) and of
-            # Linear 2 (608 + 32) elements of fp32 each. Then the coordinator's agreement:
+            # max_reuse_distance never releases early), on gloo between 2 ranks by one
+            # all-to-all of each rank's shards of the unit's parameters (logged at one rank's
+            # part): half of Linear 1 (1216 + 32) and of Linear 2 (608 + 32) elements of fp32.
+            # Then the coordinator's agreement:
             # three int64 (unit, uses, digest) from each rank where a use launched gathers (the
             # two units in forward) and once at the end of the pass.
-            "broadcast": {624 * 4: 2, 320 * 4: 2},
+            "all_to_all_single": {624 * 4: 1, 320 * 4: 1},
             "all_gather_into_tensor": {3 * 8: 3},
             # The C++ reducer: both fetch units' gradients (the same elements as their gathers,
             # fp32, whole) in one all-reduce, consecutive units sharing a reduction up to

@@ -1,5 +1,7 @@
-"""launch_all_gather on a real gloo group of 3: both collectives, dtype casts, a shard that is
-already the full tensor's own slice, and the size check."""
+"""launch_all_gather on real gloo groups of 2 and 3: the backend's all-gather and the in-place
+exchange (one all-to-all between 2 ranks, one broadcast per rank among 3), dtype casts, a shard
+that is already the full tensor's own slice, one sent from elsewhere with the own slice left
+alone, and the size check."""
 
 from __future__ import annotations
 
@@ -14,37 +16,56 @@ def _shard_of(rank: int, size: int, seed: int) -> torch.Tensor:
     return torch.randn(size, generator=torch.Generator().manual_seed(seed + rank))
 
 
-def gather_job(by_broadcast: bool, full_dtype: torch.dtype, size: int, seed: int, in_place: bool):
+def gather_job(
+    by_exchange: bool, full_dtype: torch.dtype, size: int, seed: int, where: str
+) -> tuple:
+    """``where`` the shard is: "apart" (a tensor of its own), "in_place" (the full tensor's own
+    slice, as fp32 masters are) or "own_left" (apart, and ``own_in_full=False``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     full = torch.full((size * world,), float("nan"), dtype=full_dtype)
     shard = _shard_of(rank, size, seed)
-    if in_place:  # the shard already lives in the full tensor, as fp32 masters do
+    if where == "in_place":
         full.narrow(0, rank * size, size).copy_(shard)
         shard = full.narrow(0, rank * size, size)
-    for work in launch_all_gather(full, shard, dist.group.WORLD, by_broadcast=by_broadcast):
+    works = launch_all_gather(
+        full, shard, dist.group.WORLD, by_exchange=by_exchange, own_in_full=where != "own_left"
+    )
+    for work in works:
         work.wait()
-    return full, backend_for(dist.group.WORLD, torch.device("cpu"))
+    return full, backend_for(dist.group.WORLD, torch.device("cpu")), len(works)
 
 
-@pytest.mark.parametrize("by_broadcast", [True, False])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("by_exchange", [True, False])
 @pytest.mark.parametrize(
-    "full_dtype, in_place",
-    [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)],
+    "full_dtype, where",
+    [
+        (torch.float32, "apart"),
+        (torch.float32, "in_place"),
+        (torch.bfloat16, "apart"),
+        (torch.float32, "own_left"),
+    ],
 )
-def test_every_rank_gets_every_shard(pool3, by_broadcast, full_dtype, in_place):
+def test_every_rank_gets_every_shard(pools, world, by_exchange, full_dtype, where):
     seed = int(torch.randint(0, 2**30, (1,)))
     size = 1001  # odd: no alignment assumed
-    outputs = pool3.run(gather_job, by_broadcast, full_dtype, size, seed, in_place)
-    expected = torch.cat([_shard_of(r, size, seed) for r in range(3)]).to(full_dtype)
-    for full, backend in outputs:
+    outputs = pools(world).run(gather_job, by_exchange, full_dtype, size, seed, where)
+    shards = [_shard_of(r, size, seed).to(full_dtype) for r in range(world)]
+    for rank, (full, backend, collectives) in enumerate(outputs):
         assert backend == "gloo"
-        assert torch.equal(full, expected)
+        expected = list(shards)
+        if where == "own_left" and by_exchange:  # this rank's slice is not written
+            expected[rank] = torch.full((size,), float("nan"), dtype=full_dtype)
+        assert torch.equal(full.nan_to_num(7.0), torch.cat(expected).nan_to_num(7.0))
+        # One collective for the backend's all-gather and the pair's all-to-all; one broadcast
+        # per rank among 3.
+        assert collectives == (world if by_exchange and world > 2 else 1)
 
 
 def wrong_size_job():
     full = torch.empty(10)
     try:
-        launch_all_gather(full, torch.empty(4), dist.group.WORLD, by_broadcast=True)
+        launch_all_gather(full, torch.empty(4), dist.group.WORLD, by_exchange=True)
     except ValueError as error:
         return str(error)
     return "no error"

@@ -40,22 +40,22 @@ def _layout(engine) -> dict:
 @contextlib.contextmanager
 def _backend_all_gather(calls: list):
     """Gathers by the backend's all-gather (what NCCL runs; gloo runs it too) instead of gloo's
-    broadcast per rank, counting the all-gathers launched in ``calls``."""
+    in-place exchange, counting the all-gathers launched in ``calls``."""
     from deepspeed_cpp.runtime.zero import pass_agreement, shard_gather, unit
 
-    saved = (unit.gathers_by_broadcast, pass_agreement.gathers_by_broadcast)
+    saved = (unit.gathers_by_exchange, pass_agreement.gathers_by_exchange)
     all_gather_flat = shard_gather.all_gather_flat
 
     def counted(*args, **kwargs):
         calls.append(1)
         return all_gather_flat(*args, **kwargs)
 
-    unit.gathers_by_broadcast = pass_agreement.gathers_by_broadcast = lambda *_: False
+    unit.gathers_by_exchange = pass_agreement.gathers_by_exchange = lambda *_: False
     shard_gather.all_gather_flat = counted
     try:
         yield
     finally:
-        unit.gathers_by_broadcast, pass_agreement.gathers_by_broadcast = saved
+        unit.gathers_by_exchange, pass_agreement.gathers_by_exchange = saved
         shard_gather.all_gather_flat = all_gather_flat
 
 
@@ -117,11 +117,11 @@ def _whole_storages(value) -> bool:
 @pytest.mark.parametrize(
     "world, dtype, replace_at, collective",
     [
-        (2, "fp32", None, "broadcast"),
-        (2, "fp32", 1, "broadcast"),
-        (2, "bf16", 1, "broadcast"),
+        (2, "fp32", None, "exchange"),
+        (2, "fp32", 1, "exchange"),
+        (2, "bf16", 1, "exchange"),
         # 3 ranks: the middle rank's copy-out reads its own row between two received ones.
-        (3, "fp32", None, "broadcast"),
+        (3, "fp32", None, "exchange"),
         # The backend's all-gather (NCCL's path), on gloo: sent from the storage, every row
         # received, the agreement's headers riding along.
         (2, "fp32", None, "all_gather"),

@@ -3,8 +3,8 @@
 calls. Built with the stage's ``ShardSet`` by ``shard_set_builder.py``.
 
 After a step each rank holds the new values of its own slice of every bucket; one all-gather per
-bucket (``shard_gather.py``: broadcasts on gloo) spreads them, straight into the bucket's flat
-tensor where the parameters still view it, else through a temporary one copied out. Gathers are
+bucket (``shard_gather.py``: exchanged in place on gloo) spreads them, straight into the bucket's
+flat tensor where the parameters still view it, else through a temporary one copied out. Gathers are
 launched bucket by bucket as the step goes, and waited for together (``finish_gathers``).
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from ...comm.collective_errors import named_collective
 from ...ops.zero import flatten_into, unflatten_from
-from .shard_gather import gathers_by_broadcast, launch_all_gather
+from .shard_gather import gathers_by_exchange, launch_all_gather
 from .shard_set import Bucket, ShardSet
 
 
@@ -28,7 +28,7 @@ class MasterGathers:
         self.reducer = reducer
         self.buckets_final_after = buckets_final_after
         device = shards.params[0].device
-        self.gather_by_broadcast = gathers_by_broadcast(shards.group, device)
+        self.gather_by_exchange = gathers_by_exchange(shards.group, device)
 
     def buckets_reduced(self) -> int:
         """How many leading buckets have their shard gradient reduced in this backward (final
@@ -78,7 +78,7 @@ class MasterGathers:
             works = []
         else:
             works = launch_all_gather(
-                full, master.detach(), self.shards.group, by_broadcast=self.gather_by_broadcast
+                full, master.detach(), self.shards.group, by_exchange=self.gather_by_exchange
             )
         return bucket, full, works, in_place
 

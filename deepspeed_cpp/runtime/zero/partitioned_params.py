@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
 from .param_summary import attach_summary
-from .shard_gather import gathers_by_broadcast, launch_all_gather
+from .shard_gather import gathers_by_exchange, launch_all_gather
 
 SHARD_ALIGNMENT = 16  # elements; the bucket planner pads with the same multiple
 
@@ -170,8 +170,8 @@ def start_gather(param: torch.nn.Parameter, group=None) -> None:
         full.copy_(shard)
         works = []
     else:
-        by_broadcast = gathers_by_broadcast(group, shard.device)
-        works = launch_all_gather(full, shard, group or dist.group.WORLD, by_broadcast=by_broadcast)
+        by_exchange = gathers_by_exchange(group, shard.device)
+        works = launch_all_gather(full, shard, group or dist.group.WORLD, by_exchange=by_exchange)
     param.ds_works = (full, works)
     param.ds_status = ZeroParamStatus.INFLIGHT
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.collective_errors import named_collective
-from .shard_gather import all_gather_flat, gathers_by_broadcast, launch_all_gather
+from .shard_gather import all_gather_flat, gathers_by_exchange, launch_all_gather
 
 END = -1  # the unit of a check at the end of a pass
 HEADER_NUMEL = 5  # deviated, uses, digest, gather index, unit (int64 each)
@@ -235,9 +235,7 @@ def _launch_stand_in(layout: tuple[int, torch.device], header: torch.Tensor, gro
     gathered = torch.zeros(row * world, dtype=torch.uint8, device=device)
     own = gathered.narrow(0, dist.get_rank(group) * row, row)
     own[data_bytes:].copy_(header.view(torch.uint8))
-    works = launch_all_gather(
-        gathered, own, group, by_broadcast=gathers_by_broadcast(group, device)
-    )
+    works = launch_all_gather(gathered, own, group, by_exchange=gathers_by_exchange(group, device))
     return works, gathered
 
 

@@ -11,11 +11,11 @@ kept for the parameter's lifetime and emptied on release, so the views autograd 
 valid) and frees the gathered buffer. A unit of one parameter gathers straight into its whole
 tensor, no copy.
 
-On gloo the all-gather is one broadcast per rank (``shard_gather.py``: gloo's own all-gather
-goes through a freshly allocated flat copy of the whole output), so a unit's gather counts as
-``world`` collectives there and this rank's row is copied out of the unit's storage, not
-received; other backends use their all-gather. Measured on the issue-27 benchmark's
-transformer, 2 ranks, both together: ZeRO-3's step 1.14x -> 1.09x our ZeRO-2's
+On gloo the shards are exchanged in place instead of through gloo's all-gather (which copies
+through a freshly allocated flat tensor): one all-to-all between 2 ranks, one broadcast per rank
+among more (``shard_gather.py``); this rank's row is then copied out of the unit's storage, not
+received. Other backends use their all-gather. Measured on the issue-27 benchmark's transformer,
+2 ranks, broadcasts and the storage together: ZeRO-3's step 1.14x -> 1.09x our ZeRO-2's
 (``benchmarks/results/zero3_step_s10.txt``).
 
 The copy-out is what FSDP2's ``FSDPParamGroup`` does too (per-parameter shards, one all-gather
@@ -47,7 +47,7 @@ from ...comm.collective_errors import named_collective
 from . import partition_parameters as pp
 from .gather_buffers import GatherBuffers
 from .pass_agreement import header_bytes, read_headers
-from .shard_gather import gathers_by_broadcast, launch_all_gather
+from .shard_gather import gathers_by_exchange, launch_all_gather
 from .unit_shards import UnitShards
 
 
@@ -198,19 +198,19 @@ class _FlatGather:
         first = self.params[0]
         dtype, device = first.ds_tensor.dtype, pp.device_of(first)
         total = sum(self.sizes)
-        by_broadcast = gathers_by_broadcast(self.group, device)
+        by_exchange = gathers_by_exchange(self.group, device)
         if self.shards is not None and (self.header is not None or len(self.params) > 1):
-            # Sent from the unit's storage, nothing packed. A broadcast lands the other ranks'
+            # Sent from the unit's storage, nothing packed. An exchange lands the other ranks'
             # rows only; this rank's is read from the storage again at the copy-out.
             send = self.shards.row(self.header)
             self.gathered = self._buffer(send.numel() * self.world, send.dtype, device)
-            if by_broadcast and self.header is not None:  # read_headers reads every row's
+            if by_exchange and self.header is not None:  # read_headers reads every row's
                 row = send.numel()
                 start = rank * row + self.shards.data_bytes
                 self.gathered[start : start + header_bytes()].copy_(self.header.view(torch.uint8))
-            self.own_from_shards = by_broadcast
+            self.own_from_shards = by_exchange
             self.works = launch_all_gather(
-                self.gathered, send, self.group, by_broadcast=by_broadcast, own_in_full=False
+                self.gathered, send, self.group, by_exchange=by_exchange, own_in_full=False
             )
         else:
             # This rank's part is packed straight into its slice of the receive buffer: the
@@ -230,9 +230,7 @@ class _FlatGather:
                 self.gathered = self._buffer(total * self.world, dtype, device)
                 own = self.gathered.narrow(0, rank * total, total)
                 self._pack_shards(own)
-            self.works = launch_all_gather(
-                self.gathered, own, self.group, by_broadcast=by_broadcast
-            )
+            self.works = launch_all_gather(self.gathered, own, self.group, by_exchange=by_exchange)
         for param in self.params:
             param.ds_works = self
             param.ds_status = pp.ZeroParamStatus.INFLIGHT
