@@ -143,8 +143,11 @@ def unshard_together(
         headers = agreement.headers_for(layouts, use)
     for index, (params, _size, packed_units) in enumerate(collectives):
         # One whole unit whose shards are still together: sent from there, nothing packed.
+        # (The collective's parameters are the unit's claimed ones, in order: the same list
+        # when none was already whole or in flight. Not ``==``: that compares tensors.)
         only = packed_units[0] if len(packed_units) == 1 else None
-        shards = only.shards if only is not None and params == only.params else None
+        whole_unit = only is not None and len(params) == len(only.params)
+        shards = only.shards if whole_unit else None
         if shards is not None and not shards.intact(params):
             shards = None
         if headers is None:
