@@ -13,6 +13,16 @@ the measurements behind the per-unit changes of issue 27.
 
     python benchmarks/zero3_step_profile.py [--model deep|transformer] [--rounds 20]
         [--breakdown] [--whole-layers] [--timeline] [--prefetch 5e6]
+        [--probe keep-storage|no-copy-out]
+
+``--probe`` (timing only: what a change would gain, not a mode to train with) patches the ZeRO-3
+gathers in these processes: ``keep-storage`` keeps each parameter's whole storage between
+gathers instead of emptying it on release; ``no-copy-out`` also skips the copy-out of every
+gather after a unit's first, so the parameters keep their first gathered values (as if the
+gathered buffer were the parameters themselves). Measured (issue 27, 2026-11-28 10:24 UTC,
+transformer, 8 rounds, each twice, ``benchmarks/results/zero3_step_s10.txt``): ZeRO-3/ZeRO-2
+1.08 / 1.06 without a probe, 1.13 / 1.11 with ``keep-storage``, 1.06 / 1.06 with
+``no-copy-out``.
 
 ``--whole-layers`` adds a third engine in the same processes, taking its turn in each round: ZeRO-3
 with the block cap lifted (each transformer layer one unit whole, whatever
@@ -197,8 +207,41 @@ def engine_labels(args) -> list[str]:
 ZERO2, ZERO3, WHOLE = "ZeRO-2", "ZeRO-3", "ZeRO-3 whole layers"
 
 
+def install_probe(probe: str) -> None:
+    """``--probe`` (see the module docstring): patches these processes' ZeRO-3 gathers."""
+    from deepspeed_cpp.runtime.zero import partition_parameters as pp
+    from deepspeed_cpp.runtime.zero import unit
+
+    release = pp.release
+
+    def release_keeping_storage(param):
+        whole = getattr(param, "ds_whole", None)
+        if whole is None:
+            return release(param)
+        # release empties ds_whole's storage: hand it a stand-in, put the real one back.
+        param.ds_whole = torch.empty(0, dtype=whole.dtype, device=whole.device)
+        try:
+            return release(param)
+        finally:
+            param.ds_whole = whole
+
+    pp.release = release_keeping_storage
+    if probe == "no-copy-out":
+        copy_out, copied = unit._FlatGather._copy_out, set()
+
+        def first_copy_out_only(gather, data, wholes):
+            key = tuple(id(p) for p in gather.params)
+            if key not in copied:
+                copied.add(key)
+                copy_out(gather, data, wholes)
+
+        unit._FlatGather._copy_out = first_copy_out_only
+
+
 def worker(rank: int, args) -> dict:
     torch.set_num_threads(1)
+    if args.probe:
+        install_probe(args.probe)
     breakdowns = {label: Breakdown(args.timeline) for label in engine_labels(args)[1:]}
     if args.breakdown or args.timeline:
         Breakdown.install_all(breakdowns)
@@ -276,6 +319,11 @@ def main() -> None:
         help="print rank 0's fetches and gathers in the last measured step",
     )
     parser.add_argument("--prefetch", type=float, default=5e6, help="stage3_prefetch_bucket_size")
+    parser.add_argument(
+        "--probe",
+        choices=("keep-storage", "no-copy-out"),
+        help="timing probe of ZeRO-3's gathers (see the module docstring)",
+    )
     args = parser.parse_args()
     ranks = run_on_ranks(2, worker, args)
     labels = engine_labels(args)
