@@ -13,7 +13,12 @@ the measurements behind the per-unit changes of issue 27.
 
     python benchmarks/zero3_step_profile.py [--model deep|transformer] [--rounds 20]
         [--breakdown] [--whole-layers] [--timeline] [--prefetch 5e6]
-        [--probe keep-storage|no-copy-out]
+        [--probe keep-storage|no-copy-out] [--cprofile]
+
+``--cprofile`` profiles rank 0's main thread over each engine's measured steps (one profiler per
+engine) and prints the functions with the most own and inclusive time: where a ZeRO-3 step's
+extra Python goes, next to ZeRO-2's. The breakdown's optimizer rows cover ZeRO-2 too (the
+gradient hand-over and its reductions are the same code at both stages).
 
 ``--probe`` (timing only: what a change would gain, not a mode to train with) patches the ZeRO-3
 gathers in these processes: ``keep-storage`` keeps each parameter's whole storage between
@@ -73,9 +78,12 @@ parameter shards: a copy-out per gather and one optimizer tensor per parameter).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import gc
+import io
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -238,11 +246,21 @@ def install_probe(probe: str) -> None:
         unit._FlatGather._copy_out = first_copy_out_only
 
 
+def _top_functions(profile: cProfile.Profile, count: int = 40) -> str:
+    """The functions with the most own time, then the most time inclusive, as pstats prints
+    them (over all measured steps)."""
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(count)
+    stats.sort_stats("cumulative").print_stats(count)
+    return text.getvalue()
+
+
 def worker(rank: int, args) -> dict:
     torch.set_num_threads(1)
     if args.probe:
         install_probe(args.probe)
-    breakdowns = {label: Breakdown(args.timeline) for label in engine_labels(args)[1:]}
+    breakdowns = {label: Breakdown(args.timeline) for label in engine_labels(args)}
     if args.breakdown or args.timeline:
         Breakdown.install_all(breakdowns)
     engines = {
@@ -255,6 +273,9 @@ def worker(rank: int, args) -> dict:
     thread: dict[str, list[float]] = {label: [] for label in engines}
     # Wall time of each phase of a step, per engine: forward, backward, step.
     phases: dict[str, list[list[float]]] = {label: [] for label in engines}
+    # --cprofile: one profiler per engine, on for its measured steps (rank 0's main thread).
+    profiling = args.cprofile and rank == 0
+    profiles = {label: cProfile.Profile() for label in engines} if profiling else {}
     for round_index in range(args.warmup + args.rounds):
         if args.model == "deep":
             batch = torch.randn(32, 256, generator=generator)
@@ -268,6 +289,9 @@ def worker(rank: int, args) -> dict:
                 breakdown.on = True
                 breakdown.events.clear()  # the timeline keeps the last measured step's
                 breakdown.step_start = time.perf_counter()
+            profile = profiles.get(label) if measured else None
+            if profile is not None:
+                profile.enable()
             start, cpu_start = time.perf_counter(), time.process_time()
             thread_start = time.thread_time()
             output = engine(batch)
@@ -276,6 +300,8 @@ def worker(rank: int, args) -> dict:
             engine.backward(loss)
             backward_end, backward_cpu = time.perf_counter(), time.process_time()
             engine.step()
+            if profile is not None:
+                profile.disable()
             if measured:
                 phases[label].append(
                     [
@@ -303,6 +329,7 @@ def worker(rank: int, args) -> dict:
                               for k, v in b.seconds.items()}
                       for label, b in breakdowns.items()},
         "timeline": {label: b.events for label, b in breakdowns.items()},
+        "profile": {label: _top_functions(p) for label, p in profiles.items()},
     }  # fmt: skip
 
 
@@ -323,6 +350,11 @@ def main() -> None:
         "--probe",
         choices=("keep-storage", "no-copy-out"),
         help="timing probe of ZeRO-3's gathers (see the module docstring)",
+    )
+    parser.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="cProfile rank 0's measured steps per engine and print the top functions",
     )
     args = parser.parse_args()
     ranks = run_on_ranks(2, worker, args)
@@ -351,7 +383,7 @@ def main() -> None:
         print(f"deepspeed_cpp {label:19} {cells[0]:10.1f} {cells[1]:8.1f} {cells[2]:7.1f} "
               f"{cells[3]:8.1f} {cells[4]:8.1f} {cells[5]:8.1f}")  # fmt: skip
     if args.breakdown:
-        for label in labels[1:]:
+        for label in labels:
             print(f"  {label} per step (rank 0 / rank 1, inclusive ms; calls):")
             for name in sorted(ranks[0]["breakdown"][label]):
                 cells = [r["breakdown"][label].get(name, (0.0, 0)) for r in ranks]
@@ -363,6 +395,10 @@ def main() -> None:
                   "gather: shard elements):")  # fmt: skip
             for name, start, end, what in ranks[0]["timeline"][label]:
                 print(f"    {name:20} {start:9.1f} {end:9.1f} {end - start:8.1f}  {what}")
+
+    for label, text in ranks[0]["profile"].items():
+        print(f"  cProfile of rank 0's {args.rounds} measured {label} steps (own time first):")
+        print(text)
 
 
 if __name__ == "__main__":
