@@ -12,7 +12,12 @@ import torch.distributed as dist
 
 JOB_TIMEOUT = 180.0
 WIDTH, BLOCKS, STEPS, MICRO_BATCH = 192, 3, 3, 4
-LR, EPS = 1e-2, 1e-6
+# Adam's update lr * m / (sqrt(v) + eps) moves by up to lr / (4 * eps) per unit of gradient where a
+# gradient is near eps, magnifying the fp32 rounding of the 2 ranks' gradient sum (against the one
+# process's global batch; the norm's backward cancels heavily). Largest difference from the
+# reference on an AMD EPYC host, every seed and unit layout alike: 4.6e-6 at eps 1e-6 (over the
+# 2e-6 bound), 1.1e-6 at 1e-4, 2.9e-7 at 1e-3.
+LR, EPS = 1e-2, 1e-3
 
 
 class Block(torch.nn.Module):
