@@ -15,10 +15,11 @@ the measurements behind the per-unit changes of issue 27.
         [--breakdown] [--whole-layers] [--timeline] [--prefetch 5e6]
         [--probe keep-storage|no-copy-out] [--cprofile]
 
-``--cprofile`` profiles rank 0's main thread over each engine's measured steps (one profiler per
-engine) and prints the functions with the most own and inclusive time: where a ZeRO-3 step's
-extra Python goes, next to ZeRO-2's. The breakdown's optimizer rows cover ZeRO-2 too (the
-gradient hand-over and its reductions are the same code at both stages).
+Each phase's minor page faults are counted too (the largest rank's median): pages written for the
+first time, as by a buffer allocated afresh. ``--cprofile`` profiles rank 0's main thread over each
+engine's measured steps (one profiler per engine) and prints the functions with the most own and
+inclusive time: where a ZeRO-3 step's extra Python goes, next to ZeRO-2's. The breakdown's optimizer
+rows cover ZeRO-2 too (the gradient hand-over and its reductions are the same code at both stages).
 
 ``--probe`` (timing only: what a change would gain, not a mode to train with) patches the ZeRO-3
 gathers in these processes: ``keep-storage`` keeps each parameter's whole storage between
@@ -27,7 +28,10 @@ gather after a unit's first, so the parameters keep their first gathered values 
 gathered buffer were the parameters themselves). Measured (issue 27, 2026-11-28 10:24 UTC,
 transformer, 8 rounds, each twice, ``benchmarks/results/zero3_step_s10.txt``): ZeRO-3/ZeRO-2
 1.08 / 1.06 without a probe, 1.13 / 1.11 with ``keep-storage``, 1.06 / 1.06 with
-``no-copy-out``.
+``no-copy-out`` (a kept storage was then resized to its own size, which in torch's CPU resize
+allocates anew and copies). Redone with the probe handing a kept storage back as it is (12:24,
+``benchmarks/results/zero3_step_s11.txt``): 1.06 / 1.05 without, 1.04 / 1.08 ``keep-storage``,
+1.01 / 1.06 ``no-copy-out``: within this machine's noise.
 
 ``--whole-layers`` adds a third engine in the same processes, taking its turn in each round: ZeRO-3
 with the block cap lifted (each transformer layer one unit whole, whatever
@@ -84,6 +88,7 @@ import gc
 import io
 import os
 import pstats
+import resource
 import statistics
 import sys
 import time
@@ -218,7 +223,7 @@ ZERO2, ZERO3, WHOLE = "ZeRO-2", "ZeRO-3", "ZeRO-3 whole layers"
 def install_probe(probe: str) -> None:
     """``--probe`` (see the module docstring): patches these processes' ZeRO-3 gathers."""
     from deepspeed_cpp.runtime.zero import partition_parameters as pp
-    from deepspeed_cpp.runtime.zero import unit
+    from deepspeed_cpp.runtime.zero import partitioned_params, unit
 
     release = pp.release
 
@@ -234,6 +239,18 @@ def install_probe(probe: str) -> None:
             param.ds_whole = whole
 
     pp.release = release_keeping_storage
+    whole_buffer = pp.whole_buffer
+
+    def whole_buffer_kept(param, numel):
+        # Resizing a storage to the size it has allocates a new one and copies (torch's CPU
+        # resize): a kept storage is handed back as it is.
+        whole = getattr(param, "ds_whole", None)
+        if whole is not None and whole.untyped_storage().nbytes() == numel * whole.element_size():
+            return whole
+        return whole_buffer(param, numel)
+
+    pp.whole_buffer = whole_buffer_kept
+    partitioned_params.whole_buffer = whole_buffer_kept  # start_gather's (one parameter alone)
     if probe == "no-copy-out":
         copy_out, copied = unit._FlatGather._copy_out, set()
 
@@ -244,6 +261,11 @@ def install_probe(probe: str) -> None:
                 copy_out(gather, data, wholes)
 
         unit._FlatGather._copy_out = first_copy_out_only
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far: fresh pages written (a buffer allocated anew)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _top_functions(profile: cProfile.Profile, count: int = 40) -> str:
@@ -293,12 +315,14 @@ def worker(rank: int, args) -> dict:
             if profile is not None:
                 profile.enable()
             start, cpu_start = time.perf_counter(), time.process_time()
-            thread_start = time.thread_time()
+            thread_start, faults_start = time.thread_time(), _minor_faults()
             output = engine(batch)
             loss = output.square().mean() if args.model == "deep" else lm_loss(output, batch)
             forward_end, forward_cpu = time.perf_counter(), time.process_time()
+            forward_faults = _minor_faults()
             engine.backward(loss)
             backward_end, backward_cpu = time.perf_counter(), time.process_time()
+            backward_faults = _minor_faults()
             engine.step()
             if profile is not None:
                 profile.disable()
@@ -311,6 +335,9 @@ def worker(rank: int, args) -> dict:
                         forward_cpu - cpu_start,
                         backward_cpu - forward_cpu,
                         time.process_time() - backward_cpu,
+                        forward_faults - faults_start,
+                        backward_faults - forward_faults,
+                        _minor_faults() - backward_faults,
                     ]
                 )
                 times[label].append(time.perf_counter() - start)
@@ -382,6 +409,10 @@ def main() -> None:
         cells = [max(r["phases"][label][i] for r in ranks) * 1e3 for i in range(6)]
         print(f"deepspeed_cpp {label:19} {cells[0]:10.1f} {cells[1]:8.1f} {cells[2]:7.1f} "
               f"{cells[3]:8.1f} {cells[4]:8.1f} {cells[5]:8.1f}")  # fmt: skip
+    print(f"{'minor page faults (median)':33} {'forward':>10} {'backward':>8} {'step':>7}")
+    for label in labels:
+        cells = [max(r["phases"][label][i] for r in ranks) for i in range(6, 9)]
+        print(f"deepspeed_cpp {label:19} {cells[0]:10.0f} {cells[1]:8.0f} {cells[2]:7.0f}")
     if args.breakdown:
         for label in labels:
             print(f"  {label} per step (rank 0 / rank 1, inclusive ms; calls):")

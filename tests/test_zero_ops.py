@@ -319,7 +319,7 @@ def accumulate_job(scatter: bool):
         returned = reducer.finish()
         assert all(r.data_ptr() == d.data_ptr() for r, d in zip(returned, destinations))
         snapshots.append([d.clone() for d in destinations])
-        harvests.append((seen, reducer.harvested()))
+        harvests.append((seen, reducer.harvested(), reducer.spare_bytes()))
     try:
         reducer.accumulate_into([torch.zeros(3)] * len(sizes), 1.0)
         message = "no error"
@@ -336,7 +336,13 @@ def test_reducer_accumulates_into_destinations(pool3, scatter):
     ):
         # harvested(): a growing prefix of buckets whose destinations already hold their final
         # value for the step, before finish() (which harvests the rest and resets it to 0).
-        for (seen, after_finish), snapshot in zip(harvests, snapshots):
+        # The reduced buckets' buffers are kept for the next ones (the second step fills them
+        # again, stale values and all; the snapshots below show nothing leaks through): three,
+        # the largest (a bucket may have filled a spare larger than itself).
+        largest = sorted(plan.bucket_sizes, reverse=True)
+        for _, _, spare in harvests:
+            assert 4 * sum(largest[:3]) <= spare <= 4 * 3 * largest[0], (spare, largest)
+        for (seen, after_finish, _), snapshot in zip(harvests, snapshots):
             counts = [count for count, _ in seen]
             assert counts == sorted(counts) and 0 < counts[-1] < len(plan.bucket_sizes), counts
             for count, prefix in seen:

@@ -142,7 +142,9 @@ void GradientReducer::harvest(size_t bucket_index, bool copy_slice) {
     }
     bucket.result = destination;
     release(bucket.shard);
-    release(buffer);
+    // Nothing refers to the buffer now: it is kept for a later bucket (ReducerBuffers::recycle).
+    held_bytes_ -= static_cast<int64_t>(buffer.nbytes());
+    buffers_.recycle(static_cast<int64_t>(bucket_index));
     return;
   }
   if (has_reduce_scatter_) {

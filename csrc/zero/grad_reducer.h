@@ -75,6 +75,9 @@ class GradientReducer : public torch::CustomClassHolder {
   // full-size is kept), and the most it has held at once since it was built.
   int64_t held_bytes() const { return held_bytes_; }
   int64_t peak_held_bytes() const { return peak_held_bytes_; }
+  // Buffers of reduced buckets kept for the next ones (ReducerBuffers::recycle): at most three,
+  // what a backward holds at once anyway; not counted in held_bytes.
+  int64_t spare_bytes() const { return buffers_.spare_bytes(); }
 
   // With `scatter` or destinations, at most this many launched reductions are left in flight:
   // launching one more first waits for the oldest and keeps only its shard (or adds it into its

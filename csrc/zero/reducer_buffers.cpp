@@ -114,7 +114,10 @@ bool ReducerBuffers::ensure_buffer(Bucket& bucket) {
   if (bucket.buffer.defined()) return false;
   // Parameters overwrite their own slices; only the padding needs zeros (the collective sums it
   // and a shard may end in it).
-  bucket.buffer = at::empty({bucket.size}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  bucket.whole = take_spare(bucket.size);
+  if (!bucket.whole.defined())
+    bucket.whole = at::empty({bucket.size}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  bucket.buffer = bucket.whole.narrow(0, 0, bucket.size);
   if (bucket.used < bucket.size)
     bucket.buffer.narrow(0, bucket.used, bucket.size - bucket.used).zero_();
   return true;
@@ -162,6 +165,7 @@ bool ReducerBuffers::fill_missing(int64_t bucket_index) {
   if (bucket.arrived == 0 && !bucket.buffer.defined()) {
     // Nothing arrived: one zero fill of the whole buffer instead of padding plus every member.
     bucket.buffer = at::zeros({bucket.size}, at::TensorOptions().dtype(at::kFloat).device(device_));
+    bucket.whole = bucket.buffer;
     for (int64_t p : bucket.members) param_arrived_[p] = 1;
     bucket.arrived = static_cast<int64_t>(bucket.members.size());
     return true;
@@ -192,9 +196,39 @@ void ReducerBuffers::check_destination(int64_t bucket, const at::Tensor& destina
               device_, "; reduced buckets are not copied between devices");
 }
 
+at::Tensor ReducerBuffers::take_spare(int64_t numel) {
+  // Largest first: the last one that fits is the smallest that does.
+  for (size_t i = spare_.size(); i-- > 0;) {
+    if (spare_[i].numel() < numel) continue;
+    at::Tensor spare = std::move(spare_[i]);
+    spare_.erase(spare_.begin() + static_cast<std::ptrdiff_t>(i));
+    return spare;
+  }
+  return at::Tensor();
+}
+
+void ReducerBuffers::recycle(int64_t bucket_index) {
+  Bucket& bucket = buckets_[bucket_index];
+  at::Tensor whole = std::move(bucket.whole);
+  bucket.whole = at::Tensor();
+  bucket.buffer = at::Tensor();
+  if (!whole.defined()) return;
+  spare_.push_back(std::move(whole));
+  std::stable_sort(spare_.begin(), spare_.end(),
+                   [](const at::Tensor& a, const at::Tensor& b) { return a.numel() > b.numel(); });
+  if (spare_.size() > kMaxSpareBuffers) spare_.resize(kMaxSpareBuffers);
+}
+
+int64_t ReducerBuffers::spare_bytes() const {
+  int64_t bytes = 0;
+  for (const at::Tensor& spare : spare_) bytes += static_cast<int64_t>(spare.nbytes());
+  return bytes;
+}
+
 void ReducerBuffers::reset() {
   for (Bucket& bucket : buckets_) {
     bucket.buffer = at::Tensor();
+    bucket.whole = at::Tensor();
     bucket.arrived = 0;
   }
   std::fill(param_arrived_.begin(), param_arrived_.end(), 0);

@@ -125,6 +125,7 @@ TORCH_LIBRARY_FRAGMENT(deepspeed_cpp, m) {
       .def("collective", &deepspeed_cpp::GradientReducer::collective)
       .def("held_bytes", &deepspeed_cpp::GradientReducer::held_bytes)
       .def("peak_held_bytes", &deepspeed_cpp::GradientReducer::peak_held_bytes)
+      .def("spare_bytes", &deepspeed_cpp::GradientReducer::spare_bytes)
       .def("rank", &deepspeed_cpp::GradientReducer::rank)
       .def("world_size", &deepspeed_cpp::GradientReducer::world_size)
       .def("num_buckets", &deepspeed_cpp::GradientReducer::num_buckets)
