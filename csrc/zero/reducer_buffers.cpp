@@ -163,9 +163,10 @@ bool ReducerBuffers::add_grad(int64_t param, const at::Tensor& grad) {
 bool ReducerBuffers::fill_missing(int64_t bucket_index) {
   Bucket& bucket = buckets_[bucket_index];
   if (bucket.arrived == 0 && !bucket.buffer.defined()) {
-    // Nothing arrived: one zero fill of the whole buffer instead of padding plus every member.
-    bucket.buffer = at::zeros({bucket.size}, at::TensorOptions().dtype(at::kFloat).device(device_));
-    bucket.whole = bucket.buffer;
+    // Nothing arrived: one zero fill of the whole buffer instead of padding plus every member
+    // (a spare, like any other bucket's, where one fits).
+    ensure_buffer(bucket);
+    bucket.buffer.zero_();
     for (int64_t p : bucket.members) param_arrived_[p] = 1;
     bucket.arrived = static_cast<int64_t>(bucket.members.size());
     return true;
