@@ -417,6 +417,27 @@ def test_random_traces_are_deterministic():
         assert run_calls(first, calls) == run_calls(second, calls)
 
 
+def test_on_use_and_diverged_answers_both_questions_of_one_use():
+    # The coordinator's one call per use: the same launches, and then the same divergence
+    # state, as on_use followed by diverged(), through passes that branch, stop early and skip.
+    for seed in range(200, 230):
+        numel, (bucket, live, reuse), calls = random_run(seed)
+        separate = schedule(numel, bucket=bucket, live=live, reuse=reuse)
+        combined = schedule(numel, bucket=bucket, live=live, reuse=reuse)
+        for kind, unit in calls:
+            if kind == "use":
+                expected = (list(separate.on_use(unit)), separate.diverged())
+                launches, diverged = combined.on_use_and_diverged(unit)
+                assert (list(launches), diverged) == expected
+            else:
+                args = () if unit is None else (unit,)
+                method = {"done": "on_done", "end": "end_pass"}.get(kind, kind)
+                assert getattr(combined, method)(*args) == getattr(separate, method)(*args)
+        assert combined.divergences() == separate.divergences()
+    with pytest.raises(RuntimeError, match="unit 9"):
+        combined.on_use_and_diverged(9)  # the same checks as on_use
+
+
 def test_window_takes_one_unit_larger_than_the_bucket():
     # A unit above the bucket (a transformer layer above stage3_prefetch_bucket_size) is still
     # prefetched, alone: the window always takes one unit; a second one must fit the bucket.

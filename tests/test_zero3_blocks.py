@@ -1,9 +1,10 @@
-"""ZeRO-3 units from a model's repeated blocks (2 real gloo processes, the session pool): each
-block of an ``nn.ModuleList`` is one fetch unit whole (not one per large Linear), also above
-``stage3_prefetch_bucket_size``; a block above ``stage3_max_live_parameters``, and
-``stage3_unit_min_numel`` 0, fall back to the per-module rules; the blocks' gathers and
-reductions are coalesced into a few collectives per step; and training equals one process with
-torch's AdamW on the global batch in every case."""
+"""ZeRO-3 units from a model's repeated blocks (2 real gloo processes, the session pool): the
+blocks of an ``nn.ModuleList`` are fetch units whole (not one per large Linear), also above
+``stage3_prefetch_bucket_size``, consecutive small ones grouped into one unit (up to 16 x
+``stage3_unit_min_numel`` elements: all three blocks by default, one unit per block with a smaller
+minimum); a block above ``stage3_max_live_parameters``, and ``stage3_unit_min_numel`` 0, fall back
+to the per-module rules; the blocks' gathers and reductions are coalesced into a few collectives
+per step; and training equals one process with torch's AdamW on the global batch in every case."""
 
 from __future__ import annotations
 
@@ -124,6 +125,8 @@ def test_repeated_blocks_are_units_and_train_like_one_process(pool2):
     block = sum(p.numel() for p in Block().parameters())
     cases = {
         "blocks": {},
+        # A minimum of 4,096 elements groups blocks up to 65,536: each 74,496-element block alone.
+        "blocks alone": {"stage3_unit_min_numel": 4096},
         # A block above the live budget is split by the per-module rules.
         "over the cap": {"stage3_max_live_parameters": block - 1},
         # One above the prefetch bucket stays whole (prefetched alone).
@@ -141,7 +144,9 @@ def test_repeated_blocks_are_units_and_train_like_one_process(pool2):
         results[case] = first
 
     blocks = results["blocks"]
-    assert blocks["names"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"], blocks["names"]
+    assert blocks["names"] == ["<root>", "blocks.0..blocks.2"], blocks["names"]
+    alone = results["blocks alone"]["names"]
+    assert alone == ["<root>", "blocks.0", "blocks.1", "blocks.2"], alone
     split = results["over the cap"]["names"]
     assert "blocks.0" in split and "blocks.0.up" in split and "blocks.0.down" in split, split
     assert "blocks.0.norm" not in split, split  # the norm still joins its block

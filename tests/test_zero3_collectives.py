@@ -82,11 +82,12 @@ def test_gathers_and_checks_per_step_are_bounded_by_units(pool2):
 def test_a_small_encoder_layer_is_one_unit(pool2):
     """Width 64: a layer's attention alone (16,640 elements) passes the default
     stage3_unit_min_numel (16,384), but the whole layer (33,472) fits in the merge cap (4x), so
-    the layer is one unit, as FSDP2 wraps it (it was two: its attention and the rest), and the
-    head joins the root."""
+    the layer is one unit whole, as FSDP2 wraps it (it was two: its attention and the rest), and
+    the head joins the root. The two layers, repeated blocks below 16 x 16,384 elements together,
+    share one unit (``unit_tree.py``)."""
     first, second = pool2.run(count_job, 2, 2, 64, 128, timeout=JOB_TIMEOUT)
     assert first["counts"] == second["counts"]
-    assert first["names"] == ["<root>", "0.layers.0", "0.layers.1"], first
+    assert first["names"] == ["<root>", "0.layers.0..0.layers.1"], first
     for fetching, total in first["counts"][1:]:
         assert fetching <= 2 * first["units"] + 4, (fetching, first)
         assert total <= 3 * first["units"] + 8, (total, first)

@@ -254,6 +254,13 @@ class FusedAdam(OptimizerBase):
 
 
 def _check_param(param: torch.Tensor, group: dict, group_index: int, param_index: int) -> None:
+    device_type = param.device.type
+    if (
+        (device_type == "cuda" or (device_type == "cpu" and not group["capturable"]))
+        and param.dtype in _DTYPES
+        and param.is_contiguous()
+    ):
+        return  # the common case, checked without building the messages below
     where = f"param {param_index} of group {group_index}"
     if param.device.type not in ("cuda", "cpu"):
         raise ValueError(f"FusedAdam needs CUDA or CPU parameters; {where} is on {param.device}")

@@ -113,8 +113,17 @@ class ParameterCoordinator:
             int(max_live_parameters),
             self._whole_units,
         )
-        for name, submodule, params, leaf in units:
-            self.unit_of_module[id(submodule)] = len(self.units)
+        # Blocks grouped into one unit (``unit_tree.py``): id(block) -> (unit, whether first,
+        # whether last). The first block's forward fetches the unit and the last one's is done
+        # with it; a block between them only waits for it (fetching it if it was not gathered:
+        # a block skipped or run out of order).
+        self._group_role: dict[int, tuple[int, bool, bool]] = {}
+        for name, submodule, params, leaf, members in units:
+            if len(members) == 1:
+                self.unit_of_module[id(submodule)] = len(self.units)
+            for position, member in enumerate(members if len(members) > 1 else ()):
+                last = position == len(members) - 1
+                self._group_role[id(member)] = (len(self.units), position == 0, last)
             self.units.append(ZeroUnit(params, name or "<root>"))
             self.unit_names.append(name or "<root>")
             if leaf:
@@ -130,6 +139,8 @@ class ParameterCoordinator:
             max_reuse_distance=int(max_reuse_distance),
         )
         self._held = [False] * len(self.units)
+        self._group_units = {unit for unit, _first, _last in self._group_role.values()}
+        self._group_task = [None] * len(self.units)  # the backward that fetched a group's unit
         self._trainable_left: list[int] = [0] * len(self.units)
         self._releases_after_grads = [all(p.requires_grad for p in u) for u in self.units]
         self._units_of_param: dict[int, list[int]] = {}
@@ -262,6 +273,13 @@ class ParameterCoordinator:
     def _pre_forward(self, module, inputs) -> None:
         _check_registered(self._checked_modules[id(module)])
         self._running.append(id(module))
+        role = self._group_role.get(id(module))
+        if role is not None:
+            unit, first, _last = role
+            if first or not self._held[unit]:
+                self.fetch(unit)
+            else:
+                self.units[unit].wait()
         for unit in self._module_units[id(module)]:
             self.fetch(unit)
 
@@ -273,9 +291,12 @@ class ParameterCoordinator:
             return
         kept = self._keep_returned_for_caller(module, output) if self._running else ()
         units = self._module_units[id(module)]
-        for unit in units:
+        role = self._group_role.get(id(module))
+        if role is not None:  # a block of a group: its backward needs the group's unit
+            units = [role[0], *units]
+        for unit in units if role is None or role[2] else units[1:]:
             if unit not in kept:
-                self.done(unit)
+                self.done(unit)  # (a group's unit only after its last block)
         if units and torch.is_grad_enabled():
             # Not a returned parameter (a leaf: no backward of this module's runs through it, and
             # a hook on it would stay for good).
@@ -319,7 +340,15 @@ class ParameterCoordinator:
         return {self._units_of_param[id(p)][0] for p in returned} & above
 
     def _pre_backward(self, units: list[int]) -> None:
+        task = torch._C._current_graph_task_id()
         for unit in units:
+            if unit in self._group_units:
+                # Every block of a group hooks its outputs (a later layer's output may reach
+                # the loss by another way, starting an earlier block's backward first); the
+                # first to fire fetches the unit for this backward, the others find it held.
+                if self._held[unit] and self._group_task[unit] == task:
+                    continue
+                self._group_task[unit] = task
             self._trainable_left[unit] = sum(1 for p in self.units[unit] if p.requires_grad)
             self.fetch(unit)
 
@@ -349,8 +378,8 @@ class ParameterCoordinator:
             if self._pending is not None:
                 self._settle()
             self.agreement.record_use(unit)
-            launches = self.schedule.on_use(unit)
-            diverged = self.schedule.diverged()  # one call into the schedule, not one per test
+            # One call into the schedule, not one per question (each costs a few microseconds).
+            launches, diverged = self.schedule.on_use_and_diverged(unit)
             if diverged and self.agreement.folded:
                 self.agreement.deviate(unit)  # raises, or the rest of the pass is checked
             if launches:

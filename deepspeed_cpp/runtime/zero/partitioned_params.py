@@ -144,7 +144,7 @@ def launch_gather(param: torch.nn.Parameter, group=None) -> None:
 def claim(param: torch.nn.Parameter) -> bool:
     """Counts one more holder of ``param``; True when it must be gathered (only its shard is
     here), False when it is persistent, whole or already in flight."""
-    if param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.data.numel() != 0:
+    if param.ds_status is ZeroParamStatus.NOT_AVAILABLE and param.numel() != 0:
         raise RuntimeError(
             f"ZeRO-3 parameter {describe(param)} was given new "
             f"data of shape {list(param.data.shape)} while partitioned; change a partitioned "
@@ -203,15 +203,14 @@ def release(param: torch.nn.Parameter) -> None:
         return
     if param.ds_status is ZeroParamStatus.INFLIGHT:
         wait_gather(param)
-    data = param.data
-    if data.shape != param.ds_shape:  # torch.Size equals the tuple of the same sizes
+    if param.shape != param.ds_shape:  # torch.Size equals the tuple of the same sizes
         raise RuntimeError(
             f"ZeRO-3 parameter {describe(param)} changed shape while gathered: it was "
-            f"{list(param.ds_shape)}, it is {list(data.shape)}; a partitioned parameter's "
+            f"{list(param.ds_shape)}, it is {list(param.shape)}; a partitioned parameter's "
             f"shape is fixed (re-create it under zero.Init to change it)"
         )
     whole = param.ds_whole  # made by the gather in the shard's dtype, on the parameter's device
-    param.data = torch.empty(0, dtype=whole.dtype, device=whole.device)
+    param.data = _empty(whole.dtype, whole.device)
     # Autograd keeps views of the whole parameter that the forward made (a linear layer saves
     # weight.t()), which would keep every gathered tensor alive until the backward; emptying
     # the storage frees the memory now, and the next gather refills the same storage, so those
@@ -220,11 +219,31 @@ def release(param: torch.nn.Parameter) -> None:
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
-def whole_buffer(param: torch.nn.Parameter, numel: int) -> torch.Tensor:
+_EMPTIES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor of ``dtype`` on ``device`` for a released parameter's data, one per
+    (dtype, device) for the process: a release per parameter per step made one afresh each time.
+    Never written: it holds no element, and ``claim`` refuses a parameter whose data grew."""
+    empty = _EMPTIES.get((dtype, device))
+    if empty is None:
+        empty = _EMPTIES[(dtype, device)] = torch.empty(0, dtype=dtype, device=device)
+    return empty
+
+
+def whole_buffer(
+    param: torch.nn.Parameter,
+    numel: int,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """The parameter's flat, padded whole tensor: one storage for its lifetime, emptied between
-    uses (see ``release``)."""
+    uses (see ``release``). ``dtype`` and ``device``: the shard's and ``device_of(param)``, when
+    the caller knows them already (a gather of several parameters shares them)."""
     whole = getattr(param, "ds_whole", None)
-    dtype, device = param.ds_tensor.dtype, device_of(param)
+    if dtype is None or device is None:
+        dtype, device = param.ds_tensor.dtype, device_of(param)
     if whole is None or whole.dtype != dtype or whole.device != device:
         whole = torch.empty(numel, dtype=dtype, device=device)
         param.ds_whole = whole

@@ -108,7 +108,10 @@ class InMemoryStepper:
         """
         shards, gathers = self.shards, self.gathers
         shards.link_master_grads()
-        if not (self.step_per_bucket and shards.stage != 0 and len(shards.masters) > 1):
+        per_bucket = self.step_per_bucket and shards.stage != 0 and len(shards.masters) > 1
+        # One call over every bucket (stage 3 without persistent buckets) steps the gradients
+        # just linked: no per-bucket unlinking and relinking (four per parameter at stage 3).
+        if not per_bucket or len(gathers.bucket_step_calls()) == 1:
             if can_step_in_chunks(self.optimizer):  # torch's Adam: cache-sized pieces
                 step_in_chunks(self.optimizer)
             else:

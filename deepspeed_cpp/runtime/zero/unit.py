@@ -271,18 +271,21 @@ class _FlatGather:
         else:
             # Each parameter's pieces out of the rank-by-rank buffer into its whole tensor, all
             # in one op (as FSDP2's copy-out), not one copy per parameter.
+            first = self.params[0]
+            dtype, device, world = first.ds_tensor.dtype, pp.device_of(first), self.world
             wholes = [
-                pp.whole_buffer(param, size * self.world)
+                pp.whole_buffer(param, size * world, dtype, device)
                 for param, size in zip(self.params, self.sizes)
             ]
             self._copy_out(data, [whole.view(self.world, -1) for whole in wholes])
         if self.buffers is not None and wholes[0] is not self.gathered:  # not a parameter's own
             self.buffers.give_back(self.gathered)
         self.gathered = None  # frees the rank-by-rank buffer (or leaves it to ``buffers``)
+        available = pp.ZeroParamStatus.AVAILABLE
         for param, whole in zip(self.params, wholes):
             param.ds_works = None
-            param.data = whole.narrow(0, 0, param.ds_numel).view(param.ds_shape)
-            param.ds_status = pp.ZeroParamStatus.AVAILABLE
+            param.data = whole[: param.ds_numel].view(param.ds_shape)
+            param.ds_status = available
         if headers is not None:  # the parameters are whole either way; raises if ranks differ
             self.agreement.landed(self, headers)
 

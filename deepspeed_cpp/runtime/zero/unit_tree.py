@@ -6,7 +6,10 @@ that repeat one class: transformer layers) are one unit each, with all their par
 FSDP's transformer auto-wrap makes them, unless a block holds more than
 ``stage3_max_live_parameters`` elements (a unit is gathered whole; a block above
 ``stage3_prefetch_bucket_size`` is still one unit, prefetched alone) or fewer than
-``stage3_unit_min_numel`` (0: no blocks, DeepSpeed's unit per module). Elsewhere, every module
+``stage3_unit_min_numel`` (0: no blocks, DeepSpeed's unit per module); consecutive blocks of one
+class share one unit while together under 16x that minimum (``_GROUPED_PER_MIN_NUMEL``: 48 blocks
+of 66K elements make 12 units of four), the first block's forward gathering it and the last one's
+releasing it (``coordinator.py``). Elsewhere, every module
 with partitioned parameters of its own (or registered with
 ``register_external_parameter``) is one unit, except small ones (norms, bias-only modules: fewer
 than ``stage3_unit_min_numel`` elements), whose parameters join their parent's unit: gathered
@@ -36,6 +39,14 @@ _NO_FORWARD = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList)
 # a Sequential of a thousand small layers must not become one unit held whole for the whole pass.
 _MERGED_PER_MIN_NUMEL = 4
 
+# Consecutive repeated blocks are grouped into one unit up to this many times
+# ``stage3_unit_min_numel`` elements (16 x 16,384: 1 MiB of fp32), a block never split. A unit
+# costs its hooks and the schedule's bookkeeping every pass, ~0.25 ms of one core per step on
+# this project's 2-core CPUs, about what a 256-wide block's forward and backward take on a small
+# batch: ``benchmarks/zero3_step_profile.py --model deep`` (48 such blocks) measured its ZeRO-3
+# step at 1.45x our ZeRO-2's with a unit per block and 1.35x with four blocks per unit.
+_GROUPED_PER_MIN_NUMEL = 16
+
 
 def units_from_module_tree(
     module: torch.nn.Module,
@@ -44,7 +55,9 @@ def units_from_module_tree(
     block_cap: int,
     whole_units: set[int],
 ):
-    """The fetch units of ``module``'s tree, in pre-order: (name, module, parameters, is_leaf).
+    """The fetch units of ``module``'s tree, in pre-order: (name, module, parameters, is_leaf,
+    members). ``members`` is ``[module]``, or for a group of repeated blocks every block of it in
+    order (``module`` the first; the parameters all of theirs).
 
     Taken whole (their whole subtree, never merged upward; ``whole_units`` receives their ids,
     ``inside_leaf`` the ids of the modules inside them: no unit, no hooks): every leaf module
@@ -59,15 +72,21 @@ def units_from_module_tree(
     order: list[tuple[str, torch.nn.Module, bool]] = []
     parent: dict[int, torch.nn.Module] = {}
     blocks: set[int] = set()  # repeated blocks taken whole (``repeated_blocks``)
+    group_of: dict[int, list[int]] = {}  # id(block) -> ids of its group's blocks, in order
+    names: dict[int, str] = {}
     for name, submodule in module.named_modules():
         if id(submodule) in inside_leaf:
             continue
+        names[id(submodule)] = name
         leaf = z3_leaf_module(submodule)
         if leaf or id(submodule) in blocks:
             inside_leaf.update(id(m) for m in list(submodule.modules())[1:])
             whole_units.add(id(submodule))
         elif min_numel > 0:
-            blocks.update(repeated_blocks(submodule, min_numel, block_cap))
+            for group in repeated_blocks(submodule, min_numel, block_cap):
+                blocks.update(group)
+                for block in group:
+                    group_of[block] = group
         order.append((name, submodule, leaf))
         for child in submodule.children():
             parent.setdefault(id(child), submodule)
@@ -112,17 +131,31 @@ def units_from_module_tree(
         for key, param in params.items():
             merged.setdefault(key, param)
         numel[id(above)] = numel.get(id(above), 0) + size
+    modules = {id(submodule): submodule for _name, submodule, _leaf in order}
     for name, submodule, leaf in order:
-        if id(submodule) in units:
-            yield name, submodule, list(collected[id(submodule)].values()), leaf
+        if id(submodule) not in units:
+            continue
+        group = group_of.get(id(submodule), [id(submodule)])
+        if group[0] != id(submodule):
+            continue  # taken with the group's first block
+        members = [modules[key] for key in group]
+        params: dict[int, torch.nn.Parameter] = {}
+        for key in group:
+            for param_id, param in collected[key].items():
+                params.setdefault(param_id, param)
+        if len(group) > 1:
+            name = f"{name}..{names[group[-1]]}"
+        yield name, submodule, list(params.values()), leaf, members
 
 
-def repeated_blocks(container: torch.nn.Module, min_numel: int, block_cap: int) -> list[int]:
-    """Ids of the children of an ``nn.ModuleList`` / ``nn.Sequential`` that are blocks of a
-    repeated class (at least two children of that class with partitioned parameters: transformer
-    layers), each holding at least ``min_numel`` partitioned elements (smaller ones follow the
-    merge rules) and at most ``block_cap`` (``stage3_max_live_parameters``: a unit is gathered
-    whole, so a larger block is split by the per-module rules instead)."""
+def repeated_blocks(container: torch.nn.Module, min_numel: int, block_cap: int) -> list[list[int]]:
+    """The children of an ``nn.ModuleList`` / ``nn.Sequential`` that are blocks of a repeated
+    class (at least two children of that class with partitioned parameters: transformer layers),
+    each holding at least ``min_numel`` partitioned elements (smaller ones follow the merge
+    rules) and at most ``block_cap`` (``stage3_max_live_parameters``: a unit is gathered whole,
+    so a larger block is split by the per-module rules instead), as groups of ids: consecutive
+    blocks of one class together while the group holds fewer than ``_GROUPED_PER_MIN_NUMEL``
+    times ``min_numel`` elements and stays within ``block_cap`` (one unit each group)."""
     if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
         return []
     sizes = {id(child): _partitioned_numel(child) for child in container.children()}
@@ -130,11 +163,26 @@ def repeated_blocks(container: torch.nn.Module, min_numel: int, block_cap: int) 
     for child in container.children():
         if sizes[id(child)] > 0:
             classes[type(child)] = classes.get(type(child), 0) + 1
-    return [
-        id(child)
-        for child in container.children()
-        if classes.get(type(child), 0) >= 2 and min_numel <= sizes[id(child)] <= block_cap
-    ]
+    group_numel = _GROUPED_PER_MIN_NUMEL * min_numel
+    groups: list[list[int]] = []
+    open_group: tuple[type, int] | None = None  # (class, elements) of the last group, if open
+    for child in container.children():
+        size = sizes[id(child)]
+        if not (classes.get(type(child), 0) >= 2 and min_numel <= size <= block_cap):
+            open_group = None  # a child between blocks ends a group
+            continue
+        if (
+            open_group is not None
+            and open_group[0] is type(child)
+            and open_group[1] < group_numel
+            and open_group[1] + size <= block_cap
+        ):
+            groups[-1].append(id(child))
+            open_group = (type(child), open_group[1] + size)
+        else:
+            groups.append([id(child)])
+            open_group = (type(child), size)
+    return groups
 
 
 def _partitioned_numel(module: torch.nn.Module) -> int:
