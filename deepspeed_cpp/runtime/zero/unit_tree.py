@@ -42,9 +42,11 @@ _MERGED_PER_MIN_NUMEL = 4
 # Consecutive repeated blocks are grouped into one unit up to this many times
 # ``stage3_unit_min_numel`` elements (16 x 16,384: 1 MiB of fp32), a block never split. A unit
 # costs its hooks and the schedule's bookkeeping every pass, ~0.25 ms of one core per step on
-# this project's 2-core CPUs, about what a 256-wide block's forward and backward take on a small
-# batch: ``benchmarks/zero3_step_profile.py --model deep`` (48 such blocks) measured its ZeRO-3
-# step at 1.45x our ZeRO-2's with a unit per block and 1.35x with four blocks per unit.
+# this project's 2-core CPUs, a sixth of what a 256-wide block's forward and backward take on a
+# small batch: ``benchmarks/zero3_step_profile.py --model deep`` (48 such blocks), alternated
+# with the tree before, put its ZeRO-3 step at 1.34-1.36x our ZeRO-2's with four blocks per unit
+# (and fewer Python steps per parameter) against 1.39-1.44x with a unit per block
+# (``benchmarks/results/zero3_step_s12.txt``).
 _GROUPED_PER_MIN_NUMEL = 16
 
 
