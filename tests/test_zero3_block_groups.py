@@ -3,8 +3,9 @@ block's forward gathers the group and the last one's is done with it. Trained on
 processes, each pattern equals ZeRO-2 on the same model: blocks run in order, a step that skips the
 group's first block (LayerDrop), a loss that reads an earlier block's output only (the group's last
 block then gets no gradient, and the earlier block's backward starts the group's), and activation
-checkpointing per block, reentrant or not. ``stage3_max_reuse_distance`` 0 releases every unit
-after its forward, so the backward gathers the groups again through the blocks' hooks."""
+checkpointing per block, reentrant or not; blocks marked as leaves (``set_z3_leaf_modules``) stay
+units of their own. ``stage3_max_reuse_distance`` 0 releases every unit after its forward, so the
+backward gathers the groups again through the blocks' hooks."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ WIDTH, BLOCKS, MICRO, STEPS = 48, 5, 3, 4
 # that) grouped up to 16 x 1,024 elements: four blocks, then the fifth alone.
 UNIT_MIN_NUMEL = 1024
 GROUPED_NAMES = ["<root>", "blocks.0..blocks.3", "blocks.4"]
+LEAF_NAMES = ["<root>"] + [f"blocks.{index}" for index in range(BLOCKS)]
 
 
 class Block(torch.nn.Module):
@@ -77,7 +79,12 @@ def train_job(stage: int, pattern: str, seed: int) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-3}},
         "zero_optimization": zero,
     }
-    engine, *_ = deepspeed.initialize(model=GroupNet(pattern), config=config)
+    model = GroupNet(pattern)
+    if pattern == "leaf blocks":  # leaves stay units of their own, never grouped
+        from deepspeed_cpp.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, [Block])
+    engine, *_ = deepspeed.initialize(model=model, config=config)
     try:
         generator = torch.Generator().manual_seed(seed + 1)
         for _ in range(STEPS):
@@ -105,14 +112,16 @@ def train_job(stage: int, pattern: str, seed: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    "pattern", ["in order", "skip first", "tap", "checkpoint reentrant", "checkpoint"]
+    "pattern",
+    ["in order", "skip first", "tap", "checkpoint reentrant", "checkpoint", "leaf blocks"],
 )
 def test_grouped_blocks_train_like_zero2(pool2, pattern):
     seed = int(torch.randint(0, 2**30, ()).item())
     zero2 = pool2.run(train_job, 2, pattern, seed, timeout=180.0)
     zero3 = pool2.run(train_job, 3, pattern, seed, timeout=180.0)
     for rank in range(2):
-        assert zero3[rank]["names"] == GROUPED_NAMES, zero3[rank]["names"]
+        names = LEAF_NAMES if pattern == "leaf blocks" else GROUPED_NAMES
+        assert zero3[rank]["names"] == names, zero3[rank]["names"]
         assert zero3[rank]["live"] == 0  # every unit released by the end of the step
         assert zero3[rank]["borrowed"] == [], zero3[rank]["borrowed"]
         expected, got = zero2[rank]["params"], zero3[rank]["params"]

@@ -13,6 +13,10 @@ One pass is a forward and its backward (or a forward alone, in evaluation). Per 
   parameter of the unit (later backward nodes cannot need them), or at the end of the pass for a
   unit with frozen parameters (a later node may still read those).
 
+A group of small repeated blocks shares one unit: gathered before its first block's forward,
+released after its last one's; every block's outputs hook the group's backward (the first to
+fire gathers it), so a backward that starts inside the group finds it gathered.
+
 A module that reads a partitioned parameter it does not own during its forward
 (``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling ``out_proj``) is caught by the
 owner's ``_parameters`` mapping: the owner's unit is gathered then, and from then on together with

@@ -157,7 +157,8 @@ def repeated_blocks(container: torch.nn.Module, min_numel: int, block_cap: int) 
     rules) and at most ``block_cap`` (``stage3_max_live_parameters``: a unit is gathered whole,
     so a larger block is split by the per-module rules instead), as groups of ids: consecutive
     blocks of one class together while the group holds fewer than ``_GROUPED_PER_MIN_NUMEL``
-    times ``min_numel`` elements and stays within ``block_cap`` (one unit each group)."""
+    times ``min_numel`` elements and stays within ``block_cap`` (one unit each group; a leaf
+    module, ``set_z3_leaf_modules``, alone)."""
     if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
         return []
     sizes = {id(child): _partitioned_numel(child) for child in container.children()}
@@ -172,6 +173,10 @@ def repeated_blocks(container: torch.nn.Module, min_numel: int, block_cap: int) 
         size = sizes[id(child)]
         if not (classes.get(type(child), 0) >= 2 and min_numel <= size <= block_cap):
             open_group = None  # a child between blocks ends a group
+            continue
+        if z3_leaf_module(child):  # a leaf is one unit with its subtree, never grouped
+            groups.append([id(child)])
+            open_group = None
             continue
         if (
             open_group is not None
