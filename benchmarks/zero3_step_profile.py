@@ -241,13 +241,13 @@ def install_probe(probe: str) -> None:
     pp.release = release_keeping_storage
     whole_buffer = pp.whole_buffer
 
-    def whole_buffer_kept(param, numel):
+    def whole_buffer_kept(param, numel, dtype=None, device=None):
         # Resizing a storage to the size it has allocates a new one and copies (torch's CPU
         # resize): a kept storage is handed back as it is.
         whole = getattr(param, "ds_whole", None)
         if whole is not None and whole.untyped_storage().nbytes() == numel * whole.element_size():
             return whole
-        return whole_buffer(param, numel)
+        return whole_buffer(param, numel, dtype, device)
 
     pp.whole_buffer = whole_buffer_kept
     partitioned_params.whole_buffer = whole_buffer_kept  # start_gather's (one parameter alone)
