@@ -343,8 +343,8 @@ class ParameterCoordinator:
         above = {unit for key in self._running for unit in self._module_units[key]}
         return {self._units_of_param[id(p)][0] for p in returned} & above
 
-    def _pre_backward(self, units: list[int]) -> None:
-        task = torch._C._current_graph_task_id()
+    def _pre_backward(self, units: list[int], task: int) -> None:
+        """``task``: the backward (autograd graph task) that reached ``units``' module."""
         for unit in units:
             if unit in self._group_units:
                 # Every block of a group hooks its outputs (a later layer's output may reach
@@ -545,7 +545,7 @@ class _PreBackward:
         task = torch._C._current_graph_task_id()
         if task != self.task:
             self.task = task
-            self.coordinator._pre_backward(self.units)
+            self.coordinator._pre_backward(self.units, task)
 
 
 class _FetchOnAccess(dict):
