@@ -172,11 +172,13 @@ def reference(
 ) -> dict[str, torch.Tensor]:
     """The uninterrupted run: one process, torch.optim.AdamW, the same clipping and warm-up.
 
-    Step k is data parallelism over ``worlds[k]`` ranks simulated rank by rank (each rank's
-    micro-batch loss divided by the accumulation steps, gradients averaged over ranks), so that
-    its rounding follows the engine's: the global batch and the mathematics are the same for
-    every world size, the order of the floating-point sums is not. ``weights``: start from
-    these instead of the seeded initial weights.
+    Step k is data parallelism over ``worlds[k]`` ranks simulated rank by rank, in the engine's
+    order of the floating-point sums: each rank adds up its micro-batches' gradients (each
+    micro-batch loss divided by the accumulation steps), then the ranks' sums are added, rank 0
+    first, and divided by the world size. The global batch and the mathematics are the same for
+    every world size; the order of the sums is the engine's too, except among 3 ranks, where
+    gloo's all-reduce adds in an order of its own (see SUM_ORDER_TOLERANCE). ``weights``: start
+    from these instead of the seeded initial weights.
     """
     model = make_model(model_seed)
     if weights is not None:
@@ -191,15 +193,18 @@ def reference(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         total = [torch.zeros_like(p) for p in trainable]
-        for k in range(gas):
-            for rank in range(world):
+        for rank in range(world):
+            own = [torch.zeros_like(p) for p in trainable]
+            for k in range(gas):
                 rows = slice((k * world + rank) * micro, (k * world + rank + 1) * micro)
                 model.zero_grad()
                 (torch.nn.functional.mse_loss(model(x[rows]), y[rows]) / gas).backward()
-                for accumulated, p in zip(total, trainable):
-                    accumulated += p.grad / world
+                for accumulated, p in zip(own, trainable):
+                    accumulated += p.grad
+            for accumulated, mine in zip(total, own):
+                accumulated += mine
         for accumulated, p in zip(total, trainable):
-            p.grad = accumulated
+            p.grad = accumulated / world
         torch.nn.utils.clip_grad_norm_(trainable, CLIP)
         optimizer.step()
     return {n: t.detach() for n, t in model.state_dict().items()}
@@ -216,12 +221,21 @@ def max_relative_difference(ours: dict, expected: dict) -> float:
 
 # ---- resharding ----------------------------------------------------------------------------
 
-# Against the one-process reference, relative to each tensor's largest element. 1e-6 failed
-# once (DS_TEST_SEED=2481899044, 2 ranks at stage 0 after 3 AdamW steps: 1.7e-6; the loading
-# side's worst element in that run was embed.weight, 6.1e-7 on a scale of 0.38, 20 ulps): the
-# ranks' all-reduce adds in another order than the reference's rank-by-rank sum, and Adam's
-# m / sqrt(v) enlarges that rounding where a gradient nearly cancels. A step fewer is > 1e-3.
-SUM_ORDER_TOLERANCE = 1e-5
+# Against the one-process reference, relative to each tensor's largest element. The reference
+# adds gradients in the engine's order for 1 and 2 ranks, so there our runs stay within 1e-6
+# (DS_TEST_SEED=575798662, 2 ranks, 3 steps: 7.8e-8). Among 3 ranks gloo's all-reduce adds in an
+# order of its own, and Adam's m / sqrt(v) enlarges that rounding where a gradient nearly
+# cancels: `python benchmarks/sum_order_spread.py` (the reference against itself with the 3
+# ranks added in reverse, steps on 3, 3, 3, 2, 2 ranks, 4000 seeds) printed > 1e-6 in 8 runs,
+# > 1e-5 in 1 (DS_TEST_SEED=575798662's 8.9e-6 was such a tail, before the reference took the
+# engine's order), the largest 1.71e-5, none > 3e-5. A step fewer is > 1e-3.
+SUM_ORDER_TOLERANCE = 3e-5
+
+
+def reference_tolerance(worlds) -> float:
+    """The tolerance against ``reference(..., worlds)``: 1e-6 unless a step ran on 3 ranks."""
+    return SUM_ORDER_TOLERANCE if 3 in worlds else 1e-6
+
 
 RESHARD_CASES = [
     # (saved world, saved stage, loading world, loading stage)
@@ -242,9 +256,10 @@ def test_reshard_continues_as_uninterrupted_run(
         train_and_save_job, str(tmp_path), saved_stage, model_seed, data_seed, before
     )[0]
     results = pools(world).run(load_and_train_job, str(tmp_path), stage, data_seed, before, after)
-    expected_saved = reference(model_seed, data_seed, [saved_world] * before)
-    expected = reference(model_seed, data_seed, [saved_world] * before + [world] * after)
-    assert max_relative_difference(saved, expected_saved) <= SUM_ORDER_TOLERANCE
+    worlds_saved, worlds = [saved_world] * before, [saved_world] * before + [world] * after
+    expected_saved = reference(model_seed, data_seed, worlds_saved)
+    expected = reference(model_seed, data_seed, worlds)
+    assert max_relative_difference(saved, expected_saved) <= reference_tolerance(worlds_saved)
     for loaded, final, global_steps, micro_steps in results:
         assert loaded["path"] == str(tmp_path / f"global_step{before}")
         assert loaded["client_state"] == {"world": saved_world}
@@ -255,7 +270,7 @@ def test_reshard_continues_as_uninterrupted_run(
         assert global_steps == before + after and micro_steps == (before + after) * GAS[world]
         for name, tensor in results[0][1].items():
             assert torch.equal(final[name], tensor), f"ranks disagree on {name}"
-    assert max_relative_difference(results[0][1], expected) <= SUM_ORDER_TOLERANCE
+    assert max_relative_difference(results[0][1], expected) <= reference_tolerance(worlds)
     # The comparison can fail: one step fewer is far away.
     assert max_relative_difference(results[0][1], expected_saved) > 1e-3
 
