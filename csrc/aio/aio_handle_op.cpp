@@ -4,7 +4,10 @@
 // requests in flight between calls) and its calls are side effects on files, which have no
 // meaning inside a traced graph. Custom classes must be registered by the library that
 // implements them, hence TORCH_LIBRARY_FRAGMENT here and not a schema in registration.cpp.
-#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>

@@ -2,7 +2,7 @@
 // and its translation into the torch-free FusedAdamCall.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <vector>

@@ -1,5 +1,5 @@
 // ATen glue for the fused CUDA Adam: checks, launch planning and the CUDA registration.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>

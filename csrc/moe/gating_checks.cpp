@@ -1,5 +1,6 @@
 #include "gating_checks.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 namespace deepspeed_cpp {

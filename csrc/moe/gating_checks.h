@@ -1,7 +1,7 @@
 // Argument checks of the MoE gating ops, shared by the CPU and the CUDA glue.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 

@@ -1,6 +1,7 @@
 // ATen glue of the MoE gating op on CUDA: the same checks as the CPU op, then the kernels of
 // gating_kernel.cu on the current stream (no host synchronisation).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>

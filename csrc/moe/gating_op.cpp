@@ -1,6 +1,8 @@
 // ATen glue of the MoE gating op on the CPU: checks, token ranges over threads, registration.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <optional>

@@ -1,5 +1,9 @@
 #include "grad_reducer.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/ones.h>
+
 #include <algorithm>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 

@@ -3,7 +3,7 @@
 // ProcessGroup, so that communication overlaps the rest of the backward pass.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
 
 #include <string>

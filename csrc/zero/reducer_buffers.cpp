@@ -1,5 +1,6 @@
 #include "reducer_buffers.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>

@@ -4,7 +4,7 @@
 // `meta` device (tests/test_reducer_device.py, through the ReducerBuffers class in zero_op.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <string>
 #include <vector>

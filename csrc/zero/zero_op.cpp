@@ -1,5 +1,7 @@
 // ATen glue for csrc/zero: flat-buffer copies, bucket planning, and the GradientReducer class.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
 #include <torch/library.h>
 
 #include <string>

@@ -8,7 +8,9 @@
 //    (block, thread) pair in turn instead of all at once: the body has no cross-thread state).
 // 2. Test ops in their own namespace, deepspeed_cpp_fused_adam_test (a TORCH_LIBRARY block of
 //    this test library: they are instruments of the tests, not part of the shipped schema set).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
 #include <torch/library.h>
 
 #include <cstring>

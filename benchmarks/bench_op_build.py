@@ -1,0 +1,53 @@
+"""Cold just-in-time build time of the op libraries: what a first use costs on a fresh machine.
+
+Each family named is compiled into a fresh, empty extension cache (a temporary folder, removed
+afterwards), one after the other, MAX_JOBS compile jobs each (2 unless set); the wall-clock time
+of each build and the compilers' CPU time of all of them are printed. Run it in two checkouts
+(a ``git worktree`` of the older commit) one after the other to compare their sources' headers:
+
+    python benchmarks/bench_op_build.py [--ops zero moe fused_adam_host aio]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import tempfile
+import time
+
+BUILDERS = {
+    "zero": "ZeroBuilder",
+    "moe": "MoEBuilder",
+    "fused_adam_host": "FusedAdamHostBuilder",
+    "aio": "AsyncIOBuilder",
+    "cpu_adam": "CPUAdamBuilder",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", nargs="+", choices=sorted(BUILDERS), default=list(BUILDERS)[:4])
+    args = parser.parse_args()
+    cache = tempfile.mkdtemp(prefix="ds_bench_op_build_")
+    os.environ["DS_CPP_EXTENSIONS_DIR"] = cache
+    os.environ.setdefault("MAX_JOBS", "2")
+    from deepspeed_cpp.ops import op_builder
+
+    try:
+        total = 0.0
+        for name in args.ops:
+            start = time.perf_counter()
+            getattr(op_builder, BUILDERS[name])().load()
+            elapsed = time.perf_counter() - start
+            total += elapsed
+            print(f"{name:<16} {elapsed:6.1f} s wall", flush=True)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        print(f"{'all':<16} {total:6.1f} s wall, compilers {children.ru_utime:.1f} s CPU")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
