@@ -1,5 +1,6 @@
 """How ops are found: JIT from an empty cache, cache keys, killed builds, pre-built wheels."""
 
+import fnmatch
 import json
 import os
 import re
@@ -39,12 +40,27 @@ def _run(code, env_overrides, cwd=None, timeout=600):
                           text=True, timeout=timeout)  # fmt: skip
 
 
+def _cache_files(cache: Path, name: str, folder: str = "*") -> list[Path]:
+    """Files under `cache` named like `name` in a folder named like `folder` (fnmatch). Unlike
+    Path.rglob it does not raise when a folder vanishes mid-walk: a waiting process may be
+    clearing a dead build's folder while the test looks."""
+    return [
+        Path(parent, file)
+        for parent, _, files in os.walk(cache)  # os.walk skips folders it can no longer list
+        if fnmatch.fnmatch(Path(parent).name, folder)
+        for file in fnmatch.filter(files, name)
+    ]
+
+
 def _cpu_adam_builder(cache: Path) -> int | None:
     """The pid in cpu_adam's lock file while a build of it runs with its compiler started."""
-    locks = list(cache.rglob("cpu_adam_*.lock"))
-    if not locks or not list(cache.rglob("cpu_adam_*/build.ninja")):
+    locks = _cache_files(cache, "cpu_adam_*.lock")
+    if not locks or not _cache_files(cache, "build.ninja", folder="cpu_adam_*"):
         return None
-    owner = locks[0].read_text().split()
+    try:
+        owner = locks[0].read_text().split()
+    except FileNotFoundError:  # the build ended between the walk and the read
+        return None
     return int(owner[1]) if owner[:1] == ["building"] and len(owner) > 1 else None
 
 
@@ -78,7 +94,8 @@ def test_jit_by_three_processes_at_once_survives_the_builder_being_killed(tmp_pa
         time.sleep(1.0)
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
-        assert not list(tmp_path.rglob("cpu_adam_*/cpu_adam_*.so")), "the build was not killed"
+        half_built = _cache_files(tmp_path, "cpu_adam_*.so", folder="cpu_adam_*")
+        assert not half_built, f"the build was not killed: {half_built}"
         survivors = [run for run in runs if run is not victim]
         outputs = [run.communicate(timeout=600) for run in survivors]
     finally:
@@ -94,7 +111,7 @@ def test_jit_by_three_processes_at_once_survives_the_builder_being_killed(tmp_pa
     assert sorted(compiled) == [0, 1], (compiled, errs)
     cleared = [err for err in errs if "cleared a stale build lock" in err]
     assert len(cleared) == 1 and f"pid {victim.pid}" in cleared[0], errs
-    assert len(list(tmp_path.rglob("cpu_adam_*.so"))) == 1
+    assert len(_cache_files(tmp_path, "cpu_adam_*.so")) == 1
     cached = _run(STEP_SCRIPT, {"DS_CPP_EXTENSIONS_DIR": str(tmp_path)})
     assert cached.returncode == 0, cached.stderr
     assert "STEP OK" in cached.stdout
