@@ -168,7 +168,11 @@ def load_and_train_job(directory: str, stage: int, data_seed: int, steps_done: i
 
 
 def reference(
-    model_seed: int, data_seed: int, worlds: list[int], weights: dict | None = None
+    model_seed: int,
+    data_seed: int,
+    worlds: list[int],
+    weights: dict | None = None,
+    reverse_ranks: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The uninterrupted run: one process, torch.optim.AdamW, the same clipping and warm-up.
 
@@ -178,7 +182,8 @@ def reference(
     first, and divided by the world size. The global batch and the mathematics are the same for
     every world size; the order of the sums is the engine's too, except among 3 ranks, where
     gloo's all-reduce adds in an order of its own (see SUM_ORDER_TOLERANCE). ``weights``: start
-    from these instead of the seeded initial weights.
+    from these instead of the seeded initial weights. ``reverse_ranks``: add the ranks' sums
+    last rank first (benchmarks/sum_order_spread.py measures what that order changes).
     """
     model = make_model(model_seed)
     if weights is not None:
@@ -192,7 +197,7 @@ def reference(
         micro = GLOBAL_BATCH // (world * gas)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        total = [torch.zeros_like(p) for p in trainable]
+        ranks_sums = []
         for rank in range(world):
             own = [torch.zeros_like(p) for p in trainable]
             for k in range(gas):
@@ -201,6 +206,11 @@ def reference(
                 (torch.nn.functional.mse_loss(model(x[rows]), y[rows]) / gas).backward()
                 for accumulated, p in zip(own, trainable):
                     accumulated += p.grad
+            ranks_sums.append(own)
+        if reverse_ranks:
+            ranks_sums.reverse()
+        total = [torch.zeros_like(p) for p in trainable]
+        for own in ranks_sums:
             for accumulated, mine in zip(total, own):
                 accumulated += mine
         for accumulated, p in zip(total, trainable):
