@@ -14,8 +14,14 @@ import argparse
 import os
 import resource
 import shutil
+import sys
 import tempfile
 import time
+from pathlib import Path
+
+# This checkout's sources, not the deepspeed_cpp the environment has installed (an editable
+# install points at one checkout; comparing two needs each to build its own).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BUILDERS = {
     "zero": "ZeroBuilder",
@@ -34,6 +40,8 @@ def main() -> None:
     os.environ["DS_CPP_EXTENSIONS_DIR"] = cache
     os.environ.setdefault("MAX_JOBS", "2")
     from deepspeed_cpp.ops import op_builder
+
+    print(f"sources: {op_builder.builder.csrc_dir()}")
 
     try:
         total = 0.0

@@ -6,8 +6,11 @@
 
 #include <algorithm>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 namespace deepspeed_cpp {
+
+GradientReducer::~GradientReducer() = default;
 
 GradientReducer::GradientReducer(const std::string& group_name, std::vector<int64_t> param_bucket,
                                  std::vector<int64_t> param_offset,

@@ -7,10 +7,16 @@
 #include <torch/custom_class.h>
 
 #include <string>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 #include "reducer_buffers.h"
+
+// Declared, not included: c10d's ProcessGroup.hpp alone takes ~13 s to compile, and only
+// grad_reducer.cpp calls into the group; the op registration (zero_op.cpp) sees pointers only.
+namespace c10d {
+class ProcessGroup;
+class Work;
+}  // namespace c10d
 
 namespace deepspeed_cpp {
 
@@ -33,6 +39,8 @@ class GradientReducer : public torch::CustomClassHolder {
                   std::vector<int64_t> param_offset, std::vector<int64_t> param_numel,
                   std::vector<int64_t> bucket_sizes, bool scatter,
                   const std::string& scatter_method, const std::string& device);
+  // Defined where c10d's types are complete (their intrusive_ptrs are released here).
+  ~GradientReducer() override;
 
   // Lays buckets out rank by rank (see ReducerBuffers::set_rank_major): ZeRO-3 reduces one unit's
   // gradients with one collective straight into the concatenation of its parameters' shards.
