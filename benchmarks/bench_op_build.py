@@ -2,7 +2,10 @@
 
 Each family named is compiled into a fresh, empty extension cache (a temporary folder, removed
 afterwards), one after the other, MAX_JOBS compile jobs each (2 unless set); the wall-clock time
-of each build and the compilers' CPU time of all of them are printed. Run it in two checkouts
+of each build, each translation unit's compile time within it (from ninja's own log: MAX_JOBS
+units compile at once, so a unit's time includes sharing the cores) and the compilers' CPU time
+of all of them are printed. An op's first build also builds the schema library it registers
+through, inside the first op's time. Run it in two checkouts
 (a ``git worktree`` of the older commit) one after the other to compare their sources' headers:
 
     python benchmarks/bench_op_build.py [--ops zero moe fused_adam_host aio]
@@ -32,6 +35,20 @@ BUILDERS = {
 }
 
 
+def unit_times(cache: str, name: str) -> list[tuple[str, float]]:
+    """Each object file of op ``name``'s build and its compile time in seconds, from the
+    ``.ninja_log`` of its build folder (start and end in milliseconds on each line)."""
+    (log,) = Path(cache).glob(f"*/{name}_*/.ninja_log")
+    units = []
+    for line in log.read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        start, end, _, output, _ = line.split("\t")
+        if output.endswith(".o"):
+            units.append((output, (int(end) - int(start)) / 1000))
+    return units
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", nargs="+", choices=sorted(BUILDERS), default=list(BUILDERS)[:4])
@@ -51,6 +68,8 @@ def main() -> None:
             elapsed = time.perf_counter() - start
             total += elapsed
             print(f"{name:<16} {elapsed:6.1f} s wall", flush=True)
+            for unit, seconds in unit_times(cache, name):
+                print(f"  {unit:<28} {seconds:6.1f} s")
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
         print(f"{'all':<16} {total:6.1f} s wall, compilers {children.ru_utime:.1f} s CPU")
     finally:
