@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -306,7 +307,19 @@ _COMET_QUIET = {
 }
 
 
+# comet_ml is installed in a folder of its own (scripts/setup_env.sh), put on the path only here:
+# transformers and accelerate import it in every process where it is importable. Appended, so
+# the packages it shares with the venv come from the venv.
+COMET_FOLDER = str(Path(sys.prefix) / "monitor-extras")
+
+
+def _comet_importable() -> None:
+    if COMET_FOLDER not in sys.path:
+        sys.path.append(COMET_FOLDER)
+
+
 def _train_comet_offline(root: str, interval: int):
+    _comet_importable()
     before = dict(os.environ)
     os.environ.update(_COMET_QUIET, COMET_OFFLINE_DIRECTORY=os.path.join(root, "comet"))
     section = {
@@ -347,6 +360,7 @@ def test_comet_offline_archive_holds_the_engine_curves(pool2, tmp_path):
     network); its archive (the zip ``comet upload`` would send) holds the engine's curves at
     DeepSpeed's sample steps, thinned by ``samples_log_interval``, under the config's project
     and experiment name (ZeRO-3, fp16)."""
+    _comet_importable()
     pytest.importorskip("comet_ml")
     batch = 3 * GAS * 2  # MICRO x GAS x world size
     results = pool2.run(_train_comet_offline, str(tmp_path), 2 * batch)
