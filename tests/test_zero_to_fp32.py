@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import REPO_ROOT
-from launch_helpers import finish
 from test_checkpoint import HIDDEN, build_engine, global_batches, make_model, train
+from test_zero_to_fp32_cli import _commands_at_once
 
 from deepspeed_cpp.runtime.checkpoint import CheckpointMismatchError, CheckpointNotFoundError
 from deepspeed_cpp.utils.zero_to_fp32 import (
@@ -95,13 +95,6 @@ def test_bf16_consolidation_is_the_fp32_masters(pool3, tmp_path):
     assert consolidated["head2.weight"] is consolidated["head.weight"]
 
 
-def _start_command(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [PYTHON, "-m", "deepspeed_cpp.utils.zero_to_fp32", *args],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
 def test_command_writes_torch_and_safetensors(pool3, tmp_path):
     from safetensors.torch import load_file
 
@@ -111,18 +104,16 @@ def test_command_writes_torch_and_safetensors(pool3, tmp_path):
     expected = get_fp32_state_dict_from_zero_checkpoint(checkpoint)
 
     torch_file, safe_file = tmp_path / "pytorch_model.bin", tmp_path / "model.safetensors"
-    # Two independent command lines, each mostly an interpreter importing torch: started
-    # together, one core each. (A missing checkpoint's one-line error is checked through the same
-    # main() in tests/test_zero_to_fp32_cli.py.)
-    to_torch = _start_command(str(checkpoint), str(torch_file))
-    to_safetensors = _start_command(
-        str(checkpoint), str(safe_file), "--safe_serialization", "--tag", "global_step3"
+    # Started together, one core each. (A missing checkpoint's one-line error is checked through
+    # the same main() in tests/test_zero_to_fp32_cli.py.)
+    to_torch, to_safetensors = _commands_at_once(
+        (str(checkpoint), str(torch_file)),
+        (str(checkpoint), str(safe_file), "--safe_serialization", "--tag", "global_step3"),
+        cwd=tmp_path,
     )
-    done = finish(to_torch)
-    assert done.returncode == 0, done.stderr
-    assert "wrote" in done.stdout
-    done = finish(to_safetensors)
-    assert done.returncode == 0, done.stderr
+    assert to_torch.returncode == 0, to_torch.stderr
+    assert "wrote" in to_torch.stdout
+    assert to_safetensors.returncode == 0, to_safetensors.stderr
     from_torch = torch.load(torch_file, weights_only=True)
     from_safetensors = load_file(safe_file)
     assert list(from_torch) == list(expected)
