@@ -10,7 +10,8 @@ VENV=${VENV:-.venv}
 if [ "${1:-}" = --quick ]; then
   shift
   exec "$VENV/bin/python" -m pytest -q -ra "$@" tests/test_cpu_adam_op.py tests/test_zero_ops.py \
-    tests/test_config.py tests/test_layering.py \
+    tests/test_config.py tests/test_config_refusals.py tests/test_config_sources.py \
+    tests/test_layering.py \
     "tests/test_engine_zero.py::test_matches_single_process_adamw_2_ranks" \
     "tests/test_engine_zero3.py::test_matches_single_process_adamw_2_ranks" \
     "tests/test_checkpoint.py::test_round_trip_restores_everything"

@@ -93,6 +93,22 @@ def pytest_sessionfinish(session, exitstatus):
     _SESSION_DIRS.clear()
 
 
+@pytest.fixture
+def ds_log(caplog):
+    """The 'deepspeed_cpp' logger's warnings (it does not propagate to the root logger), each
+    config key warned afresh (config warnings come once per key and process)."""
+    import logging
+
+    from deepspeed_cpp.runtime.config.deepspeed_config import forget_warnings
+
+    forget_warnings()
+    logger = logging.getLogger("deepspeed_cpp")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.WARNING, logger="deepspeed_cpp")
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
     """Fresh random inputs on every run; a failure prints DS_TEST_SEED to reproduce it."""

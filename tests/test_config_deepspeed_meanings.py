@@ -7,7 +7,6 @@ used to become one "problem" per letter ("Invalid DeepSpeed config, 177 problems
 """
 
 import json
-import logging
 import multiprocessing
 import pickle
 
@@ -52,19 +51,6 @@ def test_config_error_raised_in_a_worker_process_arrives_whole():
             pool.apply(_raise_config_error, (_bad_config(),))
     assert caught.value.problems == expected
     assert "2 problems" in str(caught.value)
-
-
-@pytest.fixture
-def ds_log(caplog):
-    """The 'deepspeed_cpp' logger's warnings (it does not propagate), each key warned afresh."""
-    from deepspeed_cpp.runtime.config.deepspeed_config import forget_warnings
-
-    forget_warnings()
-    logger = logging.getLogger("deepspeed_cpp")
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.WARNING, logger="deepspeed_cpp")
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def _said(caplog, text):

@@ -64,7 +64,7 @@ def nvme(tmp_path):
 
 
 @pytest.fixture
-def ds_log(caplog):
+def ds_info_log(caplog):
     """Captures the 'deepspeed_cpp' logger, which does not propagate to the root logger."""
     logger = logging.getLogger("deepspeed_cpp")
     logger.addHandler(caplog.handler)
@@ -325,7 +325,7 @@ os._exit(0)  # leaves without close() and without atexit
 
 
 @pytest.mark.parametrize("how", ["kill", "exit_without_cleanup"])
-def test_dead_runs_folder_is_removed_by_the_next_run_and_never_read(how, nvme, ds_log):
+def test_dead_runs_folder_is_removed_by_the_next_run_and_never_read(how, nvme, ds_info_log):
     result, out = _run_python(_KILLED_SCRIPT, nvme, how, check=False)
     assert result.returncode == (-signal.SIGKILL if how == "kill" else 0), result.stderr
     dead = Path(out["folder"])
@@ -345,7 +345,7 @@ def test_dead_runs_folder_is_removed_by_the_next_run_and_never_read(how, nvme, d
     (root / "readme.txt").write_text("keep")
     fresh = SwapFolder(nvme, purpose="optimizer", rank=1)
     assert not dead.exists()
-    removals = [r.getMessage() for r in ds_log.records if "removed stale swap folder" in r.msg]
+    removals = [r.getMessage() for r in ds_info_log.records if "removed stale swap folder" in r.msg]
     assert len(removals) == 1 and str(dead) in removals[0] and "is gone" in removals[0], removals
     assert all(p.is_dir() for p in (alive.folder, other_host, *foreign))
     assert (root / "readme.txt").read_text() == "keep"
@@ -355,7 +355,7 @@ def test_dead_runs_folder_is_removed_by_the_next_run_and_never_read(how, nvme, d
     alive.close()
 
 
-def test_old_versions_folder_whose_pid_was_reused_counts_as_dead(nvme, ds_log):
+def test_old_versions_folder_whose_pid_was_reused_counts_as_dead(nvme, ds_info_log):
     folder = SwapFolder(nvme, purpose="optimizer", rank=0)
     folder.write("x", torch.ones(3)).wait()
     owner = json.loads((folder.folder / "owner").read_text())
@@ -375,7 +375,7 @@ def test_old_versions_folder_whose_pid_was_reused_counts_as_dead(nvme, ds_log):
     (alive / "owner").write_text(json.dumps(dict(old_owner, start_time=owner["start_time"])))
     assert remove_stale_folders(nvme) == [old]
     assert sorted(os.listdir(old)) == ["stray.bin"]
-    assert any("not made by deepspeed_cpp" in r.getMessage() for r in ds_log.records)
+    assert any("not made by deepspeed_cpp" in r.getMessage() for r in ds_info_log.records)
     assert (alive / "owner").is_file()
     assert sorted(os.listdir(folder.folder)) == ["owner", "x.swp"]  # its lock is held: live
     folder.close()
@@ -559,9 +559,9 @@ def test_aio_settings_from_config_defaults_and_values():
     ) == (262144, 32, 4, True, False)
 
 
-def test_aio_config_section_without_warnings(ds_log):
+def test_aio_config_section_without_warnings(ds_info_log):
     DeepSpeedConfig.load({"train_batch_size": 2, "aio": {"queue_depth": 4}})
-    assert not [r for r in ds_log.records if "aio" in r.getMessage()]
+    assert not [r for r in ds_info_log.records if "aio" in r.getMessage()]
 
 
 @pytest.mark.parametrize(
