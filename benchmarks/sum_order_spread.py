@@ -1,6 +1,6 @@
 """How far one fp32 training run drifts from itself when only the order of a sum changes.
 
-The checkpoint tests compare our engines with ``tests/test_checkpoint.py``'s one-process AdamW
+The checkpoint tests compare our engines with ``tests/checkpoint_training.py``'s one-process AdamW
 reference (``reference``), which adds gradients in the engine's order for 1 and 2 ranks. Among
 3 ranks gloo's all-reduce adds in an order of its own, so those comparisons need a tolerance:
 ``SUM_ORDER_TOLERANCE``. This script measures its size: for many random model and data seeds it
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import test_checkpoint as case  # noqa: E402
+import checkpoint_training as case  # noqa: E402
 
 THRESHOLDS = (1e-7, 1e-6, 3e-6, 1e-5, 3e-5, 1e-4)
 

@@ -24,12 +24,11 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))  # test_checkpoint's model, config and data
+sys.path.insert(0, str(Path(__file__).parent))  # checkpoint_training's model, config and data
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from moe_parallel_jobs import HIDDEN, make_expert  # noqa: E402
-from test_checkpoint import (  # noqa: E402
+from checkpoint_training import (  # noqa: E402
     GLOBAL_BATCH,
     build_engine,
     config,
@@ -37,6 +36,7 @@ from test_checkpoint import (  # noqa: E402
     make_model,
     train,
 )
+from moe_parallel_jobs import HIDDEN, make_expert  # noqa: E402
 
 from deepspeed_cpp.comm.collective_errors import set_configured_timeout  # noqa: E402
 
@@ -98,7 +98,7 @@ def zero3_gather(stall) -> None:
 
     world = dist.get_world_size()
     settings = config(2, 3)
-    if world != 2:  # test_checkpoint's global batch, without accumulation (3 rows at 4 ranks)
+    if world != 2:  # checkpoint_training's global batch, without accumulation (3 rows at 4 ranks)
         settings.update(train_micro_batch_size_per_gpu=GLOBAL_BATCH // world,
                         gradient_accumulation_steps=1)  # fmt: skip
     # Every parameter partitioned (none kept whole below the persistence threshold).

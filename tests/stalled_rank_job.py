@@ -11,11 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))  # test_checkpoint's model, config and data
+sys.path.insert(0, str(Path(__file__).parent))  # checkpoint_training's model, config and data
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from test_checkpoint import build_engine, global_batches, train  # noqa: E402
+from checkpoint_training import build_engine, global_batches, train  # noqa: E402
 
 import deepspeed_cpp  # noqa: E402
 

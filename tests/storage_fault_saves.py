@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from test_checkpoint import build_engine, global_batches, params_of, train
+from checkpoint_training import build_engine, global_batches, params_of, train
 
 from deepspeed_cpp.runtime.checkpoint import CheckpointSaveError, saver
 

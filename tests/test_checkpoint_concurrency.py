@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_training import build_engine, global_batches, params_of, train
 from dist_pool import shared_pool, start_pool
-from test_checkpoint import build_engine, global_batches, params_of, train
 
 
 @pytest.fixture(scope="module")

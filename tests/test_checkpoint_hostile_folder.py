@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from checkpoint_training import build_engine, global_batches, params_of, train
 from conftest import REPO_ROOT
 from dist_pool import shared_pool
-from test_checkpoint import build_engine, global_batches, params_of, train
 
 from deepspeed_cpp.runtime.checkpoint import IncompleteCheckpointError, UnsafeCheckpointError
 from deepspeed_cpp.runtime.checkpoint.digests import seal_metadata

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from checkpoint_training import build_engine, global_batches, params_of, train
 from dist_pool import shared_pool
-from test_checkpoint import build_engine, global_batches, params_of, train
 
 from deepspeed_cpp.runtime.checkpoint import IncompleteCheckpointError
 from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, main

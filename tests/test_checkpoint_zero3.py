@@ -1,9 +1,9 @@
 """Checkpoints and ``save_16bit_model`` under ZeRO-3, on real gloo groups of 1, 2 and 3 processes.
 
-The model is test_checkpoint's (odd sizes, a tied weight, a frozen layer, a buffer) with a
+The model is checkpoint_training's (odd sizes, a tied weight, a frozen layer, a buffer) with a
 persistence threshold that keeps the biases whole and partitions every weight, so both kinds of
 ZeRO-3 bucket (one partitioned parameter each; persistent parameters together) are saved.
-Results are compared with test_checkpoint's single-process AdamW reference to 1e-6.
+Results are compared with checkpoint_training's single-process AdamW reference to 1e-6.
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO_ROOT
-from test_checkpoint import (
+from checkpoint_training import (
     GAS,
-    _assert_same,
-    _tensors_in,
+    assert_same,
     config,
     global_batches,
     lr_at,
@@ -28,8 +26,10 @@ from test_checkpoint import (
     param_groups,
     reference,
     reference_tolerance,
+    tensors_in,
     train,
 )
+from conftest import REPO_ROOT
 
 PERSIST = 19  # biases (<= 19 elements) stay whole; weights (>= 57) are partitioned
 PARTITIONED = ("embed.weight", "mid.weight", "frozen.weight", "head.weight", "head2.weight")
@@ -136,9 +136,9 @@ def test_reshard_continues_as_uninterrupted_run(
         assert loaded["client_state"] == {"world": saved_world}
         assert loaded["global_steps"] == before
         assert loaded["lr"] == pytest.approx([lr_at(before)] * 2, rel=1e-12)
-        _assert_same(loaded["weights"], saved, "loaded weights")
+        assert_same(loaded["weights"], saved, "loaded weights")
         assert global_steps == before + after and micro_steps == (before + after) * GAS[world]
-        _assert_same(final, results[0][1], "ranks agree")
+        assert_same(final, results[0][1], "ranks agree")
     assert max_relative_difference(results[0][1], expected) <= reference_tolerance(worlds)
     assert max_relative_difference(results[0][1], expected_saved) > 1e-3  # can fail
 
@@ -173,7 +173,7 @@ def round_trip_job(directory: str, dtype: str, seed: int):
     shard_file = torch.load(
         f"{directory}/round_trip/{optimizer_shard_file(dist.get_rank())}", weights_only=True
     )
-    compact = all(t.untyped_storage().nbytes() == t.nbytes for t in _tensors_in(shard_file))
+    compact = all(t.untyped_storage().nbytes() == t.nbytes for t in tensors_in(shard_file))
 
     other = build(seed + 1, world, 3, dtype)
     train(other, global_batches(seed + 1, 1))  # some state of its own, to be overwritten
@@ -190,11 +190,11 @@ def test_round_trip_restores_everything(pools, tmp_path, dtype):
     seed = int(torch.randint(0, 2**30, (1,)))
     results = pools(2).run(round_trip_job, str(tmp_path), dtype, seed)
     for rank, (saved, loaded, compact, uninterrupted, resumed) in enumerate(results):
-        _assert_same(saved, loaded, f"rank {rank}")
+        assert_same(saved, loaded, f"rank {rank}")
         assert saved["shards"][0]["state"], "the optimizer has state to restore"
         assert compact, "shard files hold each slice alone, not the storage it views"
         # The resumed engine continues bitwise as the one that never stopped.
-        _assert_same(uninterrupted, resumed, f"rank {rank} continued")
+        assert_same(uninterrupted, resumed, f"rank {rank} continued")
     if dtype == "fp32":
         # The same data as a 5-step run from the start; the reference is single-process AdamW.
         model_seed = seed
@@ -206,15 +206,15 @@ def test_round_trip_restores_everything(pools, tmp_path, dtype):
 
 
 def _reference_on(model_seed: int, batches, worlds):
-    """test_checkpoint.reference over given batches (it draws its own from a data seed)."""
-    import test_checkpoint
+    """checkpoint_training.reference over given batches (it draws its own from a data seed)."""
+    import checkpoint_training
 
-    original = test_checkpoint.global_batches
-    test_checkpoint.global_batches = lambda seed, steps: batches[:steps]
+    original = checkpoint_training.global_batches
+    checkpoint_training.global_batches = lambda seed, steps: batches[:steps]
     try:
         return reference(model_seed, 0, worlds)
     finally:
-        test_checkpoint.global_batches = original
+        checkpoint_training.global_batches = original
 
 
 # ---- zero_to_fp32 of a ZeRO-3 checkpoint -------------------------------------------------------
@@ -277,7 +277,7 @@ def test_zero_to_fp32_consolidates_a_stage3_checkpoint(pools, tmp_path, dtype):
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
-        _assert_same(read(output), consolidated, args[0])
+        assert_same(read(output), consolidated, args[0])
 
 
 # ---- load_module_only ------------------------------------------------------------------------
@@ -314,10 +314,10 @@ def test_load_module_only(pools, tmp_path):
     results = pools(2).run(module_only_job, str(tmp_path), seed)
     saved, steps, loaded, trained, inference = results[0]
     assert steps == 0
-    _assert_same(saved, loaded, "weights")
-    _assert_same(saved, inference, "inference engine")
+    assert_same(saved, loaded, "weights")
+    assert_same(saved, inference, "inference engine")
     for other in results[1:]:
-        _assert_same(other[3], trained, "ranks agree")
+        assert_same(other[3], trained, "ranks agree")
     # Training restarts from the loaded weights (the fp32 masters re-read from them) with a
     # fresh AdamW, first lr.
     expected = reference(0, seed + 2, [2], weights=loaded)
@@ -373,7 +373,7 @@ def test_save_16bit_model_writes_the_whole_model_from_rank0(pools, tmp_path, sta
         assert most <= 1  # ZeRO-3: one parameter whole at a time on every rank
     flag, whole, without_frozen = results[0][5]
     assert flag is True and list(whole) == list(gathered)
-    _assert_same(whole, gathered, "_zero3_consolidated_16bit_state_dict")
+    assert_same(whole, gathered, "_zero3_consolidated_16bit_state_dict")
     assert whole["head2.weight"] is whole["head.weight"], "tied names share one tensor"
     assert set(without_frozen) == set(gathered) - {"frozen.weight", "frozen.bias"}
     assert results[1][5] == (True, {}, {}), "only rank 0 holds the consolidated state"
@@ -381,8 +381,8 @@ def test_save_16bit_model_writes_the_whole_model_from_rank0(pools, tmp_path, sta
     from_safetensors = load_file(tmp_path / "model.safetensors")
     trainable = torch.load(tmp_path / "trainable.bin", weights_only=True)
     assert list(from_torch) == list(gathered)
-    _assert_same(from_torch, gathered, "torch file")
-    _assert_same(dict(from_safetensors), gathered, "safetensors file")
+    assert_same(from_torch, gathered, "torch file")
+    assert_same(dict(from_safetensors), gathered, "safetensors file")
     assert from_torch["mid.weight"].dtype == {"fp32": torch.float32, "bf16": torch.bfloat16,
                                               "fp16": torch.float16}[dtype]  # fmt: skip
     # Tied: one tensor in the torch file; a copy per name in safetensors. Each tensor is
@@ -392,7 +392,7 @@ def test_save_16bit_model_writes_the_whole_model_from_rank0(pools, tmp_path, sta
         if name != "head2.weight":
             assert tensor.untyped_storage().nbytes() == tensor.nbytes, name
     assert set(trainable) == set(gathered) - {"frozen.weight", "frozen.bias"}
-    _assert_same(trainable, {n: gathered[n] for n in trainable}, "exclude_frozen_parameters")
+    assert_same(trainable, {n: gathered[n] for n in trainable}, "exclude_frozen_parameters")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "model.safetensors",
         "pytorch_model.bin",
@@ -467,7 +467,7 @@ def test_failed_saves_raise_on_every_rank_and_keep_the_previous_files(pools, tmp
         assert "No space left" in errors[1] and "rank 0" in errors[1]
     assert (tmp_path / "latest").read_text() == "good"
     kept = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
-    _assert_same(kept, results[0][1], "the previous model file")
+    assert_same(kept, results[0][1], "the previous model file")
     # No temporary file left, and no save lock file (it exists only while a save runs).
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_checkpoint import _assert_same, build_engine, global_batches, train
+from checkpoint_training import assert_same, build_engine, global_batches, train
 
 STEPS, SAVE_EVERY, STAGE = 6, 2, 2
 KILL_STEP = 3  # training phases: in step 4 (global_steps == 3); saves: the save at step 4
@@ -175,5 +175,5 @@ def test_kill_a_rank_then_resume_from_latest_is_bitwise_uninterrupted(
     assert run_world(tmp_path / "ckpt", seed, None, tmp_path / "out.pt") == [0, 0]
     resumed = torch.load(tmp_path / "out.pt", weights_only=True)
     assert resumed["steps"] == STEPS
-    _assert_same(resumed["params"], expected["params"], case)
+    assert_same(resumed["params"], expected["params"], case)
     assert (tmp_path / "ckpt" / "latest").read_text() == f"global_step{STEPS}"

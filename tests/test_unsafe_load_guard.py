@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_training import build_engine, global_batches, train
 from conftest import REPO_ROOT
 from dist_pool import shared_pool
-from test_checkpoint import build_engine, global_batches, train
 
 SCANNED = ["deepspeed_cpp", "examples", "benchmarks"]
 # (file, function): the only places that may unpickle in full, each behind an explicit opt-in.

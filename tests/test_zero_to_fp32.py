@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from checkpoint_training import HIDDEN, build_engine, global_batches, make_model, train
 from conftest import REPO_ROOT
-from test_checkpoint import HIDDEN, build_engine, global_batches, make_model, train
 from test_zero_to_fp32_cli import _commands_at_once
 
 from deepspeed_cpp.runtime.checkpoint import CheckpointMismatchError, CheckpointNotFoundError
