@@ -80,7 +80,7 @@ def _one_line_error(done: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def assert_same(loaded: dict, expected: dict, where: str) -> None:
+def _assert_same(loaded: dict, expected: dict, where: str) -> None:
     assert set(loaded) == set(expected), where
     for name, tensor in expected.items():
         assert loaded[name].dtype == torch.float32, (where, name)
@@ -132,13 +132,13 @@ def test_save_writes_the_script_beside_latest_and_it_runs_from_the_folder(saved,
     assert "wrote" in out
     loaded, index = _read_directory(folder / "fp32", safe=False)
     assert index is None
-    assert_same(loaded, state, "script, directory form")
+    _assert_same(loaded, state, "script, directory form")
     assert loaded["head2.weight"].data_ptr() == loaded["head.weight"].data_ptr()  # tie kept
     # The guide's older spelling, one file; and the script with the alias, from elsewhere.
     _ok(_finish(file_form))
-    assert_same(torch.load(folder / "pytorch_model.bin", weights_only=True), state, "file")
+    _assert_same(torch.load(folder / "pytorch_model.bin", weights_only=True), state, "file")
     _ok(_finish(aliased))
-    assert_same(_read_directory(tmp_path / "aliased", safe=True)[0], state, "alias, safetensors")
+    _assert_same(_read_directory(tmp_path / "aliased", safe=True)[0], state, "alias, safetensors")
     usage = _ok(_finish(help_text))
     assert usage.startswith("usage: zero_to_fp32.py") and "--max_shard_size" in usage
     # A Python that cannot import deepspeed_cpp: one line saying what to install.
@@ -156,7 +156,7 @@ def test_directory_form_shards_with_deepspeeds_file_names(saved, tmp_path, safe)
     output = tmp_path / "out"
     _ok(_command(str(folder), str(output), "--max_shard_size", "1KB", *flag, cwd=tmp_path))
     loaded, index = _read_directory(output, safe)
-    assert_same(loaded, state, "shards")
+    _assert_same(loaded, state, "shards")
     stem, extension = ("model", "safetensors") if safe else ("pytorch_model", "bin")
     shards = sorted(set(index["weight_map"].values()))
     count = len(shards)
@@ -173,7 +173,7 @@ def test_directory_form_shards_with_deepspeeds_file_names(saved, tmp_path, safe)
     # since from_pretrained would read them before the new file.
     _ok(_command(str(folder), str(output), *flag, cwd=tmp_path))
     assert os.listdir(output) == [f"{stem}.{extension}"]
-    assert_same(_read_directory(output, safe)[0], state, "unsharded")
+    _assert_same(_read_directory(output, safe)[0], state, "unsharded")
 
 
 def test_file_form_existing_directory_options_and_errors(saved, tmp_path, monkeypatch, capsys):
@@ -206,19 +206,19 @@ def test_file_form_existing_directory_options_and_errors(saved, tmp_path, monkey
         errors.append(subprocess.CompletedProcess(argv, status, captured.out, captured.err))
     # An existing directory is an output directory (it used to die with IsADirectoryError).
     _ok(existing_dir)
-    assert_same(_read_directory(tmp_path / "existing.bin", False)[0], state, "existing dir")
+    _assert_same(_read_directory(tmp_path / "existing.bin", False)[0], state, "existing dir")
     # -t, --exclude_frozen_parameters, -d, through `python -m deepspeed_cpp.compat -m deepspeed...`
     out = _ok(_finish(frozen_options))
     trainable = {n: t for n, t in state.items() if n not in FROZEN}
-    assert_same(_read_directory(tmp_path / "trainable", False)[0], trainable, "trainable")
+    _assert_same(_read_directory(tmp_path / "trainable", False)[0], trainable, "trainable")
     assert "zero_to_fp32: mid.weight -> pytorch_model.bin" in out
     # The one-file form: a new path with a weight-file suffix, or an existing file.
     _ok(safetensors_file)
     from safetensors.torch import load_file
 
-    assert_same(load_file(tmp_path / "model.safetensors"), state, "one safetensors file")
+    _assert_same(load_file(tmp_path / "model.safetensors"), state, "one safetensors file")
     _ok(existing_file)
-    assert_same(torch.load(tmp_path / "weights", weights_only=True), state, "existing file")
+    _assert_same(torch.load(tmp_path / "weights", weights_only=True), state, "existing file")
 
     shard_of_a_file, bad_size, no_latest, no_tag = (_one_line_error(e) for e in errors)
     assert "max_shard_size applies to an output directory" in shard_of_a_file
