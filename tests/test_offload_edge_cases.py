@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from test_offload_optimizer import SEED, _config, _run_steps
+from offload_helpers import SEED, offload_config, run_steps, shard_states
 from zero3_helpers import (
     MICRO_BATCH,
     assert_same_shard_states,
@@ -35,12 +35,12 @@ def _load_while_delayed_job(parent, stage, module_only):
                "delayed_param_update_warmup_steps": 0}  # fmt: skip
     batches = global_batches(SEED, 4, 2, dist.get_world_size())
     engine, *_ = deepspeed_cpp.initialize(
-        model=make_model(SEED), config=_config(stage, "fp32", offload)
+        model=make_model(SEED), config=offload_config(stage, "fp32", offload)
     )
-    _run_steps(engine, batches[:2], dist.get_rank())
+    run_steps(engine, batches[:2], dist.get_rank())
     engine.save_checkpoint(checkpoint, tag="t")
     saved = full_params(engine)
-    _run_steps(engine, batches[2:], dist.get_rank())  # a delayed step is pending now
+    run_steps(engine, batches[2:], dist.get_rank())  # a delayed step is pending now
     engine.load_checkpoint(checkpoint, tag="t", load_module_only=module_only)
     # What the model holds right after the load (stages 1-2 keep parameters whole), and what
     # a consolidated read gives (it finishes pending work first).
@@ -61,7 +61,7 @@ def test_a_load_drops_the_pending_delayed_step(pool2, tmp_path, stage, module_on
 def _partial_sgd_job():
     import deepspeed_cpp
 
-    cfg = _config(2, "fp32", {"device": "cpu", "ratio": 0.5})
+    cfg = offload_config(2, "fp32", {"device": "cpu", "ratio": 0.5})
     cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}}
     try:
         deepspeed_cpp.initialize(model=make_model(SEED), config=cfg)
@@ -192,19 +192,19 @@ def _delayed_resume_job(parent):
 
     def engine_for():
         engine, *_ = deepspeed_cpp.initialize(
-            model=make_model(SEED), config=_config(2, "fp32", offload)
+            model=make_model(SEED), config=offload_config(2, "fp32", offload)
         )
         return engine
 
     engine = engine_for()
-    _run_steps(engine, batches[:3], rank)
+    run_steps(engine, batches[:3], rank)
     engine.save_checkpoint(checkpoint, tag="step3")
-    _run_steps(engine, batches[3:], rank)
+    run_steps(engine, batches[3:], rank)
     saved_and_went_on = full_params(engine)
     engine.destroy()
     engine = engine_for()
     engine.load_checkpoint(checkpoint, tag="step3")
-    _run_steps(engine, batches[3:], rank)
+    run_steps(engine, batches[3:], rank)
     resumed = full_params(engine)
     engine.destroy()
     return saved_and_went_on, resumed
@@ -222,8 +222,6 @@ def _file_size_limit_job(parent):
     import os
     import resource
 
-    from test_streamed_save import _states
-
     import deepspeed_cpp
     from deepspeed_cpp.runtime.failed_step import FailedStepError
     from deepspeed_cpp.runtime.zero.offload import SwapFileError
@@ -235,20 +233,20 @@ def _file_size_limit_job(parent):
         nvme = os.path.join(folder, name)
         os.makedirs(nvme, exist_ok=True)
         offload = {"device": "nvme", "nvme_path": nvme}
-        config = _config(2, "fp32", offload)
+        config = offload_config(2, "fp32", offload)
         return deepspeed_cpp.initialize(model=make_model(SEED), config=config)[0], nvme
 
     engine, nvme = engine_swapping_to("nvme")
-    _run_steps(engine, batches[:1], rank)
+    run_steps(engine, batches[:1], rank)
     engine.save_checkpoint(os.path.join(folder, "ckpt"), tag="step1")
-    saved_params, saved_states = full_params(engine), _states(engine)
+    saved_params, saved_states = full_params(engine), shard_states(engine)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     # Every rank owns slices of the same sizes (padded to the world size), so every rank's first
     # sub-group write passes the limit at the same point of the step: no rank is left waiting.
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (8192, hard))
     try:
-        _run_steps(engine, batches[1:], rank)
+        run_steps(engine, batches[1:], rank)
         failure = None
     except SwapFileError as error:
         failure = (str(error), error.errno, error.nbytes, error.filename)
@@ -257,7 +255,7 @@ def _file_size_limit_job(parent):
     after = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     steps_after = engine.global_steps
     refusals = []  # the part-updated engine neither trains on nor saves
-    train_on = lambda: _run_steps(engine, batches[1:], rank)  # noqa: E731
+    train_on = lambda: run_steps(engine, batches[1:], rank)  # noqa: E731
     save = lambda: engine.save_checkpoint(os.path.join(folder, "ckpt"), tag="mixed")  # noqa: E731
     for call in (train_on, save):
         try:
@@ -267,13 +265,13 @@ def _file_size_limit_job(parent):
             refusals.append(str(error))
     # A whole checkpoint load replaces everything the step touched: the same engine goes on.
     engine.load_checkpoint(os.path.join(folder, "ckpt"), tag="step1")
-    _run_steps(engine, batches[1:], rank)
+    run_steps(engine, batches[1:], rank)
     recovered = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     fresh, _ = engine_swapping_to("nvme_after")
     fresh.load_checkpoint(os.path.join(folder, "ckpt"), tag="step1")
-    loaded_params, loaded_states = full_params(fresh), _states(fresh)
-    _run_steps(fresh, batches[1:], rank)  # the step the limit cut short, done whole
+    loaded_params, loaded_states = full_params(fresh), shard_states(fresh)
+    run_steps(fresh, batches[1:], rank)  # the step the limit cut short, done whole
     stepped = {n: p.detach().clone() for n, p in fresh.module.named_parameters()}
     fresh.destroy()
     # Each element of the model is either what it was before the step or what the whole step
@@ -355,7 +353,7 @@ def _inference_offload_param_job():
             else:
                 cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-2}}
                 engine, *_ = deepspeed_cpp.initialize(model=model, config=cfg)
-            _run_steps(engine, batches, dist.get_rank())
+            run_steps(engine, batches, dist.get_rank())
             trained.append(full_params(engine))
             engine.destroy()
     alike = [
@@ -382,7 +380,7 @@ def _client_optimizer_with_offload_job(force):
 
     found = {}
     for stage in (2, 3):
-        cfg = _config(stage, "fp32", {"device": "cpu"})
+        cfg = offload_config(stage, "fp32", {"device": "cpu"})
         del cfg["optimizer"]
         if force is not None:
             cfg["zero_force_ds_cpu_optimizer"] = force
@@ -396,7 +394,7 @@ def _client_optimizer_with_offload_job(force):
                 optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-2)
             try:
                 engine, *_ = deepspeed_cpp.initialize(model=model, optimizer=optimizer, config=cfg)
-                _run_steps(engine, global_batches(SEED, 1, 2, dist.get_world_size()), 0)
+                run_steps(engine, global_batches(SEED, 1, 2, dist.get_world_size()), 0)
                 engine.destroy()
                 found[stage, kind] = "trained"
             except ZeRORuntimeException as error:

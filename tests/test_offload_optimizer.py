@@ -14,8 +14,8 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from offload_helpers import SEED, nvme_offload, offload_config, run_steps
 from zero3_helpers import (
-    config,
     full_params,
     make_model,
     max_relative_difference,
@@ -25,20 +25,7 @@ from zero3_helpers import (
     train,
 )
 
-SEED, STEPS = 11, 4
-
-
-def _config(stage, dtype, offload, *, gas=2, clip=0.5, sub_group_size=700):
-    result = config(dtype, gas, clip, threshold=50)
-    result["zero_optimization"].update(stage=stage, sub_group_size=sub_group_size)
-    if offload is not None:
-        result["zero_optimization"]["offload_optimizer"] = offload
-    return result
-
-
-def _nvme(folder, **extra):
-    return {"device": "nvme", "nvme_path": folder, "pipeline_read": True,
-            "pipeline_write": True, "buffer_count": 3, **extra}  # fmt: skip
+STEPS = 4
 
 
 def _shared_folder(parent) -> str:
@@ -55,12 +42,12 @@ def _train_job(parent, stage, dtype, device, steps=STEPS, ratio=1.0):
     import deepspeed_cpp
 
     folder = _shared_folder(parent)
-    offload = {"device": "cpu"} if device == "cpu" else _nvme(folder)
+    offload = {"device": "cpu"} if device == "cpu" else nvme_offload(folder)
     offload["ratio"] = ratio
     results, extra = [], {}
     for part in (None, offload):
         engine, *_ = deepspeed_cpp.initialize(
-            model=make_model(SEED), config=_config(stage, dtype, part)
+            model=make_model(SEED), config=offload_config(stage, dtype, part)
         )
         results.append(train(engine, SEED, steps))
         if part is not None:
@@ -109,7 +96,7 @@ def _delayed_job(stage, dtype, warmup, steps):
     offload = {"device": "cpu", "delayed_param_update": True,
                "delayed_param_update_warmup_steps": warmup}  # fmt: skip
     engine, *_ = deepspeed_cpp.initialize(
-        model=make_model(SEED), config=_config(stage, dtype, offload, clip=1.0)
+        model=make_model(SEED), config=offload_config(stage, dtype, offload, clip=1.0)
     )
     result = train(engine, SEED, steps)
     engine.destroy()
@@ -144,7 +131,7 @@ def _warmup_only_job(stage):
     for part in (None, {"device": "cpu", "delayed_param_update": True,
                         "delayed_param_update_warmup_steps": STEPS}):  # fmt: skip
         engine, *_ = deepspeed_cpp.initialize(
-            model=make_model(SEED), config=_config(stage, "fp32", part)
+            model=make_model(SEED), config=offload_config(stage, "fp32", part)
         )
         results.append(train(engine, SEED, STEPS))
         engine.destroy()
@@ -170,9 +157,9 @@ def _error_of(config_dict):
 def _errors_job(missing):
     nvme = {"device": "nvme", "nvme_path": missing}
     return [
-        _error_of(_config(0, "fp32", {"device": "cpu"})),
-        _error_of(_config(2, "fp32", {**nvme, "delayed_param_update": True})),
-        _error_of(_config(2, "fp32", nvme)),
+        _error_of(offload_config(0, "fp32", {"device": "cpu"})),
+        _error_of(offload_config(2, "fp32", {**nvme, "delayed_param_update": True})),
+        _error_of(offload_config(2, "fp32", nvme)),
     ]
 
 
@@ -188,16 +175,6 @@ def test_bad_offload_settings_are_named(pool2):
 # --- checkpoints and host memory ------------------------------------------------------------
 
 
-def _run_steps(engine, batches, rank):
-    from zero3_helpers import loss_of, rank_slice
-
-    for micro_batches in batches:
-        for x, y in micro_batches:
-            loss = loss_of(engine(rank_slice(x, rank)), rank_slice(y, rank))
-            engine.backward(loss)
-            engine.step()
-
-
 def _checkpoint_job(parent, stage, save_with, load_with):
     """Six steps uninterrupted in memory vs three steps with ``save_with`` offload, a checkpoint,
     and three more in a new engine with ``load_with`` offload (None: in memory)."""
@@ -209,28 +186,28 @@ def _checkpoint_job(parent, stage, save_with, load_with):
     batches = global_batches(SEED, 6, 2, dist.get_world_size())
 
     def engine_with(kind):
-        cfg = _config(stage, "fp32", None)
+        cfg = offload_config(stage, "fp32", None)
         if kind == "cpu":
             cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         elif kind in ("nvme", "infinity"):
-            cfg["zero_optimization"]["offload_optimizer"] = _nvme(folder)
+            cfg["zero_optimization"]["offload_optimizer"] = nvme_offload(folder)
         if kind == "infinity":  # parameters on NVMe too
             cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": folder}
         engine, *_ = deepspeed_cpp.initialize(model=make_model(SEED), config=cfg)
         return engine
 
     engine = engine_with(None)
-    _run_steps(engine, batches, rank)
+    run_steps(engine, batches, rank)
     uninterrupted = full_params(engine)
     engine.destroy()
 
     engine = engine_with(save_with)
-    _run_steps(engine, batches[:3], rank)
+    run_steps(engine, batches[:3], rank)
     engine.save_checkpoint(os.path.join(folder, "ckpt"), tag="step3")
     engine.destroy()
     engine = engine_with(load_with)
     engine.load_checkpoint(os.path.join(folder, "ckpt"), tag="step3")
-    _run_steps(engine, batches[3:], rank)
+    run_steps(engine, batches[3:], rank)
     resumed = full_params(engine)
     engine.destroy()
     return uninterrupted, resumed
@@ -262,7 +239,7 @@ def _budget_job(parent):
 
     folder = _shared_folder(parent)
     results, figures = [], None
-    for offload in (_nvme(folder, buffer_count=2), None):
+    for offload in (nvme_offload(folder, buffer_count=2), None):
         torch.manual_seed(5)
         model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(16)])
         zero = {"stage": 2, "reduce_bucket_size": 20_000, "sub_group_size": 10_000}
@@ -309,7 +286,7 @@ def _param_offload_job(parent, dtype, device):
     if device == "cpu":
         parts = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
     else:
-        parts = {"offload_optimizer": _nvme(folder),
+        parts = {"offload_optimizer": nvme_offload(folder),
                  "offload_param": {"device": "nvme", "nvme_path": folder, "buffer_count": 3,
                                    "buffer_size": 4096}}  # fmt: skip
     results, figures, reads = [], {}, []
@@ -320,7 +297,7 @@ def _param_offload_job(parent, dtype, device):
             reads.append((home.read_ahead_hits, home.reads_on_demand))
 
     for extra in ({}, parts):
-        cfg = _config(3, dtype, None)
+        cfg = offload_config(3, dtype, None)
         cfg["zero_optimization"].update(extra)
         engine, *_ = deepspeed_cpp.initialize(model=make_model(SEED), config=cfg)
         results.append(train(engine, SEED, STEPS, between=count_reads if extra else None))
@@ -364,9 +341,9 @@ def _vanished_folder_job(parent):
     batches = global_batches(SEED, 3, 2, dist.get_world_size())
     offload = {"device": "nvme", "nvme_path": nvme}
     engine, *_ = deepspeed_cpp.initialize(
-        model=make_model(SEED), config=_config(2, "fp32", offload)
+        model=make_model(SEED), config=offload_config(2, "fp32", offload)
     )
-    _run_steps(engine, batches[:1], rank)
+    run_steps(engine, batches[:1], rank)
     engine.save_checkpoint(os.path.join(folder, "ckpt"), tag="step1")
     saved = full_params(engine)
     dist.barrier()
@@ -374,14 +351,16 @@ def _vanished_folder_job(parent):
         shutil.rmtree(nvme)
     dist.barrier()
     try:
-        _run_steps(engine, batches[1:2], rank)
+        run_steps(engine, batches[1:2], rank)
         message = "no error"
     except SwapFileError as error:
         message = str(error)
-    engine, *_ = deepspeed_cpp.initialize(model=make_model(SEED), config=_config(2, "fp32", None))
+    engine, *_ = deepspeed_cpp.initialize(
+        model=make_model(SEED), config=offload_config(2, "fp32", None)
+    )
     engine.load_checkpoint(os.path.join(folder, "ckpt"), tag="step1")
     reloaded = full_params(engine)
-    _run_steps(engine, batches[1:], rank)
+    run_steps(engine, batches[1:], rank)
     engine.destroy()
     return message, nvme, saved, reloaded
 
@@ -435,14 +414,14 @@ def _step_during_backward_job(parent, stage, dtype, device, gas):
     import deepspeed_cpp
 
     folder = _shared_folder(parent)
-    base = {"device": "cpu"} if device == "cpu" else _nvme(folder)
+    base = {"device": "cpu"} if device == "cpu" else nvme_offload(folder)
     results = []
     # NVMe offload steps during backward when the key is unset (the default): tested so.
     for early in (False, True if device == "cpu" else None):
         offload = {**base, "step_during_backward": early}
         if early is None:
             del offload["step_during_backward"]
-        cfg = _config(stage, dtype, offload, gas=gas, clip=0.0, sub_group_size=300)
+        cfg = offload_config(stage, dtype, offload, gas=gas, clip=0.0, sub_group_size=300)
         cfg["zero_optimization"]["reduce_bucket_size"] = 200
         if device == "nvme+pnvme":  # ZeRO-Infinity: the parameter shards on NVMe too
             cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": folder}
@@ -479,16 +458,16 @@ def _refusals_job(folder):
     import deepspeed_cpp
 
     early = {"device": "cpu", "step_during_backward": True}
-    fp16 = _config(2, "fp32", early, clip=0.0)
+    fp16 = offload_config(2, "fp32", early, clip=0.0)
     fp16["fp16"] = {"enabled": True}
     found = [
-        _error_of(_config(2, "fp32", early, clip=1.0)),
+        _error_of(offload_config(2, "fp32", early, clip=1.0)),
         _error_of(fp16),
-        _error_of(_config(2, "fp32", {**early, "delayed_param_update": True}, clip=0.0)),
-        _error_of(_config(2, "fp32", {**early, "ratio": 0.5}, clip=0.0)),
+        _error_of(offload_config(2, "fp32", {**early, "delayed_param_update": True}, clip=0.0)),
+        _error_of(offload_config(2, "fp32", {**early, "ratio": 0.5}, clip=0.0)),
     ]
     engine, *_ = deepspeed_cpp.initialize(
-        model=make_model(SEED), config=_config(2, "fp32", early, gas=1, clip=0.0)
+        model=make_model(SEED), config=offload_config(2, "fp32", early, gas=1, clip=0.0)
     )
     from zero3_helpers import global_batches, loss_of, rank_slice
 
@@ -509,7 +488,7 @@ def _refusals_job(folder):
     engine.save_checkpoint(folder, tag="after")  # fine once the step is done
     engine.destroy()
     # A learning rate changed after some sub-groups were stepped with the old one.
-    cfg = _config(2, "fp32", early, gas=1, clip=0.0, sub_group_size=300)
+    cfg = offload_config(2, "fp32", early, gas=1, clip=0.0, sub_group_size=300)
     cfg["zero_optimization"]["reduce_bucket_size"] = 200
     engine, *_ = deepspeed_cpp.initialize(model=_mlp("fp32"), config=cfg)
     engine.backward(torch.nn.functional.mse_loss(engine(torch.randn(3, 29)), torch.randn(3, 23)))
@@ -522,8 +501,10 @@ def _refusals_job(folder):
         found.append(f"RuntimeError: {error}")
     engine.destroy()
     # Unset, it stays off without a word where something excludes it (clipping here).
-    nvme = _nvme(_shared_folder(folder))
-    engine, *_ = deepspeed_cpp.initialize(model=make_model(SEED), config=_config(2, "fp32", nvme))
+    nvme = nvme_offload(_shared_folder(folder))
+    engine, *_ = deepspeed_cpp.initialize(
+        model=make_model(SEED), config=offload_config(2, "fp32", nvme)
+    )
     found.append(engine.optimizer.stepper.backward_steps)
     engine.destroy()
     return found
@@ -552,8 +533,8 @@ def _step_during_backward_vanished_folder_job(parent):
     import deepspeed_cpp
 
     folder = _shared_folder(parent)
-    offload = {**_nvme(folder), "step_during_backward": True}
-    cfg = _config(2, "fp32", offload, gas=1, clip=0.0, sub_group_size=300)
+    offload = {**nvme_offload(folder), "step_during_backward": True}
+    cfg = offload_config(2, "fp32", offload, gas=1, clip=0.0, sub_group_size=300)
     cfg["zero_optimization"]["reduce_bucket_size"] = 200
     engine, *_ = deepspeed_cpp.initialize(model=_mlp("fp32"), config=cfg)
     x, y = torch.randn(3, 29), torch.randn(3, 23)

@@ -22,7 +22,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from test_offload_optimizer import SEED, _config, _nvme, _run_steps
+from offload_helpers import SEED, nvme_offload, offload_config, run_steps, shard_states
 from zero3_helpers import assert_same_shard_states, make_model
 
 from deepspeed_cpp.runtime.checkpoint.streamed_save import save_streamed_atomically
@@ -130,15 +130,6 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _states(engine) -> list[dict]:
-    """Every bucket's master slice and optimizer state, copied (``shard_state``)."""
-    return [
-        {"master": e["master"].clone(),
-         "state": {k: v.clone() if torch.is_tensor(v) else v for k, v in e["state"].items()}}
-        for e in engine.optimizer.shard_state()
-    ]  # fmt: skip
-
-
 def _two_buffers(folder) -> dict:
     return {"device": "nvme", "nvme_path": folder, "pipeline_read": True,
             "pipeline_write": True, "buffer_count": 2}  # fmt: skip
@@ -185,18 +176,18 @@ def _stream_job(parent):
     before = _reset_high_water_mark()
     saver.save_checkpoint(os.path.join(folder, "ckpt"), tag="nvme")
     figures["save_extra_bytes"] = (_status_kib("VmHWM") - before) * 1024
-    saved = _states(saver)
+    saved = shard_states(saver)
     saver.destroy()
 
     in_memory = _engine_with(None)
     in_memory.load_checkpoint(os.path.join(folder, "ckpt"), tag="nvme")
-    loaded_in_memory = _states(in_memory)
+    loaded_in_memory = shard_states(in_memory)
     in_memory.save_checkpoint(os.path.join(folder, "ckpt"), tag="memory")
     in_memory.destroy()
 
     offloaded = _engine_with(_two_buffers(folder))
     offloaded.load_checkpoint(os.path.join(folder, "ckpt"), tag="memory")
-    loaded_offloaded = _states(offloaded)
+    loaded_offloaded = shard_states(offloaded)
     offloaded.destroy()
     return figures, saved, loaded_in_memory, loaded_offloaded
 
@@ -240,11 +231,11 @@ def _reshard_job(folder):
     before = _reset_high_water_mark()
     offloaded.load_checkpoint(checkpoint, tag="nvme")
     figures["load_extra_bytes"] = (_status_kib("VmHWM") - before) * 1024
-    loaded_offloaded = _states(offloaded)
+    loaded_offloaded = shard_states(offloaded)
     offloaded.destroy()
     in_memory = _engine_with(None)
     in_memory.load_checkpoint(checkpoint, tag="nvme")
-    loaded_in_memory = _states(in_memory)
+    loaded_in_memory = shard_states(in_memory)
     in_memory.destroy()
     return figures, loaded_offloaded, loaded_in_memory
 
@@ -279,9 +270,9 @@ def _small_save_job(parent):
     folder = os.path.join(str(parent), "nvme2")
     os.makedirs(folder, exist_ok=True)
     engine, *_ = deepspeed_cpp.initialize(
-        model=make_model(SEED), config=_config(2, "fp32", _nvme(folder))
+        model=make_model(SEED), config=offload_config(2, "fp32", nvme_offload(folder))
     )
-    _run_steps(engine, global_batches(SEED, 2, 2, 2), dist.get_rank())
+    run_steps(engine, global_batches(SEED, 2, 2, 2), dist.get_rank())
     engine.save_checkpoint(os.path.join(str(parent), "ckpt"), tag="two_ranks")
     saved = full_params(engine)
     engine.destroy()
@@ -295,13 +286,13 @@ def _small_reshard_job(parent, offloaded):
 
     folder = os.path.join(str(parent), "nvme3")
     os.makedirs(folder, exist_ok=True)
-    offload = _nvme(folder) if offloaded else None
+    offload = nvme_offload(folder) if offloaded else None
     engine, *_ = deepspeed_cpp.initialize(
-        model=make_model(SEED + 1), config=_config(2, "fp32", offload)
+        model=make_model(SEED + 1), config=offload_config(2, "fp32", offload)
     )
     engine.load_checkpoint(os.path.join(str(parent), "ckpt"), tag="two_ranks")
     loaded = full_params(engine)
-    _run_steps(engine, global_batches(SEED + 2, 1, 2, 3), dist.get_rank())
+    run_steps(engine, global_batches(SEED + 2, 1, 2, 3), dist.get_rank())
     stepped = full_params(engine)
     engine.destroy()
     return loaded, stepped
