@@ -109,6 +109,31 @@ def ds_log(caplog):
     logger.removeHandler(caplog.handler)
 
 
+@pytest.fixture(scope="session")
+def aio_library():
+    """The aio op compiled and loaded once, before any subprocess of a test needs it (files
+    using aio ask for it with ``pytestmark = pytest.mark.usefixtures("aio_library")``)."""
+    from deepspeed_cpp.ops import aio
+
+    aio.load_aio()
+
+
+@pytest.fixture
+def nvme(tmp_path):
+    """An nvme_path on a real disk file system (O_DIRECT exercised): pytest's temporary folder
+    when it is one, else one under the repository's build/."""
+    import shutil
+
+    from disk_folders import on_a_real_disk
+
+    folder = tmp_path / "nvme"
+    if not on_a_real_disk(tmp_path):
+        folder = REPO_ROOT / "build" / f"swap_test_{os.getpid()}_{tmp_path.name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
     """Fresh random inputs on every run; a failure prints DS_TEST_SEED to reproduce it."""

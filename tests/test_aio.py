@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT
 from disk_folders import mount_namespace_prefix, o_direct_works, on_a_real_disk
+from swap_helpers import assert_names
 
 from deepspeed_cpp.ops import aio
 from deepspeed_cpp.ops.aio import AsyncIOHandle, usable_engines
@@ -45,9 +46,7 @@ def disk_dir(tmp_path_factory):
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _library_loaded():
-    aio.load_aio()  # compile once, before any subprocess needs the library
+pytestmark = pytest.mark.usefixtures("aio_library")  # compiled before any subprocess needs it
 
 
 def _temp_folder_in(folder):
@@ -232,19 +231,14 @@ def test_write_at_an_offset_changes_only_those_bytes(disk_dir):
 # --- errors -----------------------------------------------------------------------------------
 
 
-def _assert_names(message, *parts):
-    for part in parts:
-        assert part in message, f"{part!r} missing from: {message}"
-
-
 def test_read_past_the_end_of_the_file(disk_dir):
     handle = AsyncIOHandle()
     path = disk_dir / "short.bin"
     handle.sync_pwrite(_random_bytes(1000), path)
     with pytest.raises(RuntimeError) as error:
         handle.sync_pread(torch.empty(600, dtype=torch.uint8), path, 500)
-    _assert_names(str(error.value), "read of 600 bytes", f"'{path}'", "at file offset 500",
-                  "the file has 1000 bytes", "reading past the end")  # fmt: skip
+    assert_names(str(error.value), "read of 600 bytes", f"'{path}'", "at file offset 500",
+                 "the file has 1000 bytes", "reading past the end")  # fmt: skip
 
 
 def test_missing_directory_for_read_and_write(disk_dir):
@@ -252,11 +246,11 @@ def test_missing_directory_for_read_and_write(disk_dir):
     path = disk_dir / "no_such_dir" / "x.bin"
     with pytest.raises(RuntimeError) as error:
         handle.sync_pwrite(_random_bytes(4097), path, 4096)
-    _assert_names(str(error.value), "write of 4097 bytes", f"'{path}'", "at file offset 4096",
-                  "No such file or directory", "ENOENT")  # fmt: skip
+    assert_names(str(error.value), "write of 4097 bytes", f"'{path}'", "at file offset 4096",
+                 "No such file or directory", "ENOENT")  # fmt: skip
     with pytest.raises(RuntimeError) as error:
         handle.sync_pread(torch.empty(3, dtype=torch.uint8), path)
-    _assert_names(str(error.value), "read of 3 bytes", "ENOENT")
+    assert_names(str(error.value), "read of 3 bytes", "ENOENT")
 
 
 def test_every_failed_request_is_listed_and_the_handle_stays_usable(disk_dir):
@@ -270,8 +264,8 @@ def test_every_failed_request_is_listed_and_the_handle_stays_usable(disk_dir):
     with pytest.raises(RuntimeError) as error:
         handle.wait()
     message = str(error.value)
-    _assert_names(message, "2 of 5 requests failed", "write of 5 bytes", "missing/a.bin",
-                  "read of 9 bytes", "missing/b.bin", "at file offset 77")  # fmt: skip
+    assert_names(message, "2 of 5 requests failed", "write of 5 bytes", "missing/a.bin",
+                 "read of 9 bytes", "missing/b.bin", "at file offset 77")  # fmt: skip
     assert "good" not in message
     assert handle.pending_requests() == 0
     for i, data in enumerate(good):
@@ -322,11 +316,11 @@ print(json.dumps({"errors": errors, "small_ok": bool(torch.equal(back, small))})
 def test_full_disk_by_file_size_limit(engine, tmp_path):
     out = _run_python(_FILE_SIZE_LIMIT_SCRIPT, tmp_path, engine)
     fresh, existing = out["errors"]
-    _assert_names(fresh, "write of 2097152 bytes", "fresh.bin", "at file offset 0",
-                  "File too large", "EFBIG")  # fmt: skip
+    assert_names(fresh, "write of 2097152 bytes", "fresh.bin", "at file offset 0",
+                 "File too large", "EFBIG")  # fmt: skip
     # Overwriting in place allocates nothing: the failure comes from a write past the limit.
-    _assert_names(existing, "write of 2097152 bytes", "existing.bin", "at file offset 0",
-                  f"the {engine} pwrite of", "File too large", "EFBIG")  # fmt: skip
+    assert_names(existing, "write of 2097152 bytes", "existing.bin", "at file offset 0",
+                 f"the {engine} pwrite of", "File too large", "EFBIG")  # fmt: skip
     assert out["small_ok"]
 
 
@@ -351,8 +345,8 @@ def test_full_disk_on_a_small_file_system(tmp_path):
         pytest.skip("no mount namespace here; the full disk is covered by the file-size limit")
     (tmp_path / "small_fs").mkdir()
     out = _run_python(_FULL_TMPFS_SCRIPT, tmp_path / "small_fs", prefix=prefix)
-    _assert_names(out["error"], "write of 2097152 bytes", "big.bin", "at file offset 4096",
-                  "No space left on device", "ENOSPC")  # fmt: skip
+    assert_names(out["error"], "write of 2097152 bytes", "big.bin", "at file offset 4096",
+                 "No space left on device", "ENOSPC")  # fmt: skip
 
 
 _READ_ONLY_SCRIPT = """
@@ -377,8 +371,8 @@ def test_read_only_file(tmp_path):
     if os.geteuid() == 0 and shutil.which("setpriv") is None:
         pytest.skip("running as root without setpriv: cannot make a file read-only for us")
     out = _run_python(_READ_ONLY_SCRIPT, path, prefix=drop if os.geteuid() == 0 else ())
-    _assert_names(out["error"], "write of 100 bytes", f"'{path}'", "at file offset 0",
-                  "Permission denied", "EACCES")  # fmt: skip
+    assert_names(out["error"], "write of 100 bytes", f"'{path}'", "at file offset 0",
+                 "Permission denied", "EACCES")  # fmt: skip
     assert path.read_bytes() == b"keep"
 
 
@@ -424,8 +418,8 @@ def test_buffered_fallback_with_one_warning_where_o_direct_is_refused(tmp_path):
             shutil.rmtree(folder, ignore_errors=True)
     assert out["ok"]
     assert len(out["warnings"]) == 1, out["warnings"]
-    _assert_names(out["warnings"][0], "does not support O_DIRECT", "f0.bin", "EINVAL",
-                  "buffered I/O")  # fmt: skip
+    assert_names(out["warnings"][0], "does not support O_DIRECT", "f0.bin", "EINVAL",
+                 "buffered I/O")  # fmt: skip
     assert out["stats"]["direct_bytes"] == 0
     assert out["stats"]["buffered_bytes"] == 2 * (1 + 3 * 8192 + 5 + 100000)
 

@@ -1,7 +1,7 @@
 """The paths added without a GPU, run on one (issue 31; scripts/gpu_check.sh runs this file):
 torch's Adam/AdamW stepped in chunks over CUDA tensors (runtime/zero/chunked_step.py), in-place
 gradients at ZeRO 0 on one GPU (runtime/zero/in_place_grads.py), and ZeRO-3 units from repeated
-blocks with their coalesced prefetch gathers (tests/test_zero3_blocks.py's model) on NCCL in one
+blocks with their coalesced prefetch gathers (tests/zero3_block_model.py) on NCCL in one
 process. Two processes cannot share one GPU under NCCL (it refuses a duplicate device), so the
 multi-rank forms of these paths are left to the gloo tests. Skipped where no CUDA device exists;
 each check's CPU form is in test_chunked_step.py, test_in_place_grads.py, test_zero3_blocks.py.
@@ -105,11 +105,11 @@ def test_in_place_gradients_at_zero0_on_one_gpu():
 
 
 def test_zero3_block_units_on_one_gpu():
-    """The block model of test_zero3_blocks.py at ZeRO 3 on CUDA: every block one unit (the
+    """The block model of tests/zero3_block_model.py at ZeRO 3 on CUDA: every block one unit (the
     per-module rules with ``stage3_unit_min_numel`` 0), gathered by a few coalesced collectives
     per step, training equal to torch's AdamW on the same GPU within the fused kernels'
     rounding (ours vs torch's differ by up to ~1e-6 per step, test_fused_adam_cuda.py)."""
-    import test_zero3_blocks as blocks
+    import zero3_block_model as blocks
 
     import deepspeed_cpp as deepspeed
 
@@ -145,10 +145,10 @@ def test_zero3_block_units_on_one_gpu():
             everything = list(torch.distributed.distributed_c10d._world.pg_map)
             counts = []
             for x in blocks.batches(1):
-                before = blocks._collectives(everything)
+                before = blocks.collectives_so_far(everything)
                 engine.backward(blocks.loss_of(engine(x.cuda())))
                 engine.step()
-                counts.append(blocks._collectives(everything) - before)
+                counts.append(blocks.collectives_so_far(everything) - before)
             state = engine.full_module_state_dict()
             units = list(coordinator.unit_names)
             if names is not None:

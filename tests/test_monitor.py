@@ -16,70 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from monitor_training import GAS, MICRO, STEPS, assert_points, train_with_monitors
 
 from deepspeed_cpp.monitor import MissingMonitorPackageError, MonitorMaster
 from deepspeed_cpp.runtime.config import DeepSpeedConfig
-
-STEPS, GAS, MICRO = 4, 2, 3
-
-
-def _train_with_monitors(root: str, stage: int, fp16: bool, monitors: dict | None = None):
-    """STEPS optimizer steps of a small model; ``monitors`` replaces the default tensorboard and
-    csv_monitor sections (written under ``root/rank<r>``)."""
-    import deepspeed_cpp as deepspeed
-
-    rank = dist.get_rank()
-    out = os.path.join(root, f"rank{rank}")  # per rank, to see that only rank 0 writes
-    if monitors is None:
-        monitors = {
-            "tensorboard": {"enabled": True, "output_path": out, "job_name": "tb_job"},
-            "csv_monitor": {"enabled": True, "output_path": out, "job_name": "csv_job"},
-        }
-    config = {
-        "gradient_clipping": 0.0,
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": GAS,
-        "steps_per_print": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "scheduler": {
-            "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3},
-        },
-        "zero_optimization": {"stage": stage},
-        **monitors,
-    }
-    if fp16:
-        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
-    engine, _, _, scheduler = deepspeed.initialize(model=model, config=config)
-    dtype = next(engine.module.parameters()).dtype
-    generator = torch.Generator().manual_seed(1 + rank)
-    losses, lrs, scales = [], [], []
-    for _ in range(STEPS):
-        step_loss = 0.0
-        for _ in range(GAS):
-            x = torch.randn(MICRO, 5, generator=generator).to(dtype)
-            loss = engine(x).float().pow(2).mean()
-            engine.backward(loss)
-            engine.step()
-            step_loss += loss.item() / GAS
-        losses.append(step_loss)
-        lrs.append(scheduler.get_last_lr()[0])
-        scales.append(engine.get_loss_scale())
-    engine.destroy()
-    return losses, lrs, scales, engine.train_batch_size()
 
 
 def _read_csv(path: Path) -> tuple[list[str], list[tuple[int, float]]]:
     with open(path, newline="") as file:
         rows = list(csv.reader(file))
     return rows[0], [(int(step), float(value)) for step, value in rows[1:]]
-
-
-def _assert_points(got, expected, rel):
-    assert [step for step, _ in got] == [step for step, _ in expected]
-    assert [value for _, value in got] == pytest.approx([v for _, v in expected], rel=rel)
 
 
 def _read_tensorboard(folder: Path) -> dict[str, list[tuple[int, float]]]:
@@ -96,7 +42,7 @@ def _read_tensorboard(folder: Path) -> dict[str, list[tuple[int, float]]]:
 @pytest.mark.parametrize("stage, fp16", [(2, False), (3, True)])
 def test_rank0_writes_engine_losses_and_lrs(pool2, tmp_path, stage, fp16):
     pytest.importorskip("tensorboard")
-    results = pool2.run(_train_with_monitors, str(tmp_path), stage, fp16)
+    results = pool2.run(train_with_monitors, str(tmp_path), stage, fp16)
     losses, lrs, scales, batch = results[0]
     assert not (tmp_path / "rank1").exists(), "rank 1 must not write monitor files"
     # DeepSpeed's cadence: the loss at the samples seen before the step, lr (and loss scale)
@@ -112,20 +58,20 @@ def test_rank0_writes_engine_losses_and_lrs(pool2, tmp_path, stage, fp16):
     assert {p.name for p in csv_dir.iterdir()} == expected_files
     header, rows = _read_csv(csv_dir / "Train_Samples_train_loss.csv")
     assert header == ["step", "train_loss"]
-    _assert_points(rows, loss_points, rel=1e-6)
+    assert_points(rows, loss_points, rel=1e-6)
     header, rows = _read_csv(csv_dir / "Train_Samples_lr.csv")
     assert header == ["step", "lr"]
-    _assert_points(rows, lr_points, rel=1e-12)
+    assert_points(rows, lr_points, rel=1e-12)
 
     scalars = _read_tensorboard(tmp_path / "rank0" / "tb_job")
     expected_tags = {"Train/Samples/train_loss", "Train/Samples/lr"}
     if fp16:
         expected_tags.add("Train/Samples/loss_scale")
-        _assert_points(scalars["Train/Samples/loss_scale"], scale_points, rel=0)
+        assert_points(scalars["Train/Samples/loss_scale"], scale_points, rel=0)
     assert set(scalars) == expected_tags
     # TensorBoard stores float32.
-    _assert_points(scalars["Train/Samples/train_loss"], loss_points, rel=1e-6)
-    _assert_points(scalars["Train/Samples/lr"], lr_points, rel=1e-6)
+    assert_points(scalars["Train/Samples/train_loss"], loss_points, rel=1e-6)
+    assert_points(scalars["Train/Samples/lr"], lr_points, rel=1e-6)
 
 
 def test_write_events_for_user_scalars(tmp_path):
@@ -330,7 +276,7 @@ def _train_comet_offline(root: str, interval: int):
         "samples_log_interval": interval,
     }
     try:
-        return _train_with_monitors(root, 3, True, monitors={"comet": section})
+        return train_with_monitors(root, 3, True, monitors={"comet": section})
     finally:
         os.environ.clear()
         os.environ.update(before)
@@ -384,9 +330,9 @@ def test_comet_offline_archive_holds_the_engine_curves(pool2, tmp_path):
     loss_points = [(batch * i, loss) for i, loss in enumerate(losses)][::2]
     lr_points = [(batch * (i + 1), lr) for i, lr in enumerate(lrs)][::2]
     scale_points = [(batch * (i + 1), scale) for i, scale in enumerate(scales)][::2]
-    _assert_points(engine_curves["Train/Samples/train_loss"], loss_points, rel=1e-6)
-    _assert_points(engine_curves["Train/Samples/lr"], lr_points, rel=1e-12)
-    _assert_points(engine_curves["Train/Samples/loss_scale"], scale_points, rel=0)
+    assert_points(engine_curves["Train/Samples/train_loss"], loss_points, rel=1e-6)
+    assert_points(engine_curves["Train/Samples/lr"], lr_points, rel=1e-12)
+    assert_points(engine_curves["Train/Samples/loss_scale"], scale_points, rel=0)
 
 
 @pytest.mark.parametrize("backend", ["csv_monitor", "tensorboard"])
@@ -419,7 +365,7 @@ def test_plot_draws_a_runs_curves(tmp_path, backend):
     MonitorMaster(config, rank=0).write_events([("Train/Eval/test_accuracy", 0.75, 80)])
     if backend == "csv_monitor":
         assert read_run(tmp_path / "run")["Train/Eval/test_accuracy"] == [(40.0, 0.5), (80.0, 0.75)]
-    _assert_points(curves["Train/Samples/lr"], [(8 * s, 0.1 * s) for s in range(1, 6)], 1e-6)
+    assert_points(curves["Train/Samples/lr"], [(8 * s, 0.1 * s) for s in range(1, 6)], 1e-6)
     out = tmp_path / "curves.png"
     assert main([str(tmp_path / "run"), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_monitor import GAS, STEPS, _assert_points, _train_with_monitors
+from monitor_training import GAS, STEPS, assert_points, train_with_monitors
 from wandb_run_file import history, run_record, wait_until_finished
 
 
@@ -15,7 +15,7 @@ def _train_offline(root: str):
     # Offline, under root, quiet; set in the worker, where wandb.init reads them.
     os.environ.update(WANDB_MODE="offline", WANDB_DIR=root, WANDB_SILENT="true")
     section = {"enabled": True, "project": "ds_cpp_test", "group": "zero2"}
-    return _train_with_monitors(root, 2, False, monitors={"wandb": section})
+    return train_with_monitors(root, 2, False, monitors={"wandb": section})
 
 
 def test_wandb_offline_run_holds_the_engine_curves(pool2, tmp_path):
@@ -33,5 +33,5 @@ def test_wandb_offline_run_holds_the_engine_curves(pool2, tmp_path):
     # DeepSpeed's steps: the loss at the samples seen before the step, the lr at those after it.
     loss_points = [(batch * i, loss) for i, loss in enumerate(losses)]
     lr_points = [(batch * (i + 1), lr) for i, lr in enumerate(lrs)]
-    _assert_points(curves["Train/Samples/train_loss"], loss_points, rel=1e-6)
-    _assert_points(curves["Train/Samples/lr"], lr_points, rel=1e-12)
+    assert_points(curves["Train/Samples/train_loss"], loss_points, rel=1e-6)
+    assert_points(curves["Train/Samples/lr"], lr_points, rel=1e-12)

@@ -30,10 +30,10 @@ import pytest
 import torch
 from conftest import REPO_ROOT
 from disk_folders import on_a_real_disk
+from fused_adam_plan_check import check_plan
 from fuzz_settings import FUZZ  # skips the module without hypothesis
 from hypothesis import given
 from hypothesis import strategies as st
-from test_fused_adam_plan import check_plan
 
 from deepspeed_cpp.ops import aio
 from deepspeed_cpp.ops.aio import AsyncIOHandle

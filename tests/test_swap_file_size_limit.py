@@ -1,6 +1,6 @@
 """NVMe swap writes under a file size limit (RLIMIT_FSIZE), on real files through the real aio
 handle: the error names the path, the bytes and errno, and nothing of the training state is
-lost (tests/test_swap_files.py holds the other swap-file tests and the fixtures used here)."""
+lost (tests/test_swap_files.py holds the other swap-file tests)."""
 
 import contextlib
 import errno
@@ -9,9 +9,11 @@ import signal
 
 import pytest
 import torch
-from test_swap_files import _assert_names, _library_loaded, _random, nvme  # noqa: F401 (fixtures)
+from swap_helpers import assert_names, random_payload
 
 from deepspeed_cpp.runtime.zero.offload import SwapFileError, SwapFolder
+
+pytestmark = pytest.mark.usefixtures("aio_library")  # compiled before any subprocess needs it
 
 
 @contextlib.contextmanager
@@ -26,14 +28,14 @@ def _file_size_limit(limit):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
-def test_file_size_limit_is_a_swap_file_error_and_the_state_survives(nvme):  # noqa: F811
+def test_file_size_limit_is_a_swap_file_error_and_the_state_survives(nvme):
     """RLIMIT_FSIZE below a swap file: a new key fails when its file is sized, a key rewritten
     in place when its data is written; both name the path, the bytes and EFBIG, leave the tensor
     and the other keys as they were, and the same write succeeds once the limit is lifted."""
     assert signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN
     folder = SwapFolder(nvme, purpose="optimizer", rank=0)
     nbytes = 2 << 20
-    kept, grown, rewritten = (_random(nbytes, torch.uint8) for _ in range(3))
+    kept, grown, rewritten = (random_payload(nbytes, torch.uint8) for _ in range(3))
     folder.write("kept", kept).wait()
     folder.write("rewritten", torch.zeros(nbytes, dtype=torch.uint8)).wait()
     snapshot = [t.clone() for t in (kept, grown, rewritten)]
@@ -44,8 +46,8 @@ def test_file_size_limit_is_a_swap_file_error_and_the_state_survives(nvme):  # n
         with pytest.raises(SwapFileError) as in_place:
             ticket.wait()
     for error, key in ((new_key.value, "grown"), (in_place.value, "rewritten")):
-        _assert_names(str(error), f"{key!r}", f"{nbytes} bytes", str(folder.path_of(key)),
-                      "EFBIG (27): File too large")  # fmt: skip
+        assert_names(str(error), f"{key!r}", f"{nbytes} bytes", str(folder.path_of(key)),
+                     "EFBIG (27): File too large")  # fmt: skip
         assert error.errno == errno.EFBIG and error.nbytes == nbytes, str(error)
         assert not folder.has(key)
         with pytest.raises(SwapFileError, match="write did not complete|last write failed"):

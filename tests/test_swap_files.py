@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT
-from disk_folders import mount_namespace_prefix, o_direct_works, on_a_real_disk
+from disk_folders import mount_namespace_prefix, o_direct_works
+from swap_helpers import assert_names, random_payload
 
-from deepspeed_cpp.ops import aio
 from deepspeed_cpp.ops.aio import usable_engines
 from deepspeed_cpp.runtime.config import AioConfig, DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed_cpp.runtime.zero.offload import (
@@ -46,21 +45,7 @@ SLOW = AioSettings(block_size=4096, queue_depth=1)  # a 16 MiB write stays in fl
 SLOW_BYTES = 16 << 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _library_loaded():
-    aio.load_aio()  # compile once, before any subprocess needs the library
-
-
-@pytest.fixture
-def nvme(tmp_path):
-    """An nvme_path on a real disk file system (O_DIRECT exercised): pytest's temporary folder
-    when it is one, else one under the repository's build/."""
-    folder = tmp_path / "nvme"
-    if not on_a_real_disk(tmp_path):
-        folder = REPO_ROOT / "build" / f"swap_test_{os.getpid()}_{tmp_path.name}"
-    folder.mkdir(parents=True, exist_ok=True)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+pytestmark = pytest.mark.usefixtures("aio_library")  # compiled before any subprocess needs it
 
 
 @pytest.fixture
@@ -71,17 +56,6 @@ def ds_info_log(caplog):
     caplog.set_level(logging.INFO, logger="deepspeed_cpp")
     yield caplog
     logger.removeHandler(caplog.handler)
-
-
-def _assert_names(message, *parts):
-    for part in parts:
-        assert part in message, f"{part!r} missing from: {message}"
-
-
-def _random(numel, dtype):
-    if dtype == torch.uint8:
-        return torch.randint(0, 256, (numel,), dtype=torch.uint8)
-    return torch.randn(numel).to(dtype)
 
 
 def _raw(tensor):
@@ -127,7 +101,7 @@ def test_round_trip_of_odd_sizes_and_dtypes_many_in_flight(engine, nvme):
     assert folder.folder.parent == _swap_root(nvme)
     sizes = [1, 4097, 3 * 2**20 + 3]
     data = {
-        f"group{i}/{str(dtype)[6:]}": _random(n, dtype)
+        f"group{i}/{str(dtype)[6:]}": random_payload(n, dtype)
         for i, (dtype, n) in enumerate(
             (dtype, n) for dtype in (torch.float32, torch.bfloat16, torch.uint8) for n in sizes
         )
@@ -162,7 +136,7 @@ def test_round_trip_of_odd_sizes_and_dtypes_many_in_flight(engine, nvme):
         assert sum(s["direct_bytes"] for s in stats) >= 2 * 4 * (3 * 2**20)
     # Rewrite: new data, new dtype and a smaller size under an existing key; another bigger.
     key_a, key_b = "group0/float32", "group2/float32"
-    new_a, new_b = _random(4097, torch.bfloat16), _random(5 * 2**20 + 1, torch.uint8)
+    new_a, new_b = random_payload(4097, torch.bfloat16), random_payload(5 * 2**20 + 1, torch.uint8)
     folder.write(key_a, new_a)
     folder.write(key_b, new_b).wait()
     back_a, back_b = torch.empty_like(new_a), torch.empty_like(new_b)
@@ -236,7 +210,7 @@ def test_wait_all_reports_a_failure_once_and_keeps_going(nvme):
     shutil.rmtree(folder.folder)  # the folder vanishes while the write is in flight
     with pytest.raises(SwapFileError) as error:
         folder.wait_all()
-    _assert_names(str(error.value), "'doomed'", f"{SLOW_BYTES} bytes", str(folder.folder))
+    assert_names(str(error.value), "'doomed'", f"{SLOW_BYTES} bytes", str(folder.folder))
     assert big.done() and ok.done()
     folder.wait_all()  # reported once
     with pytest.raises(SwapFileError):
@@ -257,7 +231,7 @@ def test_header_mismatches_are_stale_files_named_with_what_differs(nvme):
     def stale(into, *parts):
         with pytest.raises(StaleSwapFileError) as error:
             folder.read("state", into)
-        _assert_names(str(error.value), f"'{path}'", "'state'", *parts)
+        assert_names(str(error.value), f"'{path}'", "'state'", *parts)
         assert isinstance(error.value, SwapFileError) and isinstance(error.value, OSError)
 
     stale(torch.empty(4098), "holds 4097 x float32", "4098 x float32")
@@ -471,7 +445,7 @@ def test_full_disk_is_a_swap_file_error_naming_path_bytes_and_enospc(tmp_path):
     _, out = _run_python(
         _FULL_DISK_SCRIPT, tmp_path / "small_fs", tmp_path / "read_only", prefix=prefix
     )
-    _assert_names(
+    assert_names(
         out["error"],
         "'big'",
         "2097152 bytes",
@@ -481,15 +455,15 @@ def test_full_disk_is_a_swap_file_error_naming_path_bytes_and_enospc(tmp_path):
     )
     assert out["errno"] == errno.ENOSPC and out["nbytes"] == 2 << 20
     assert out["untouched"] and not out["has"] and not out["file_left"] and out["small_ok"]
-    _assert_names(out["read_error"], "'big'", "never written, removed, or its last write failed")
-    _assert_names(out["read_only"], str(tmp_path / "read_only"), "EROFS (30)")
+    assert_names(out["read_error"], "'big'", "never written, removed, or its last write failed")
+    assert_names(out["read_only"], str(tmp_path / "read_only"), "EROFS (30)")
 
 
 def test_missing_or_vanished_paths_are_named(nvme, tmp_path):
     missing = tmp_path / "no" / "such" / "nvme"
     with pytest.raises(SwapFileError) as error:
         SwapFolder(missing, purpose="optimizer", rank=0)
-    _assert_names(str(error.value), f"'{missing}'", "ENOENT (2): No such file or directory")
+    assert_names(str(error.value), f"'{missing}'", "ENOENT (2): No such file or directory")
     assert error.value.errno == errno.ENOENT and error.value.filename == str(missing)
     a_file = tmp_path / "a_file"
     a_file.write_text("")
@@ -499,7 +473,7 @@ def test_missing_or_vanished_paths_are_named(nvme, tmp_path):
     shutil.rmtree(nvme)  # the whole nvme_path goes away under a live folder
     with pytest.raises(SwapFileError) as error:
         folder.write("k", torch.ones(7))
-    _assert_names(str(error.value), "'k'", "28 bytes", str(folder.folder), "ENOENT (2)")
+    assert_names(str(error.value), "'k'", "28 bytes", str(folder.folder), "ENOENT (2)")
     folder.close()  # nothing left to delete: no error
     with pytest.raises(ValueError, match="purpose"):
         SwapFolder(tmp_path, purpose="bad/purpose", rank=0)

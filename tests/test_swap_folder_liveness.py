@@ -16,25 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO_ROOT
-from disk_folders import on_a_real_disk
 
-from deepspeed_cpp.ops import aio
 from deepspeed_cpp.runtime.zero.offload import SwapFolder, remove_stale_folders, stale_swap_folders
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _library_loaded():
-    aio.load_aio()  # compile once, before any subprocess needs the library
-
-
-@pytest.fixture
-def nvme(tmp_path):
-    folder = tmp_path / "nvme"
-    if not on_a_real_disk(tmp_path):
-        folder = REPO_ROOT / "build" / f"swap_liveness_{os.getpid()}_{tmp_path.name}"
-    folder.mkdir(parents=True, exist_ok=True)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+pytestmark = pytest.mark.usefixtures("aio_library")  # compiled before any subprocess needs it
 
 
 def _pid_namespace_prefix():

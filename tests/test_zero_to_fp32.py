@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from checkpoint_training import HIDDEN, build_engine, global_batches, make_model, train
 from conftest import REPO_ROOT
-from test_zero_to_fp32_cli import _commands_at_once
+from launch_helpers import ZERO_TO_FP32, run_module_at_once
 
 from deepspeed_cpp.runtime.checkpoint import CheckpointMismatchError, CheckpointNotFoundError
 from deepspeed_cpp.utils.zero_to_fp32 import (
@@ -106,7 +106,8 @@ def test_command_writes_torch_and_safetensors(pool3, tmp_path):
     torch_file, safe_file = tmp_path / "pytorch_model.bin", tmp_path / "model.safetensors"
     # Started together, one core each. (A missing checkpoint's one-line error is checked through
     # the same main() in tests/test_zero_to_fp32_cli.py.)
-    to_torch, to_safetensors = _commands_at_once(
+    to_torch, to_safetensors = run_module_at_once(
+        ZERO_TO_FP32,
         (str(checkpoint), str(torch_file)),
         (str(checkpoint), str(safe_file), "--safe_serialization", "--tag", "global_step3"),
         cwd=tmp_path,

@@ -10,16 +10,14 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 from checkpoint_training import build_engine, global_batches, train
-from conftest import REPO_ROOT
 from dist_pool import shared_pool
+from launch_helpers import ZERO_TO_FP32, run_module_at_once, start_python
 from launch_helpers import finish as _finish
-from launch_helpers import launch_env
 
 from deepspeed_cpp.runtime.checkpoint.layout import METADATA_FILE
 from deepspeed_cpp.runtime.checkpoint.recovery_script import SCRIPT, write_recovery_script
@@ -46,26 +44,12 @@ def saved(tmp_path_factory):
     return folder, state
 
 
-def _start(*args: str, cwd, **env) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=launch_env(**{"PYTHONPATH": str(REPO_ROOT), **env}),
-    )  # fmt: skip
-
-
 def _python(*args: str, cwd, **env) -> subprocess.CompletedProcess:
-    return _finish(_start(*args, cwd=cwd, **env))
+    return _finish(start_python(*args, cwd=cwd, **env))
 
 
 def _command(*args: str, cwd) -> subprocess.CompletedProcess:
-    return _python("-m", "deepspeed_cpp.utils.zero_to_fp32", *args, cwd=cwd)
-
-
-def _commands_at_once(*commands: tuple[str, ...], cwd) -> list[subprocess.CompletedProcess]:
-    """Independent command lines started together, finished in order: each is mostly an
-    interpreter importing torch, one core each, so two cores run two at a time."""
-    started = [_start("-m", "deepspeed_cpp.utils.zero_to_fp32", *c, cwd=cwd) for c in commands]
-    return [_finish(process) for process in started]
+    return _python("-m", ZERO_TO_FP32, *args, cwd=cwd)
 
 
 def _ok(done: subprocess.CompletedProcess) -> str:
@@ -119,14 +103,14 @@ def test_save_writes_the_script_beside_latest_and_it_runs_from_the_folder(saved,
     assert write_recovery_script(folder) is False  # unchanged: not rewritten by the next save
 
     # Five independent runs, each with its own output (or none), started together.
-    directory_form = _start("zero_to_fp32.py", ".", "fp32", cwd=folder)
-    file_form = _start("zero_to_fp32.py", ".", "pytorch_model.bin", cwd=folder)
-    aliased = _start(
+    directory_form = start_python("zero_to_fp32.py", ".", "fp32", cwd=folder)
+    file_form = start_python("zero_to_fp32.py", ".", "pytorch_model.bin", cwd=folder)
+    aliased = start_python(
         "-m", "deepspeed_cpp.compat", str(script), str(folder), "aliased", "--safe_serialization",
         cwd=tmp_path,
     )  # fmt: skip
-    help_text = _start("zero_to_fp32.py", "-h", cwd=folder)
-    without_package = _start("-S", str(script), ".", "out", cwd=folder, PYTHONPATH="")
+    help_text = start_python("zero_to_fp32.py", "-h", cwd=folder)
+    without_package = start_python("-S", str(script), ".", "out", cwd=folder, PYTHONPATH="")
     # The guide's command, from inside checkpoint-N, into an output directory (DeepSpeed 0.19).
     out = _ok(_finish(directory_form))
     assert "wrote" in out
@@ -181,11 +165,12 @@ def test_file_form_existing_directory_options_and_errors(saved, tmp_path, monkey
     (tmp_path / "existing.bin").mkdir()
     (tmp_path / "weights").write_bytes(b"old")
     # Each command writes its own output (or nothing): all run at once.
-    frozen_options = _start(
+    frozen_options = start_python(
         "-m", "deepspeed_cpp.compat", "-m", "deepspeed.utils.zero_to_fp32", str(folder),
         "trainable", "-t", "global_step2", "--exclude_frozen_parameters", "-d", cwd=tmp_path,
     )  # fmt: skip
-    existing_dir, safetensors_file, existing_file = _commands_at_once(
+    existing_dir, safetensors_file, existing_file = run_module_at_once(
+        ZERO_TO_FP32,
         (str(folder), str(tmp_path / "existing.bin")),
         (str(folder), "model.safetensors", "--safe_serialization"),
         (str(folder), "weights"),
