@@ -13,7 +13,7 @@ the measurements behind the per-unit changes of issue 27.
 
     python benchmarks/zero3_step_profile.py [--model deep|transformer] [--rounds 20]
         [--breakdown] [--whole-layers] [--timeline] [--prefetch 5e6]
-        [--probe keep-storage|no-copy-out] [--cprofile]
+        [--probe keep-storage|no-copy-out|landed] [--persistence N] [--cprofile]
 
 Each phase's minor page faults are counted too (the largest rank's median): pages written for the
 first time, as by a buffer allocated afresh. ``--cprofile`` profiles rank 0's main thread over each
@@ -32,6 +32,20 @@ transformer, 8 rounds, each twice, ``benchmarks/results/zero3_step_s10.txt``): Z
 allocates anew and copies). Redone with the probe handing a kept storage back as it is (12:24,
 ``benchmarks/results/zero3_step_s11.txt``): 1.06 / 1.05 without, 1.04 / 1.08 ``keep-storage``,
 1.01 / 1.06 ``no-copy-out``: within this machine's noise.
+
+Two bounds on what a faster ZeRO-3 could reach (issue 27, seventeenth session): ``--probe landed``
+sleeps 15 ms right after launching each gather of several parameters (every rank at the same
+point), so the exchange has landed before it is waited for, and takes the sleeps out of the times
+printed: what is left is the step without the exchange's wait, the most that overlapping it with
+earlier work (the previous step's update) could win. ``--persistence N`` sets the deep model's
+``stage3_param_persistence_threshold`` (default 0): with 100000 every parameter persists, nothing
+is gathered, and what is left of the gap is the hooks alone. Measured (2026-11-29 06:18-06:20 UTC,
+AMD EPYC, 2 cores, deep model, 15 rounds, the four forms in turn three times,
+``benchmarks/results/zero3_step_s17.txt``): ZeRO-3/ZeRO-2 1.38 / 1.39 / 1.41 as it is, 1.18 / 1.18
+/ 1.20 with ``--probe landed`` (the forward 27-28 ms -> 20-21 ms), 1.20 / 1.28 / 1.26 with
+``--persistence 300`` (the weights alone gathered), 1.05 / 1.06 / 1.05 with ``--persistence
+100000``. So waiting for the exchange is about half of the gap, the gathers' own CPU work (launch,
+copy-out, release) most of the rest, and the hooks ~5 %.
 
 ``--whole-layers`` adds a third engine in the same processes, taking its turn in each round: ZeRO-3
 with the block cap lifted (each transformer layer one unit whole, whatever
@@ -179,7 +193,7 @@ class Breakdown:
         gc.callbacks.append(collections)
 
 
-def build(stage: int, model_name: str, whole_layers: bool, prefetch: float):
+def build(stage: int, model_name: str, whole_layers: bool, prefetch: float, persistence: int = 0):
     import deepspeed_cpp
     from deepspeed_cpp.runtime.zero import unit_tree
 
@@ -191,7 +205,7 @@ def build(stage: int, model_name: str, whole_layers: bool, prefetch: float):
     if stage == 3:
         zero.update({
             "stage3_prefetch_bucket_size": int(prefetch),
-            "stage3_param_persistence_threshold": 0 if model_name == "deep" else 100_000,
+            "stage3_param_persistence_threshold": persistence if model_name == "deep" else 100_000,
             "stage3_max_live_parameters": 1_000_000_000,
             "stage3_max_reuse_distance": 1_000_000_000,
         })  # fmt: skip
@@ -218,6 +232,13 @@ def engine_labels(args) -> list[str]:
 
 
 ZERO2, ZERO3, WHOLE = "ZeRO-2", "ZeRO-3", "ZeRO-3 whole layers"
+LANDED_SLEEP_S = 0.015  # ``--probe landed``: longer than the deep model's exchange takes
+_PROBE_SLEPT = [0.0]  # seconds ``--probe landed`` slept in this process so far
+
+
+def _clock() -> float:
+    """Wall-clock seconds, less what ``--probe landed`` slept (no probe: ``perf_counter``)."""
+    return time.perf_counter() - _PROBE_SLEPT[0]
 
 
 def install_probe(probe: str) -> None:
@@ -225,6 +246,17 @@ def install_probe(probe: str) -> None:
     from deepspeed_cpp.runtime.zero import partition_parameters as pp
     from deepspeed_cpp.runtime.zero import partitioned_params, unit
 
+    if probe == "landed":
+        launch = unit._FlatGather.launch
+
+        def launch_then_sleep(gather):
+            launch(gather)
+            if len(gather.params) > 1:  # a unit's gather (every rank reaches it alike)
+                time.sleep(LANDED_SLEEP_S)
+                _PROBE_SLEPT[0] += LANDED_SLEEP_S
+
+        unit._FlatGather.launch = launch_then_sleep
+        return
     release = pp.release
 
     def release_keeping_storage(param):
@@ -286,7 +318,9 @@ def worker(rank: int, args) -> dict:
     if args.breakdown or args.timeline:
         Breakdown.install_all(breakdowns)
     engines = {
-        label: build(2 if label == ZERO2 else 3, args.model, label == WHOLE, args.prefetch)
+        label: build(
+            2 if label == ZERO2 else 3, args.model, label == WHOLE, args.prefetch, args.persistence
+        )
         for label in engine_labels(args)
     }
     generator = torch.Generator().manual_seed(100 + rank)
@@ -314,14 +348,14 @@ def worker(rank: int, args) -> dict:
             profile = profiles.get(label) if measured else None
             if profile is not None:
                 profile.enable()
-            start, cpu_start = time.perf_counter(), time.process_time()
+            start, cpu_start = _clock(), time.process_time()
             thread_start, faults_start = time.thread_time(), _minor_faults()
             output = engine(batch)
             loss = output.square().mean() if args.model == "deep" else lm_loss(output, batch)
-            forward_end, forward_cpu = time.perf_counter(), time.process_time()
+            forward_end, forward_cpu = _clock(), time.process_time()
             forward_faults = _minor_faults()
             engine.backward(loss)
-            backward_end, backward_cpu = time.perf_counter(), time.process_time()
+            backward_end, backward_cpu = _clock(), time.process_time()
             backward_faults = _minor_faults()
             engine.step()
             if profile is not None:
@@ -331,7 +365,7 @@ def worker(rank: int, args) -> dict:
                     [
                         forward_end - start,
                         backward_end - forward_end,
-                        time.perf_counter() - backward_end,
+                        _clock() - backward_end,
                         forward_cpu - cpu_start,
                         backward_cpu - forward_cpu,
                         time.process_time() - backward_cpu,
@@ -340,7 +374,7 @@ def worker(rank: int, args) -> dict:
                         _minor_faults() - backward_faults,
                     ]
                 )
-                times[label].append(time.perf_counter() - start)
+                times[label].append(_clock() - start)
                 cpu[label].append(time.process_time() - cpu_start)
                 thread[label].append(time.thread_time() - thread_start)
             if breakdown is not None:
@@ -375,8 +409,14 @@ def main() -> None:
     parser.add_argument("--prefetch", type=float, default=5e6, help="stage3_prefetch_bucket_size")
     parser.add_argument(
         "--probe",
-        choices=("keep-storage", "no-copy-out"),
+        choices=("keep-storage", "no-copy-out", "landed"),
         help="timing probe of ZeRO-3's gathers (see the module docstring)",
+    )
+    parser.add_argument(
+        "--persistence",
+        type=int,
+        default=0,
+        help="the deep model's stage3_param_persistence_threshold (see the module docstring)",
     )
     parser.add_argument(
         "--cprofile",
@@ -390,8 +430,10 @@ def main() -> None:
     def slowest(key, label):  # a step is as slow as its slowest rank
         return max(r[key][label] for r in ranks)
 
+    persistence = args.persistence if args.model == "deep" else 100_000
     print(f"{args.model} model, 2 gloo ranks x 1 thread, median of {args.rounds} interleaved "
-          f"rounds after {args.warmup}, prefetch {args.prefetch:g}")  # fmt: skip
+          f"rounds after {args.warmup}, prefetch {args.prefetch:g}, persistence "
+          f"{persistence}, probe {args.probe}")  # fmt: skip
     # CPU: the process's CPU time per step, all its threads (the work, whatever the load).
     print(f"{'':33} {'median ms':>10} {'mean ms':>8} {'CPU ms':>7} {'main thread':>11}")
     for label in labels:
