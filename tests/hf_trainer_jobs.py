@@ -26,6 +26,8 @@ gc.collect()
 gc.freeze()
 
 VOCAB = 64
+WORLD = 2  # the tests' ranks (the pool's)
+MICRO = 4  # per-rank micro-batch of the tests' Trainer runs
 
 
 def tiny_t5():
@@ -458,4 +460,16 @@ def hyperparameter_search_trials(spec: dict) -> dict:
         "trials": trials,
         "best_objective": best.objective if best is not None else None,
         "best_params": best.hyperparameters if best is not None else None,
+    }
+
+
+def auto_config(stage: int, **sections) -> dict:
+    """The Hugging Face guide's config with "auto" values, at ZeRO ``stage``, plus ``sections``."""
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"},
+        **sections,
     }

@@ -1,11 +1,11 @@
 """deepspeed_cpp.hf.Trainer on 2 CPU ranks (gloo) against transformers' own Trainer in one
 process on the same data: ZeRO stages 0-3, optimizer/schedule origins, gradient accumulation,
-checkpoints and exact resume, accelerate's world size on a machine without a GPU, and tensor
-parallelism (``tensor_parallel.autotp_size``: TP ranks read the same batches)."""
+accelerate's world size on a machine without a GPU, and tensor parallelism
+(``tensor_parallel.autotp_size``: TP ranks read the same batches). Checkpoints and exact resume:
+test_hf_trainer_checkpoints.py."""
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -18,8 +18,11 @@ pytest.importorskip("accelerate")
 
 from conftest import REPO_ROOT  # noqa: E402
 from hf_trainer_jobs import (  # noqa: E402
+    MICRO,
     SEARCH_CHOICES,
+    WORLD,
     accelerate_world_without_our_fix,
+    auto_config,
     hyperparameter_search_trials,
     load_pretrained_partitioned,
     partitioned_from_config_statistics,
@@ -28,20 +31,6 @@ from hf_trainer_jobs import (  # noqa: E402
     tiny_llama,
 )
 from safetensors.torch import load_file, save_file  # noqa: E402
-
-WORLD = 2
-MICRO = 4
-
-
-def _auto_config(stage: int, **sections) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "train_batch_size": "auto",
-        "gradient_clipping": "auto",
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"},
-        **sections,
-    }
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +53,7 @@ def _assert_same_training(ours: dict, reference: dict, tolerance: float) -> None
     "stage, offload", [(0, False), (1, False), (2, False), (3, False), (2, True), (3, True)]
 )
 def test_zero_stage_losses_equal_one_process_reference(pool2, tmp_path, reference, stage, offload):
-    config = _auto_config(stage)
+    config = auto_config(stage)
     if offload:
         # The Trainer's AdamW, swapped for DeepSpeedCPUAdam over the same param groups (as
         # accelerate does: zero_force_ds_cpu_optimizer), stepped on the offloaded fp32 masters.
@@ -86,7 +75,7 @@ def test_tiny_llama_at_zero3_matches_the_one_process_reference(pool2, tmp_path):
     # module shapes GPT-2 does not have, partitioned and gathered by the ZeRO-3 hooks.
     spec = {"model": "llama", "max_steps": 4, "micro": MICRO}
     ours = pool2.run(
-        run_trainer, dict(spec, output_dir=str(tmp_path / "ours"), deepspeed=_auto_config(3))
+        run_trainer, dict(spec, output_dir=str(tmp_path / "ours"), deepspeed=auto_config(3))
     )[0]
     theirs = run_trainer(
         dict(spec, output_dir=str(tmp_path / "theirs"), deepspeed=None, micro=MICRO * WORLD)
@@ -106,7 +95,7 @@ def test_two_scalar_regression_model_at_zero2_and_zero3(pool2, tmp_path):
     )
     assert theirs["losses"][-1] < theirs["losses"][0], "the reference learns"
     for stage in (2, 3):
-        config = _auto_config(stage)
+        config = auto_config(stage)
         config["zero_optimization"].update(
             reduce_bucket_size=1000,
             stage3_prefetch_bucket_size=1000,
@@ -122,7 +111,7 @@ def test_two_scalar_regression_model_at_zero2_and_zero3(pool2, tmp_path):
 def test_model_built_partitioned_under_hf_deepspeed_config_trains_like_the_reference(
     pool2, tmp_path, reference
 ):
-    config = _auto_config(3)
+    config = auto_config(3)
     # Small enough that the embeddings (64 x 32) are partitioned, not kept whole on every rank.
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 100
     spec = {"output_dir": str(tmp_path), "micro": MICRO, "deepspeed": config}
@@ -174,7 +163,7 @@ def test_tied_gpt2_from_pretrained_zero3_trains_like_the_reference(pool2, tmp_pa
     tiny_gpt2().save_pretrained(tmp_path / "saved", max_shard_size="40KB")
     assert len(list((tmp_path / "saved").glob("model-*.safetensors"))) > 1
     assert (tmp_path / "saved" / "model.safetensors.index.json").is_file()
-    config = _auto_config(3)
+    config = auto_config(3)
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 100
     spec = {"output_dir": str(tmp_path / "out"), "micro": MICRO, "deepspeed": config}
     ours = pool2.run(run_trainer, dict(spec, pretrained=str(tmp_path / "saved")))[0]
@@ -207,7 +196,7 @@ def test_seq2seq_trainer_at_zero2_matches_the_reference(pool2, tmp_path):
         "optim_args": {"average_tokens_across_devices": False},
     }
     ours = pool2.run(
-        run_trainer, dict(spec, output_dir=str(tmp_path / "ours"), deepspeed=_auto_config(2))
+        run_trainer, dict(spec, output_dir=str(tmp_path / "ours"), deepspeed=auto_config(2))
     )[0]
     theirs = run_trainer(
         dict(spec, output_dir=str(tmp_path / "theirs"), deepspeed=None, micro=MICRO * WORLD)
@@ -219,7 +208,7 @@ def test_seq2seq_trainer_at_zero2_matches_the_reference(pool2, tmp_path):
 def test_optimizer_and_schedule_passed_to_the_trainer(pool2, tmp_path):
     spec = {"own_optimizer": True, "max_steps": 4, "micro": MICRO}
     ours = pool2.run(
-        run_trainer, dict(spec, output_dir=str(tmp_path / "ours"), deepspeed=_auto_config(1))
+        run_trainer, dict(spec, output_dir=str(tmp_path / "ours"), deepspeed=auto_config(1))
     )[0]
     theirs = run_trainer(
         dict(spec, output_dir=str(tmp_path / "theirs"), deepspeed=None, micro=MICRO * WORLD)
@@ -233,7 +222,7 @@ def test_a_schedule_given_both_ways_is_refused(pool2, tmp_path):
     spec = {
         "own_optimizer": True,
         "output_dir": str(tmp_path),
-        "deepspeed": _auto_config(1, scheduler=SCHEDULER),
+        "deepspeed": auto_config(1, scheduler=SCHEDULER),
     }
     with pytest.raises(RuntimeError, match="'scheduler' section too: expected one of them"):
         pool2.run(run_trainer, spec)
@@ -243,7 +232,7 @@ def test_gradient_accumulation_matches_one_big_batch(pool2, tmp_path, reference)
     # 8 samples an optimizer step either way: the reference's one micro-batch of 8 in one
     # process, and here micro-batches of 1 sample, 4 accumulated on each of the 2 ranks.
     spec = {"output_dir": str(tmp_path), "micro": 1, "accumulation": 4}
-    accumulated = pool2.run(run_trainer, dict(spec, deepspeed=_auto_config(2)))[0]
+    accumulated = pool2.run(run_trainer, dict(spec, deepspeed=auto_config(2)))[0]
     _assert_same_training(accumulated, reference, tolerance=1e-5)
 
 
@@ -272,7 +261,7 @@ def test_optimizer_and_schedule_from_either_side(pool2, tmp_path):
             spec = {
                 "output_dir": str(tmp_path / f"{optimizer_from}-{schedule_from}"),
                 "micro": MICRO,
-                "deepspeed": _auto_config(2, **sections),
+                "deepspeed": auto_config(2, **sections),
                 "max_steps": 4,
                 "optim_args": {"weight_decay": 0.0},
             }
@@ -311,7 +300,7 @@ def test_config_schedule_logs_the_rates_transformers_logs_with_deepspeed(pool2, 
 
     # The template's scheduler: SCHEDULER without its warmup_type (DeepSpeed's default, "log").
     params = {k: v for k, v in SCHEDULER["params"].items() if k != "warmup_type"}
-    config = _auto_config(
+    config = auto_config(
         2, optimizer=OPTIMIZER, scheduler={"type": "WarmupDecayLR", "params": params}
     )
     lr, warmup, steps = 0.01, 3, 6
@@ -372,149 +361,8 @@ def test_config_schedule_logs_the_rates_transformers_logs_with_deepspeed(pool2, 
     assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-5, rel=0)
 
 
-def test_checkpoints_hold_transformers_files_and_the_engines(pool2, tmp_path):
-    results = pool2.run(
-        run_trainer,
-        {
-            "output_dir": str(tmp_path),
-            "deepspeed": _auto_config(3),
-            "max_steps": 4,
-            "save_steps": 2,
-        },
-    )
-    for step in (2, 4):
-        folder = tmp_path / f"checkpoint-{step}"
-        names = set(os.listdir(folder))
-        for expected in ("model.safetensors", "trainer_state.json", "training_args.bin"):
-            assert expected in names, f"{expected} missing from {folder}: {sorted(names)}"
-        assert "config.json" in names
-        assert (folder / "latest").read_text().strip() == f"global_step{step}"
-        assert (folder / f"global_step{step}").is_dir()
-        assert "optimizer.pt" not in names, "the optimizer lives in the engine's checkpoint"
-        assert ".deepspeed_cpp_save.lock" not in names, "the save lock leaves no file behind"
-        assert "zero_to_fp32.py" in names, "the guide's recovery script, beside latest"
-    # The safetensors file holds the whole model (gathered: ZeRO-3 trained it in shards), the
-    # final weights at the last checkpoint; the tied lm_head is stored once, as transformers does.
-    saved = load_file(str(tmp_path / "checkpoint-4" / "model.safetensors"))
-    final = results[0]["weights"]
-    assert set(saved) == set(final) - {"lm_head.weight"}
-    for name, value in saved.items():
-        assert torch.equal(value, final[name]), name
-    # The engine's part of checkpoint-N is an ordinary ZeRO checkpoint: zero_to_fp32 reads it.
-    from deepspeed_cpp.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
-
-    model = load_state_dict_from_zero_checkpoint(tiny_gpt2(), tmp_path / "checkpoint-4")
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, final[name]), name
-    # The guide's command, run where it says: `cd checkpoint-N; python zero_to_fp32.py . OUT`.
-    done = subprocess.run(
-        [sys.executable, "zero_to_fp32.py", ".", "fp32"], cwd=tmp_path / "checkpoint-4",
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    recovered = torch.load(tmp_path / "checkpoint-4" / "fp32" / "pytorch_model.bin")
-    assert set(recovered) == set(final)
-    for name, value in recovered.items():
-        assert torch.equal(value, final[name]), name
-
-
-def test_zero3_save_model_stores_the_tied_output_layer_once_as_transformers_does(pool2, tmp_path):
-    """``save_model`` at ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save``, the
-    embedding partitioned (threshold 100): ``model.safetensors`` holds the names transformers'
-    own ``save_pretrained`` writes for a tied GPT-2 (no ``lm_head.weight``), as with DeepSpeed,
-    and ``from_pretrained`` of it gives the trained model, tied. The gathered state dict had a
-    copy of the tied tensor per name, which transformers cannot tell from two weights."""
-    from transformers import GPT2LMHeadModel
-
-    config = _auto_config(3)
-    config["zero_optimization"]["stage3_param_persistence_threshold"] = 100
-    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    spec = {"output_dir": str(tmp_path / "ours"), "micro": MICRO, "deepspeed": config,
-            "max_steps": 2, "save_model": True}  # fmt: skip
-    final = pool2.run(run_trainer, spec)[0]["weights"]
-    tiny_gpt2().save_pretrained(tmp_path / "transformers")
-    theirs = load_file(str(tmp_path / "transformers" / "model.safetensors"))
-    saved = load_file(str(tmp_path / "ours" / "model.safetensors"))
-    assert "lm_head.weight" not in saved
-    assert set(saved) == set(theirs)
-    reloaded = GPT2LMHeadModel.from_pretrained(tmp_path / "ours")
-    assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
-    state = reloaded.state_dict()
-    assert set(state) == set(final)
-    for name, value in state.items():
-        assert torch.equal(value, final[name]), name
-
-
-def test_zero3_evaluation_and_best_model_at_end_match_the_reference(pool2, tmp_path):
-    spec = {"max_steps": 6, "save_steps": 2, "evaluate": True, "micro": MICRO}
-    ours = pool2.run(
-        run_trainer, dict(spec, output_dir=str(tmp_path / "ours"), deepspeed=_auto_config(3))
-    )[0]
-    theirs = run_trainer(
-        dict(spec, output_dir=str(tmp_path / "theirs"), deepspeed=None, micro=MICRO * WORLD)
-    )
-    assert len(ours["eval_losses"]) == 3
-    assert ours["eval_losses"] == pytest.approx(theirs["eval_losses"], abs=1e-5)
-    assert os.path.basename(ours["best_checkpoint"]) == os.path.basename(theirs["best_checkpoint"])
-    assert not ours["best_checkpoint"].endswith("checkpoint-6"), "an earlier one is reloaded"
-    # After training the best checkpoint's weights are back in the (ZeRO-3 partitioned) model.
-    assert ours["final_eval_loss"] == pytest.approx(max(ours["eval_losses"]), abs=1e-6)
-    assert ours["final_eval_loss"] == pytest.approx(theirs["final_eval_loss"], abs=1e-5)
-
-
-def _trainer_state_file(checkpoint) -> dict:
-    """global_step, epoch and the per-step log of a checkpoint's trainer_state.json."""
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    steps = [entry for entry in state["log_history"] if "loss" in entry]
-    return {"global_step": state["global_step"], "epoch": state["epoch"], "log": steps}
-
-
-def test_resume_from_step_5_and_past_an_epoch_boundary_is_bitwise_exact(pool2, tmp_path):
-    # 64 samples / 8 a step: an epoch is 8 steps. Resuming at step 5 crosses the epoch boundary
-    # while training again; step 9 is in the second epoch (the data order is the resumed sampler's).
-    common = {"deepspeed": _auto_config(2), "max_steps": 10, "save_at": [10]}
-    straight = pool2.run(
-        run_trainer, dict(common, output_dir=str(tmp_path / "a"), save_at=[5, 9, 10])
-    )
-    # resume_from_checkpoint=True finds the last checkpoint in output_dir: give it step 5 only.
-    (tmp_path / "b").mkdir()
-    shutil.copytree(tmp_path / "a" / "checkpoint-5", tmp_path / "b" / "checkpoint-5")
-    from_5 = pool2.run(run_trainer, dict(common, output_dir=str(tmp_path / "b"), resume=True))
-    from_9 = pool2.run(
-        run_trainer,
-        dict(common, output_dir=str(tmp_path / "c"), resume=str(tmp_path / "a" / "checkpoint-9")),
-    )
-    expected = _trainer_state_file(tmp_path / "a" / "checkpoint-10")
-    assert expected["global_step"] == 10 and expected["epoch"] == pytest.approx(1.25)
-    assert [entry["step"] for entry in expected["log"]] == list(range(1, 11))
-    for name, resumed in (("step 5", from_5), ("step 9", from_9)):
-        # The Trainer's state as trained (steps 1..k come back from trainer_state.json, the rest
-        # are trained again), then as written in the final checkpoint: whole log entries.
-        assert resumed[0]["global_step"] == straight[0]["global_step"] == 10, name
-        assert resumed[0]["epoch"] == straight[0]["epoch"], name
-        assert resumed[0]["log_history"] == straight[0]["log_history"], name
-        folder = "b" if resumed is from_5 else "c"
-        assert _trainer_state_file(tmp_path / folder / "checkpoint-10") == expected, name
-        for key, value in straight[0]["weights"].items():
-            assert torch.equal(resumed[0]["weights"][key], value), f"{name}: {key}"
-
-
-def test_resume_from_a_folder_without_engine_checkpoint_fails_clearly(pool2, tmp_path):
-    (tmp_path / "checkpoint-3").mkdir()
-    with pytest.raises(RuntimeError, match="Can't find a valid checkpoint.*'latest'"):
-        pool2.run(
-            run_trainer,
-            {
-                "output_dir": str(tmp_path),
-                "deepspeed": _auto_config(1),
-                "resume": str(tmp_path / "checkpoint-3"),
-            },
-        )
-
-
 def test_config_mismatch_names_every_key_on_every_rank(pool2, tmp_path):
-    config = dict(_auto_config(2), train_micro_batch_size_per_gpu=8, gradient_clipping=0.3)
+    config = dict(auto_config(2), train_micro_batch_size_per_gpu=8, gradient_clipping=0.3)
     with pytest.raises(RuntimeError) as caught:
         pool2.run(run_trainer, {"output_dir": str(tmp_path), "deepspeed": config})
     message = str(caught.value)
@@ -530,7 +378,7 @@ def test_config_mismatch_names_every_key_on_every_rank(pool2, tmp_path):
 def test_fp16_overflow_skips_the_step_and_the_schedule(pool2, tmp_path):
     # A loss scale of 2**32 overflows fp16 gradients: each step is skipped (the scale halves),
     # the schedule does not move, and the Trainer can still read the learning rate.
-    config = _auto_config(2, fp16={"enabled": "auto", "initial_scale_power": 32})
+    config = auto_config(2, fp16={"enabled": "auto", "initial_scale_power": 32})
     spec = {
         "output_dir": str(tmp_path),
         "deepspeed": config,
@@ -583,7 +431,7 @@ def test_a_second_train_call_trains_on_with_a_fresh_engine(pool2, tmp_path):
     for stage in (2, 3):
         output_dir = str(tmp_path / f"zero{stage}")
         ours = pool2.run(
-            run_trainer, dict(spec, output_dir=output_dir, deepspeed=_auto_config(stage))
+            run_trainer, dict(spec, output_dir=output_dir, deepspeed=auto_config(stage))
         )
         assert ours[0]["zero_stage"] == stage
         assert ours[1]["calls"] == ours[0]["calls"], "every rank logs the same"
@@ -595,7 +443,7 @@ def test_a_second_train_call_with_the_callers_optimizer_is_refused(pool2, tmp_pa
     with pytest.raises(
         RuntimeError, match=r"train\(\) again after an engine trained with the optim"
     ):
-        pool2.run(run_trainer, dict(spec, deepspeed=_auto_config(1)))
+        pool2.run(run_trainer, dict(spec, deepspeed=auto_config(1)))
 
 
 def test_auto_find_batch_size_rebuilds_the_engine_for_the_batch_that_fits(pool2, tmp_path):
@@ -608,7 +456,7 @@ def test_auto_find_batch_size_rebuilds_the_engine_for_the_batch_that_fits(pool2,
         dict(spec, model="regression", output_dir=str(tmp_path / "theirs"), deepspeed=None, micro=8)
     )
     for stage in (2, 3):
-        config = _auto_config(stage)
+        config = auto_config(stage)
         config["zero_optimization"].update(
             reduce_bucket_size=1000,
             stage3_prefetch_bucket_size=1000,
@@ -639,7 +487,7 @@ def test_hyperparameter_search_builds_each_trials_engine_from_its_values(pool2, 
     # optuna on rank 0, the trial's values broadcast to rank 1 (transformers' DDP search). The
     # config's optimizer takes its lr from the trial ("auto"), and the batch sizes too.
     optimizer = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
-    config = _auto_config(2, optimizer=optimizer)
+    config = auto_config(2, optimizer=optimizer)
     ours = pool2.run(
         hyperparameter_search_trials, {"output_dir": str(tmp_path / "ours"), "deepspeed": config}
     )
