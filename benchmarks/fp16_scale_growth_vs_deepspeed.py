@@ -1,5 +1,6 @@
-"""Real DeepSpeed on ``tests/test_fp16_scale_growth.py``'s model and config, held against that
-test's two float64 references (numbers for README's "Known differences", not CI):
+"""Real DeepSpeed on the model and config of ``tests/test_fp16_scale_growth.py``
+(``tests/fp16_scale_growth_case.py``), held against its two float64 references (numbers for
+README's "Known differences", not CI):
 
     PYTHONPATH=/work/ds_target DS_ACCELERATOR=cpu python -m torch.distributed.run \
         --nproc_per_node 2 benchmarks/fp16_scale_growth_vs_deepspeed.py
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import test_fp16_scale_growth as case  # noqa: E402
+import fp16_scale_growth_case as case  # noqa: E402
 
 SEED = 1234
 
@@ -29,16 +30,16 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    _, used_order = case._reference(SEED, world, divide_by_new_scale=False)
-    _, grown_order = case._reference(SEED, world, divide_by_new_scale=True)
+    _, used_order = case.reference_run(SEED, world, divide_by_new_scale=False)
+    _, grown_order = case.reference_run(SEED, world, divide_by_new_scale=True)
     for stage in (1, 2):
-        model = case._model(SEED)
+        model = case.make_model(SEED)
         # SGD is not among the optimizers DeepSpeed's ZeRO lists as tested: allowed explicitly.
-        config = {**case._config(stage), "zero_allow_untested_optimizer": True}
+        config = {**case.make_config(stage), "zero_allow_untested_optimizer": True}
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=config
         )
-        for step, (x, y) in enumerate(case._batches(SEED, world)):
+        for step, (x, y) in enumerate(case.make_batches(SEED, world)):
             rows = slice(rank * case.MICRO, (rank + 1) * case.MICRO)
             loss = torch.nn.functional.mse_loss(engine(x[rows].half()).float(), y[rows])
             engine.backward(loss)

@@ -1,7 +1,8 @@
 """Training jobs for the Hugging Face Trainer tests: tiny models built from configs (the GPT-2
 and its token data set are the example script's own, examples/hf_trainer/train_tiny_gpt2.py), and
 one function that trains with deepspeed_cpp's Trainer (in the pool's ranks) or with
-transformers' own Trainer (the one-process reference)."""
+transformers' own Trainer (the one-process reference); the tests' world and micro-batch, and the
+guide's "auto" config (``auto_config``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Helpers for tests that start real processes through the launcher."""
+"""Helpers for tests that start real processes: through the launcher (a free port, a clean
+environment), or a Python command line of this checkout (``start_python``, several at once with
+``run_module_at_once``)."""
 
 import os
 import socket

@@ -32,8 +32,9 @@ from deepspeed_cpp.ops.op_builder import (
     ZeroBuilder,
 )
 
-# test_aio.py asks for aio while it is collected; engine tests (zero, cpu_adam) start early; the
-# CIFAR-10 example needs moe; the cpu_* optimizer tests, pinned memory and fused Adam come later.
+# test_aio.py and test_aio_file_systems.py ask for aio while collected; engine tests (zero,
+# cpu_adam) start early; the CIFAR-10 example needs moe; the cpu_* optimizer tests, pinned memory
+# and fused Adam come later.
 IN_ORDER_OF_FIRST_USE = (
     RegistryBuilder,
     AsyncIOBuilder,

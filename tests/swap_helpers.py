@@ -1,7 +1,16 @@
-"""Checks the aio and swap-file tests share: an error message naming what it must, and random
-payloads of any dtype (every byte value for uint8)."""
+"""Helpers of the aio and swap-file tests (test_aio*.py, test_swap_file*.py): an error message
+naming what it must, random payloads of any dtype (every byte value for uint8), and for the aio
+files a file's bytes read the plain way, a fresh folder, and a script's JSON result from a fresh
+interpreter."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
 
 import torch
 
@@ -15,3 +24,28 @@ def random_payload(numel, dtype):
     if dtype == torch.uint8:
         return torch.randint(0, 256, (numel,), dtype=torch.uint8)
     return torch.randn(numel).to(dtype)
+
+
+def random_bytes(n):
+    return random_payload(n, torch.uint8)
+
+
+def file_bytes(path, offset=0, n=None):
+    with open(path, "rb") as file:  # buffered: an independent path to the same bytes
+        file.seek(offset)
+        return file.read() if n is None else file.read(n)
+
+
+def temp_folder_in(folder):
+    return tempfile.mkdtemp(dir=folder, prefix="deepspeed_cpp_aio_")
+
+
+def run_python_json(script, *args, prefix=(), env=None):
+    """Runs ``script`` (dedented) in a fresh interpreter after ``prefix`` (a command that changes
+    the process: a namespace, dropped privileges) and returns the JSON of its last output line."""
+    result = subprocess.run(
+        [*prefix, sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, **(env or {})),
+    )  # fmt: skip
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,28 +1,24 @@
 """The aio handle against the file's bytes as plain Python reads them: every engine, odd sizes and
-offsets, aligned and unaligned tensors, many requests in flight, and every error it must report.
+offsets, aligned and unaligned tensors, many requests in flight, and the errors of bad requests
+and settings.
 
 Covering design: every size x offset x alignment runs on every engine the machine has, the
 64 MiB size included (5 to 7 s per engine here); the handle's settings (depth, workers,
 single_submit, overlap_events) are varied by the many-requests test instead, on small files.
-Errors that need a changed process (a file-size limit, dropped privileges, a mount namespace)
-run in a subprocess.
+Full disks, read-only files and file systems without O_DIRECT: test_aio_file_systems.py.
 """
 
 import gc
-import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
-import textwrap
-import warnings
 
 import pytest
 import torch
 from conftest import REPO_ROOT
-from disk_folders import mount_namespace_prefix, o_direct_works, on_a_real_disk
-from swap_helpers import assert_names
+from disk_folders import o_direct_works, on_a_real_disk
+from swap_helpers import assert_names, file_bytes, random_bytes, run_python_json
 
 from deepspeed_cpp.ops import aio
 from deepspeed_cpp.ops.aio import AsyncIOHandle, usable_engines
@@ -49,24 +45,10 @@ def disk_dir(tmp_path_factory):
 pytestmark = pytest.mark.usefixtures("aio_library")  # compiled before any subprocess needs it
 
 
-def _temp_folder_in(folder):
-    return tempfile.mkdtemp(dir=folder, prefix="deepspeed_cpp_aio_")
-
-
-def _random_bytes(n):
-    return torch.randint(0, 256, (n,), dtype=torch.uint8)
-
-
 def _tensor(handle, n, aligned):
     if aligned:
         return handle.new_cpu_locked_tensor(n, torch.empty(0, dtype=torch.uint8))
     return torch.empty(n + 1, dtype=torch.uint8)[1:]  # one byte past a 64-byte boundary
-
-
-def _file_bytes(path, offset=0, n=None):
-    with open(path, "rb") as file:  # buffered: an independent path to the same bytes
-        file.seek(offset)
-        return file.read() if n is None else file.read(n)
 
 
 def _expected_layout(tensor, offset):
@@ -93,14 +75,14 @@ def test_round_trips_every_size_offset_and_alignment(engine, disk_dir):
         for offset in OFFSETS:
             for aligned in (True, False):
                 path = disk_dir / f"{engine}_{size}_{offset}_{aligned}.bin"
-                data = _random_bytes(size)
+                data = random_bytes(size)
                 source = _tensor(handle, size, aligned)
                 source.copy_(data)
                 before = handle.get_stats()
                 assert handle.sync_pwrite(source, path, offset) == 1
                 assert os.path.getsize(path) == offset + size
-                assert _file_bytes(path, 0, offset) == bytes(offset)  # a hole reads as zeros
-                assert _file_bytes(path, offset) == data.numpy().tobytes()
+                assert file_bytes(path, 0, offset) == bytes(offset)  # a hole reads as zeros
+                assert file_bytes(path, offset) == data.numpy().tobytes()
                 target = _tensor(handle, size, aligned)
                 target.fill_(0)
                 assert handle.sync_pread(target, path, offset) == 1
@@ -127,7 +109,7 @@ def test_round_trip_keeps_every_dtype_bitwise(dtype, disk_dir):
         source = torch.randint(-(2**62), 2**62, (3001,))
     path = disk_dir / f"dtype_{dtype}.bin"
     handle.sync_pwrite(source, path)
-    assert _file_bytes(path) == source.view(torch.uint8).numpy().tobytes()
+    assert file_bytes(path) == source.view(torch.uint8).numpy().tobytes()
     target = torch.empty_like(source)
     handle.sync_pread(target, path)
     assert torch.equal(target.view(torch.uint8), source.view(torch.uint8))
@@ -147,10 +129,10 @@ def test_many_requests_in_flight(engine, queue_depth, parallelism, single_submit
     assert settings == (queue_depth, parallelism, single_submit, overlap_events)
     # 40 files of odd sizes, plus one file written as 8 disjoint parts at their offsets.
     sizes = torch.randint(1, 300_000, (40,)).tolist()
-    sources = [_random_bytes(n) for n in sizes]
+    sources = [random_bytes(n) for n in sizes]
     for i, source in enumerate(sources):
         handle.async_pwrite(source, disk_dir / f"many_{i}.bin")
-    shared = _random_bytes(8 * 50_001)
+    shared = random_bytes(8 * 50_001)
     handle.async_pwrite(shared[:50_001], disk_dir / "many_shared.bin", 0)  # offset 0 first
     for part in range(1, 8):
         piece = shared[part * 50_001 : (part + 1) * 50_001]
@@ -168,17 +150,17 @@ def test_many_requests_in_flight(engine, queue_depth, parallelism, single_submit
     for source, target in zip(sources, targets):
         assert torch.equal(source, target)
     assert torch.equal(shared_back, shared)
-    assert _file_bytes(disk_dir / "many_shared.bin") == shared.numpy().tobytes()
+    assert file_bytes(disk_dir / "many_shared.bin") == shared.numpy().tobytes()
 
 
 def test_intra_op_parallelism_splits_one_large_request(disk_dir):
     handle = AsyncIOHandle(block_size=16 * PAGE, queue_depth=3, intra_op_parallelism=4)
-    data = _random_bytes(37 * 16 * PAGE + 777)
+    data = random_bytes(37 * 16 * PAGE + 777)
     handle.sync_pwrite(data, disk_dir / "split.bin", 12345)
     back = torch.empty_like(data)
     handle.sync_pread(back, disk_dir / "split.bin", 12345)
     assert torch.equal(back, data)
-    assert _file_bytes(disk_dir / "split.bin", 12345) == data.numpy().tobytes()
+    assert file_bytes(disk_dir / "split.bin", 12345) == data.numpy().tobytes()
 
 
 # --- write semantics --------------------------------------------------------------------------
@@ -187,11 +169,11 @@ def test_intra_op_parallelism_splits_one_large_request(disk_dir):
 def test_write_at_offset_zero_replaces_and_shrinks_the_file(disk_dir):
     handle = AsyncIOHandle()
     path = disk_dir / "shrink.bin"
-    handle.sync_pwrite(_random_bytes(2**20 + 3), path)
-    small = _random_bytes(511)
+    handle.sync_pwrite(random_bytes(2**20 + 3), path)
+    small = random_bytes(511)
     handle.sync_pwrite(small, path)
     assert os.path.getsize(path) == 511
-    assert _file_bytes(path) == small.numpy().tobytes()
+    assert file_bytes(path) == small.numpy().tobytes()
     assert handle.sync_pwrite(torch.empty(0), path) == 1
     assert os.path.getsize(path) == 0
 
@@ -199,33 +181,33 @@ def test_write_at_offset_zero_replaces_and_shrinks_the_file(disk_dir):
 def test_write_at_offset_zero_without_truncate_keeps_the_length(disk_dir):
     handle = AsyncIOHandle()
     path = disk_dir / "keep_length.bin"
-    original = _random_bytes(3 * PAGE + 5)
+    original = random_bytes(3 * PAGE + 5)
     handle.sync_pwrite(original, path)
-    head = _random_bytes(PAGE + 1)
+    head = random_bytes(PAGE + 1)
     handle.sync_pwrite(head, path, truncate=False)
-    assert _file_bytes(path) == torch.cat([head, original[PAGE + 1 :]]).numpy().tobytes()
+    assert file_bytes(path) == torch.cat([head, original[PAGE + 1 :]]).numpy().tobytes()
     # Writing a file in parts, the one at offset 0 last: it does not cut off the others.
-    parts = [_random_bytes(2 * PAGE) for _ in range(4)]
+    parts = [random_bytes(2 * PAGE) for _ in range(4)]
     for i in (1, 2, 3, 0):
         handle.async_pwrite(parts[i], path, i * 2 * PAGE, truncate=False)
     handle.wait()
-    assert _file_bytes(path) == torch.cat(parts).numpy().tobytes()
+    assert file_bytes(path) == torch.cat(parts).numpy().tobytes()
 
 
 def test_write_at_an_offset_changes_only_those_bytes(disk_dir):
     handle = AsyncIOHandle()
     path = disk_dir / "patch.bin"
-    original = _random_bytes(3 * PAGE + 100)
+    original = random_bytes(3 * PAGE + 100)
     handle.sync_pwrite(original, path)
-    patch = _random_bytes(PAGE + 7)
+    patch = random_bytes(PAGE + 7)
     handle.sync_pwrite(patch, path, 5000)
     expected = original.clone()
     expected[5000 : 5000 + patch.numel()] = patch
-    assert _file_bytes(path) == expected.numpy().tobytes()
-    tail = _random_bytes(2 * PAGE)  # extends the file past its end
+    assert file_bytes(path) == expected.numpy().tobytes()
+    tail = random_bytes(2 * PAGE)  # extends the file past its end
     handle.sync_pwrite(tail, path, 3 * PAGE)
     expected = torch.cat([expected[: 3 * PAGE], tail])
-    assert _file_bytes(path) == expected.numpy().tobytes()
+    assert file_bytes(path) == expected.numpy().tobytes()
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -234,7 +216,7 @@ def test_write_at_an_offset_changes_only_those_bytes(disk_dir):
 def test_read_past_the_end_of_the_file(disk_dir):
     handle = AsyncIOHandle()
     path = disk_dir / "short.bin"
-    handle.sync_pwrite(_random_bytes(1000), path)
+    handle.sync_pwrite(random_bytes(1000), path)
     with pytest.raises(RuntimeError) as error:
         handle.sync_pread(torch.empty(600, dtype=torch.uint8), path, 500)
     assert_names(str(error.value), "read of 600 bytes", f"'{path}'", "at file offset 500",
@@ -245,7 +227,7 @@ def test_missing_directory_for_read_and_write(disk_dir):
     handle = AsyncIOHandle()
     path = disk_dir / "no_such_dir" / "x.bin"
     with pytest.raises(RuntimeError) as error:
-        handle.sync_pwrite(_random_bytes(4097), path, 4096)
+        handle.sync_pwrite(random_bytes(4097), path, 4096)
     assert_names(str(error.value), "write of 4097 bytes", f"'{path}'", "at file offset 4096",
                  "No such file or directory", "ENOENT")  # fmt: skip
     with pytest.raises(RuntimeError) as error:
@@ -255,9 +237,9 @@ def test_missing_directory_for_read_and_write(disk_dir):
 
 def test_every_failed_request_is_listed_and_the_handle_stays_usable(disk_dir):
     handle = AsyncIOHandle(block_size=PAGE, queue_depth=2, intra_op_parallelism=2)
-    good = [_random_bytes(n) for n in (10, 70_000, PAGE)]
+    good = [random_bytes(n) for n in (10, 70_000, PAGE)]
     handle.async_pwrite(good[0], disk_dir / "good0.bin")
-    handle.async_pwrite(_random_bytes(5), disk_dir / "missing" / "a.bin")
+    handle.async_pwrite(random_bytes(5), disk_dir / "missing" / "a.bin")
     handle.async_pwrite(good[1], disk_dir / "good1.bin")
     handle.async_pread(torch.empty(9, dtype=torch.uint8), disk_dir / "missing" / "b.bin", 77)
     handle.async_pwrite(good[2], disk_dir / "good2.bin")
@@ -269,179 +251,10 @@ def test_every_failed_request_is_listed_and_the_handle_stays_usable(disk_dir):
     assert "good" not in message
     assert handle.pending_requests() == 0
     for i, data in enumerate(good):
-        assert _file_bytes(disk_dir / f"good{i}.bin") == data.numpy().tobytes()
+        assert file_bytes(disk_dir / f"good{i}.bin") == data.numpy().tobytes()
     back = torch.empty_like(good[1])
     assert handle.sync_pread(back, disk_dir / "good1.bin") == 1
     assert torch.equal(back, good[1])
-
-
-def _run_python(script, *args, prefix=(), env=None):
-    result = subprocess.run(
-        [*prefix, sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, **(env or {})),
-    )  # fmt: skip
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-_FILE_SIZE_LIMIT_SCRIPT = """
-import json, os, resource, signal, sys, warnings, torch
-from deepspeed_cpp.ops.aio import AsyncIOHandle
-warnings.simplefilter("error")  # no spurious "no O_DIRECT here" warning on the way
-folder, engine = sys.argv[1], sys.argv[2]
-handle = AsyncIOHandle(block_size=1 << 20, engine=engine)
-existing = os.path.join(folder, "existing.bin")
-data = torch.randint(0, 256, (2 << 20,), dtype=torch.uint8)
-handle.sync_pwrite(data, existing)
-# Past the limit a write fails with EFBIG instead of killing the process with SIGXFSZ.
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-limit = (1 << 20) + 12345
-resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-errors = []
-for path in (os.path.join(folder, "fresh.bin"), existing):  # allocation fails / a write fails
-    try:
-        handle.sync_pwrite(torch.randint(0, 256, (2 << 20,), dtype=torch.uint8), path)
-        errors.append("no error")
-    except RuntimeError as error:
-        errors.append(str(error))
-small = torch.randint(0, 256, (5000,), dtype=torch.uint8)  # the handle goes on working
-handle.sync_pwrite(small, os.path.join(folder, "small.bin"))
-back = torch.empty_like(small)
-handle.sync_pread(back, os.path.join(folder, "small.bin"))
-print(json.dumps({"errors": errors, "small_ok": bool(torch.equal(back, small))}))
-"""
-
-
-@pytest.mark.parametrize("engine", ENGINES)
-def test_full_disk_by_file_size_limit(engine, tmp_path):
-    out = _run_python(_FILE_SIZE_LIMIT_SCRIPT, tmp_path, engine)
-    fresh, existing = out["errors"]
-    assert_names(fresh, "write of 2097152 bytes", "fresh.bin", "at file offset 0",
-                 "File too large", "EFBIG")  # fmt: skip
-    # Overwriting in place allocates nothing: the failure comes from a write past the limit.
-    assert_names(existing, "write of 2097152 bytes", "existing.bin", "at file offset 0",
-                 f"the {engine} pwrite of", "File too large", "EFBIG")  # fmt: skip
-    assert out["small_ok"]
-
-
-_FULL_TMPFS_SCRIPT = """
-import json, subprocess, sys, torch
-from deepspeed_cpp.ops.aio import AsyncIOHandle
-folder = sys.argv[1]
-subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", folder], check=True)
-handle = AsyncIOHandle()
-try:
-    handle.sync_pwrite(torch.zeros(2 << 20, dtype=torch.uint8), folder + "/big.bin", 4096)
-    message = "no error"
-except RuntimeError as error:
-    message = str(error)
-print(json.dumps({"error": message}))
-"""
-
-
-def test_full_disk_on_a_small_file_system(tmp_path):
-    prefix = mount_namespace_prefix(tmp_path)
-    if prefix is None:
-        pytest.skip("no mount namespace here; the full disk is covered by the file-size limit")
-    (tmp_path / "small_fs").mkdir()
-    out = _run_python(_FULL_TMPFS_SCRIPT, tmp_path / "small_fs", prefix=prefix)
-    assert_names(out["error"], "write of 2097152 bytes", "big.bin", "at file offset 4096",
-                 "No space left on device", "ENOSPC")  # fmt: skip
-
-
-_READ_ONLY_SCRIPT = """
-import json, sys, torch
-from deepspeed_cpp.ops.aio import AsyncIOHandle
-try:
-    AsyncIOHandle().sync_pwrite(torch.ones(100, dtype=torch.uint8), sys.argv[1])
-    message = "no error"
-except RuntimeError as error:
-    message = str(error)
-print(json.dumps({"error": message}))
-"""
-
-
-def test_read_only_file(tmp_path):
-    path = tmp_path / "read_only.bin"
-    path.write_bytes(b"keep")
-    path.chmod(0o444)
-    # root may write anything; without CAP_DAC_OVERRIDE it obeys the mode like anyone else.
-    drop = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
-            "--bounding-set=-dac_override,-dac_read_search"]  # fmt: skip
-    if os.geteuid() == 0 and shutil.which("setpriv") is None:
-        pytest.skip("running as root without setpriv: cannot make a file read-only for us")
-    out = _run_python(_READ_ONLY_SCRIPT, path, prefix=drop if os.geteuid() == 0 else ())
-    assert_names(out["error"], "write of 100 bytes", f"'{path}'", "at file offset 0",
-                 "Permission denied", "EACCES")  # fmt: skip
-    assert path.read_bytes() == b"keep"
-
-
-# --- file systems without O_DIRECT --------------------------------------------------------------
-
-
-_BUFFERED_FALLBACK_SCRIPT = """
-import json, subprocess, sys, warnings, torch
-from deepspeed_cpp.ops.aio import AsyncIOHandle
-folder, mount = sys.argv[1], sys.argv[2] == "mount"
-if mount:
-    subprocess.run(["mount", "-t", "ramfs", "ramfs", folder], check=True)
-handle = AsyncIOHandle(block_size=8192)
-ok = True
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    for i, (size, offset) in enumerate([(1, 0), (3 * 8192 + 5, 12345), (100000, 4096)]):
-        data = torch.randint(0, 256, (size,), dtype=torch.uint8)
-        handle.sync_pwrite(data, f"{folder}/f{i}.bin", offset)
-        back = torch.empty_like(data)
-        handle.sync_pread(back, f"{folder}/f{i}.bin", offset)
-        with open(f"{folder}/f{i}.bin", "rb") as f:
-            ok &= f.read()[offset:] == data.numpy().tobytes() and bool(torch.equal(back, data))
-print(json.dumps({"ok": ok, "warnings": [str(w.message) for w in caught],
-                  "stats": handle.get_stats()}))
-"""
-
-
-def test_buffered_fallback_with_one_warning_where_o_direct_is_refused(tmp_path):
-    # tmpfs refuses O_DIRECT before Linux 6.6 and ramfs always does.
-    if os.path.isdir("/dev/shm") and not o_direct_works("/dev/shm"):
-        folder, prefix, mode = _temp_folder_in("/dev/shm"), (), "plain"
-    else:
-        prefix = mount_namespace_prefix(tmp_path)
-        if prefix is None:
-            pytest.skip("no file system refusing O_DIRECT is reachable without privileges")
-        folder, mode = tmp_path / "ramfs", "mount"
-        folder.mkdir()
-    try:
-        out = _run_python(_BUFFERED_FALLBACK_SCRIPT, folder, mode, prefix=prefix)
-    finally:
-        if mode == "plain":
-            shutil.rmtree(folder, ignore_errors=True)
-    assert out["ok"]
-    assert len(out["warnings"]) == 1, out["warnings"]
-    assert_names(out["warnings"][0], "does not support O_DIRECT", "f0.bin", "EINVAL",
-                 "buffered I/O")  # fmt: skip
-    assert out["stats"]["direct_bytes"] == 0
-    assert out["stats"]["buffered_bytes"] == 2 * (1 + 3 * 8192 + 5 + 100000)
-
-
-def test_dev_shm_round_trip():
-    """Whatever /dev/shm does with O_DIRECT (refuse it, or accept and buffer it), data is kept."""
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm here")
-    folder = _temp_folder_in("/dev/shm")
-    try:
-        handle = AsyncIOHandle()
-        data = _random_bytes(3 * 2**20 + 5)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            handle.sync_pwrite(data, f"{folder}/x.bin", 12345)
-            back = torch.empty_like(data)
-            handle.sync_pread(back, f"{folder}/x.bin", 12345)
-        assert torch.equal(back, data)
-        assert _file_bytes(f"{folder}/x.bin", 12345) == data.numpy().tobytes()
-        assert len(caught) == (0 if o_direct_works(folder) else 1)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- tensors in flight --------------------------------------------------------------------------
@@ -449,7 +262,7 @@ def test_dev_shm_round_trip():
 
 def test_tensor_freed_while_reading_is_kept_alive(disk_dir):
     handle = AsyncIOHandle()
-    data = _random_bytes(64 * 2**20)
+    data = random_bytes(64 * 2**20)
     handle.sync_pwrite(data, disk_dir / "keep.bin")
     target = torch.empty(64 * 2**20, dtype=torch.uint8)  # large: freeing it would unmap it
     handle.async_pread(target, disk_dir / "keep.bin")
@@ -460,20 +273,20 @@ def test_tensor_freed_while_reading_is_kept_alive(disk_dir):
 
 def test_tensor_freed_while_writing_is_kept_alive(disk_dir):
     handle = AsyncIOHandle()
-    source = _random_bytes(16 * 2**20 + 3)
+    source = random_bytes(16 * 2**20 + 3)
     expected = source.numpy().tobytes()
     handle.async_pwrite(source, disk_dir / "keep_w.bin")
     del source
     gc.collect()
     noise = [torch.full((2**20,), 7, dtype=torch.uint8) for _ in range(16)]
     handle.wait()
-    assert _file_bytes(disk_dir / "keep_w.bin") == expected
+    assert file_bytes(disk_dir / "keep_w.bin") == expected
     del noise
 
 
 def test_tensor_cannot_be_resized_while_in_flight(disk_dir):
     handle = AsyncIOHandle()
-    data = _random_bytes(8 * 2**20)
+    data = random_bytes(8 * 2**20)
     handle.sync_pwrite(data, disk_dir / "resize.bin")
     target = torch.empty_like(data)
     handle.async_pread(target, disk_dir / "resize.bin")
@@ -533,7 +346,7 @@ def test_deepspeed_spelling_through_the_builder(disk_dir):
 
 def test_validation_reports_where_file_and_tensor_differ(disk_dir):
     handle = AsyncIOHandle()
-    data = _random_bytes(10_000)
+    data = random_bytes(10_000)
     handle.sync_pwrite(data, disk_dir / "v.bin")
     aio._validate(data, str(disk_dir / "v.bin"), 0)  # equal: no error
     with open(disk_dir / "v.bin", "r+b") as file:
@@ -551,7 +364,7 @@ def test_raw_custom_class_is_registered_with_defaults(disk_dir):
     data = torch.arange(1000, dtype=torch.float64)
     assert raw.async_pwrite(data, filename=str(disk_dir / "raw.bin")) == 0
     assert raw.wait() == 1
-    assert _file_bytes(disk_dir / "raw.bin") == data.numpy().tobytes()
+    assert file_bytes(disk_dir / "raw.bin") == data.numpy().tobytes()
 
 
 def test_engines_reported_match_the_build():
@@ -577,7 +390,7 @@ print(json.dumps(seen))
 
 
 def test_ds_aio_engine_forces_the_default_engine():
-    out = _run_python(_ENGINE_ENV_SCRIPT, *ENGINES)
+    out = run_python_json(_ENGINE_ENV_SCRIPT, *ENGINES)
     assert out == {engine: [engine, engine] for engine in ENGINES}
 
 

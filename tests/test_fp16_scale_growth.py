@@ -12,42 +12,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-MICRO, IN, HIDDEN, OUT = 4, 6, 10, 3
-STEPS, LR, INITIAL_POWER, WINDOW = 5, 0.2, 4, 2
-STAGES = (0, 1, 2, 3)
-
-
-def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT)
-    )
-
-
-def _batches(seed: int, world: int):
-    generator = torch.Generator().manual_seed(seed + 1)
-    rows = MICRO * world
-    return [
-        (torch.randn(rows, IN, generator=generator), torch.randn(rows, OUT, generator=generator))
-        for _ in range(STEPS)
-    ]
-
-
-def _config(stage: int) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "steps_per_print": 1000,
-        "gradient_clipping": 0.0,  # said out loud: DeepSpeed 0.19.8's default is 1.0, ours 0
-        "optimizer": {"type": "SGD", "params": {"lr": LR}},
-        "fp16": {
-            "enabled": True,
-            "initial_scale_power": INITIAL_POWER,
-            "loss_scale_window": WINDOW,
-            "hysteresis": 1,
-        },
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-    }
+from fp16_scale_growth_case import (
+    MICRO,
+    STAGES,
+    make_batches,
+    make_config,
+    make_model,
+    reference_run,
+)
 
 
 def scale_growth_job(seed: int) -> dict:
@@ -58,12 +30,12 @@ def scale_growth_job(seed: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {}
     for stage in STAGES:
-        model = _model(seed)
+        model = make_model(seed)
         engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=_config(stage)
+            model=model, model_parameters=model.parameters(), config=make_config(stage)
         )
         scales, weights = [], []
-        for x, y in _batches(seed, world):
+        for x, y in make_batches(seed, world):
             rows = slice(rank * MICRO, (rank + 1) * MICRO)
             loss = torch.nn.functional.mse_loss(engine(x[rows].half()).float(), y[rows])
             engine.backward(loss)
@@ -76,43 +48,11 @@ def scale_growth_job(seed: int) -> dict:
     return report
 
 
-def _reference(seed: int, world: int, divide_by_new_scale: bool):
-    """One process, float64 masters: each rank's fp16 forward/backward on its rows with the loss
-    scaled by the scale in force, the ranks' gradients averaged and divided by that scale (or,
-    DeepSpeed 0.19.8's order, by the scale after this step's update), then an SGD step."""
-    model = _model(seed).half()
-    masters = [p.detach().double() for p in model.parameters()]
-    scale = 2.0**INITIAL_POWER
-    scales, weights = [], []
-    for step, (x, y) in enumerate(_batches(seed, world)):
-        with torch.no_grad():
-            for param, master in zip(model.parameters(), masters):
-                param.copy_(master)
-        grads = [torch.zeros_like(m) for m in masters]
-        for rank in range(world):
-            rows = slice(rank * MICRO, (rank + 1) * MICRO)
-            model.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x[rows].half()).float(), y[rows])
-            (loss * scale).backward()
-            for total, param in zip(grads, model.parameters()):
-                assert torch.isfinite(param.grad).all()
-                total += param.grad.double() / world
-        used = scale
-        # DeepSpeed's rule, no overflow so far: after step k > 0 with k % WINDOW == 0 it doubles.
-        if step > 0 and step % WINDOW == 0:
-            scale *= 2.0
-        divisor = scale if divide_by_new_scale else used
-        masters = [m - LR * g / divisor for m, g in zip(masters, grads)]
-        scales.append(scale)
-        weights.append(masters)
-    return scales, weights
-
-
 def test_steps_where_the_scale_grows_are_unscaled_by_the_scale_of_their_backward(pool2):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     results = pool2.run(scale_growth_job, seed)
-    scales, expected = _reference(seed, 2, divide_by_new_scale=False)
-    _, deepspeed_order = _reference(seed, 2, divide_by_new_scale=True)
+    scales, expected = reference_run(seed, 2, divide_by_new_scale=False)
+    _, deepspeed_order = reference_run(seed, 2, divide_by_new_scale=True)
     assert scales == [16.0, 16.0, 32.0, 32.0, 64.0]  # grows on steps 2 and 4
     for stage in STAGES:
         ours, other_rank = results[0][stage], results[1][stage]

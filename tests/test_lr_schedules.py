@@ -1,5 +1,5 @@
-"""LR schedules against closed-form formulas written here, step by step, every parameter group
-(state dicts, real optimizers, the factory and bad arguments: test_lr_schedule_use.py)."""
+"""LR schedules against closed-form formulas (lr_schedule_checks.py), step by step, every parameter
+group (state dicts, real optimizers, the factory and bad arguments: test_lr_schedule_use.py)."""
 
 import logging
 import math

@@ -9,7 +9,7 @@ never a crash, a hang or silent garbage.
   compared with plain Python reads of the same file; reads with bytes Python wrote.
 - ``plan`` (csrc/fused_adam/multi_tensor_plan.cpp): random element counts and capacities, out of
   range ones among them; every element of every tensor is covered exactly once (checked by
-  tests/test_fused_adam_plan.py's reading of the table) or the named error comes back.
+  tests/fused_adam_plan_check.py's reading of the table) or the named error comes back.
 - ``fused_adam``'s argument checks (csrc/fused_adam/fused_adam_checks.cpp) through the host
   library: lists of mismatched lengths, dtypes, shapes, zero-size and aliased tensors, and
   hyper-parameters that are NaN, infinite or negative; a valid call matches torch's Adam step,

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 from checkpoint_training import build_engine, global_batches, train
 from dist_pool import shared_pool
-from launch_helpers import ZERO_TO_FP32, run_module_at_once, start_python
-from launch_helpers import finish as _finish
+from launch_helpers import ZERO_TO_FP32, finish, run_module_at_once, start_python
 
 from deepspeed_cpp.runtime.checkpoint.layout import METADATA_FILE
 from deepspeed_cpp.runtime.checkpoint.recovery_script import SCRIPT, write_recovery_script
@@ -45,7 +44,7 @@ def saved(tmp_path_factory):
 
 
 def _python(*args: str, cwd, **env) -> subprocess.CompletedProcess:
-    return _finish(start_python(*args, cwd=cwd, **env))
+    return finish(start_python(*args, cwd=cwd, **env))
 
 
 def _command(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -112,21 +111,21 @@ def test_save_writes_the_script_beside_latest_and_it_runs_from_the_folder(saved,
     help_text = start_python("zero_to_fp32.py", "-h", cwd=folder)
     without_package = start_python("-S", str(script), ".", "out", cwd=folder, PYTHONPATH="")
     # The guide's command, from inside checkpoint-N, into an output directory (DeepSpeed 0.19).
-    out = _ok(_finish(directory_form))
+    out = _ok(finish(directory_form))
     assert "wrote" in out
     loaded, index = _read_directory(folder / "fp32", safe=False)
     assert index is None
     _assert_same(loaded, state, "script, directory form")
     assert loaded["head2.weight"].data_ptr() == loaded["head.weight"].data_ptr()  # tie kept
     # The guide's older spelling, one file; and the script with the alias, from elsewhere.
-    _ok(_finish(file_form))
+    _ok(finish(file_form))
     _assert_same(torch.load(folder / "pytorch_model.bin", weights_only=True), state, "file")
-    _ok(_finish(aliased))
+    _ok(finish(aliased))
     _assert_same(_read_directory(tmp_path / "aliased", safe=True)[0], state, "alias, safetensors")
-    usage = _ok(_finish(help_text))
+    usage = _ok(finish(help_text))
     assert usage.startswith("usage: zero_to_fp32.py") and "--max_shard_size" in usage
     # A Python that cannot import deepspeed_cpp: one line saying what to install.
-    bare = _finish(without_package)
+    bare = finish(without_package)
     assert bare.returncode == 1
     lines = bare.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot import deepspeed_cpp" in lines[0], bare.stderr
@@ -193,7 +192,7 @@ def test_file_form_existing_directory_options_and_errors(saved, tmp_path, monkey
     _ok(existing_dir)
     _assert_same(_read_directory(tmp_path / "existing.bin", False)[0], state, "existing dir")
     # -t, --exclude_frozen_parameters, -d, through `python -m deepspeed_cpp.compat -m deepspeed...`
-    out = _ok(_finish(frozen_options))
+    out = _ok(finish(frozen_options))
     trainable = {n: t for n, t in state.items() if n not in FROZEN}
     _assert_same(_read_directory(tmp_path / "trainable", False)[0], trainable, "trainable")
     assert "zero_to_fp32: mid.weight -> pytorch_model.bin" in out
