@@ -34,18 +34,22 @@ allocates anew and copies). Redone with the probe handing a kept storage back as
 1.01 / 1.06 ``no-copy-out``: within this machine's noise.
 
 Two bounds on what a faster ZeRO-3 could reach (issue 27, seventeenth session): ``--probe landed``
-sleeps 15 ms right after launching each gather of several parameters (every rank at the same
-point), so the exchange has landed before it is waited for, and takes the sleeps out of the times
-printed: what is left is the step without the exchange's wait, the most that overlapping it with
-earlier work (the previous step's update) could win. ``--persistence N`` sets the deep model's
+sleeps 15 ms right after launching each unit gather (a collective every rank reaches at the same
+point), so the exchange has landed before it is waited for, and takes what it slept out of the
+step and phase times (the breakdown, the timeline and cProfile still include the sleeps): what is
+left is the step without the exchange's wait, the most that overlapping the exchange with earlier
+work (the previous step's update) could win, if that work left the exchange's threads a core as
+the sleep does. ``--persistence N`` sets the deep model's
 ``stage3_param_persistence_threshold`` (default 0): with 100000 every parameter persists, nothing
-is gathered, and what is left of the gap is the hooks alone. Measured (2026-11-29 06:18-06:20 UTC,
-AMD EPYC, 2 cores, deep model, 15 rounds, the four forms in turn three times,
-``benchmarks/results/zero3_step_s17.txt``): ZeRO-3/ZeRO-2 1.38 / 1.39 / 1.41 as it is, 1.18 / 1.18
-/ 1.20 with ``--probe landed`` (the forward 27-28 ms -> 20-21 ms), 1.20 / 1.28 / 1.26 with
-``--persistence 300`` (the weights alone gathered), 1.05 / 1.06 / 1.05 with ``--persistence
-100000``. So waiting for the exchange is about half of the gap, the gathers' own CPU work (launch,
-copy-out, release) most of the rest, and the hooks ~5 %.
+is gathered, and what is left of the gap is the hooks alone. Measured (2026-11-29, AMD EPYC, 2
+cores, deep model, 15 rounds, the four forms in turn three times,
+``benchmarks/results/zero3_step_s17.txt``), ZeRO-3/ZeRO-2 at 07:29-07:31 UTC: 1.31 / 1.36 / 1.39 as
+it is, 1.14 / 1.19 / 1.25 with ``--probe landed``, 1.24 / 1.29 / 1.25 with ``--persistence 300``
+(the weights alone gathered), 1.07 / 0.98 / 1.12 with ``--persistence 100000``; at 06:18-06:20, the
+machine ~40 % faster and the probe then sleeping after gathers of several parameters only: 1.38 /
+1.39 / 1.41, 1.18 / 1.18 / 1.20 (the forward 27-28 ms -> 20-21 ms), 1.20 / 1.28 / 1.26, 1.05 /
+1.06 / 1.05. So waiting for the exchange is about half of the gap, the gathers' own CPU work
+(launch, copy-out, release) most of the rest, and the hooks ~5 %.
 
 ``--whole-layers`` adds a third engine in the same processes, taking its turn in each round: ZeRO-3
 with the block cap lifted (each transformer layer one unit whole, whatever
@@ -250,10 +254,10 @@ def install_probe(probe: str) -> None:
         launch = unit._FlatGather.launch
 
         def launch_then_sleep(gather):
-            launch(gather)
-            if len(gather.params) > 1:  # a unit's gather (every rank reaches it alike)
-                time.sleep(LANDED_SLEEP_S)
-                _PROBE_SLEPT[0] += LANDED_SLEEP_S
+            launch(gather)  # a collective every rank reaches alike
+            slept = time.perf_counter()
+            time.sleep(LANDED_SLEEP_S)
+            _PROBE_SLEPT[0] += time.perf_counter() - slept  # what was slept, oversleep included
 
         unit._FlatGather.launch = launch_then_sleep
         return
@@ -433,7 +437,7 @@ def main() -> None:
     persistence = args.persistence if args.model == "deep" else 100_000
     print(f"{args.model} model, 2 gloo ranks x 1 thread, median of {args.rounds} interleaved "
           f"rounds after {args.warmup}, prefetch {args.prefetch:g}, persistence "
-          f"{persistence}, probe {args.probe}")  # fmt: skip
+          f"{persistence}, probe {args.probe or 'none'}")  # fmt: skip
     # CPU: the process's CPU time per step, all its threads (the work, whatever the load).
     print(f"{'':33} {'median ms':>10} {'mean ms':>8} {'CPU ms':>7} {'main thread':>11}")
     for label in labels:
