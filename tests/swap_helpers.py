@@ -40,12 +40,20 @@ def temp_folder_in(folder):
     return tempfile.mkdtemp(dir=folder, prefix="deepspeed_cpp_aio_")
 
 
-def run_python_json(script, *args, prefix=(), env=None):
+def run_python(script, *args, prefix=(), env=None, check=True, timeout=300):
     """Runs ``script`` (dedented) in a fresh interpreter after ``prefix`` (a command that changes
-    the process: a namespace, dropped privileges) and returns the JSON of its last output line."""
+    the process: a namespace, dropped privileges); returns the finished process and the JSON of
+    its last output line (None without output). ``check``: the process must exit with 0."""
     result = subprocess.run(
         [*prefix, sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, **(env or {})),
+        capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **(env or {})),
     )  # fmt: skip
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    if check:
+        assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    lines = result.stdout.strip().splitlines()
+    return result, (json.loads(lines[-1]) if lines else None)
+
+
+def run_python_json(script, *args, prefix=(), env=None):
+    """``run_python``'s JSON result of a script that must succeed."""
+    return run_python(script, *args, prefix=prefix, env=env)[1]

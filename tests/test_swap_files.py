@@ -15,15 +15,12 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from disk_folders import mount_namespace_prefix, o_direct_works
-from swap_helpers import assert_names, random_payload
+from swap_helpers import assert_names, random_payload, run_python
 
 from deepspeed_cpp.ops.aio import usable_engines
 from deepspeed_cpp.runtime.config import AioConfig, DeepSpeedConfig, DeepSpeedConfigError
@@ -71,19 +68,6 @@ def _patch(path, offset, data):
     with open(path, "r+b") as file:
         file.seek(offset)
         file.write(data)
-
-
-def _run_python(script, *args, prefix=(), check=True):
-    result = subprocess.run(
-        [*prefix, sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if check:
-        assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    lines = result.stdout.strip().splitlines()
-    return result, (json.loads(lines[-1]) if lines else None)
 
 
 def _swap_root(nvme):
@@ -300,7 +284,7 @@ os._exit(0)  # leaves without close() and without atexit
 
 @pytest.mark.parametrize("how", ["kill", "exit_without_cleanup"])
 def test_dead_runs_folder_is_removed_by_the_next_run_and_never_read(how, nvme, ds_info_log):
-    result, out = _run_python(_KILLED_SCRIPT, nvme, how, check=False)
+    result, out = run_python(_KILLED_SCRIPT, nvme, how, check=False, timeout=120)
     assert result.returncode == (-signal.SIGKILL if how == "kill" else 0), result.stderr
     dead = Path(out["folder"])
     assert dead.is_dir() and (dead / swap_header.file_name("done")).is_file()
@@ -391,7 +375,7 @@ print(json.dumps({"folder": str(folder.folder), "after_fork": folder.folder.is_d
 
 
 def test_interpreter_exit_without_close_removes_the_folder(nvme):
-    _, out = _run_python(_EXIT_SCRIPT, nvme)
+    _, out = run_python(_EXIT_SCRIPT, nvme, timeout=120)
     assert out["after_fork"]
     assert not Path(out["folder"]).exists()
     assert os.listdir(_swap_root(nvme)) == []
@@ -442,8 +426,8 @@ def test_full_disk_is_a_swap_file_error_naming_path_bytes_and_enospc(tmp_path):
         pytest.skip("no mount namespace here to make a small file system")
     (tmp_path / "small_fs").mkdir()
     (tmp_path / "read_only").mkdir()
-    _, out = _run_python(
-        _FULL_DISK_SCRIPT, tmp_path / "small_fs", tmp_path / "read_only", prefix=prefix
+    _, out = run_python(
+        _FULL_DISK_SCRIPT, tmp_path / "small_fs", tmp_path / "read_only", prefix=prefix, timeout=120
     )
     assert_names(
         out["error"],
