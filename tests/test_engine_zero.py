@@ -259,9 +259,12 @@ def test_matches_single_process_adamw_2_ranks(pool2, stage, dtype, gas, clip):
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_matches_single_process_adamw_3_ranks(pool3, stage):
     seed = int(torch.randint(0, 2**30, (1,)))
-    # gloo's ring sums three ranks in an order of its own; a larger eps keeps Adam from
-    # amplifying that float32 rounding (see _reference) beyond the tolerance.
-    eps = 1e-5
+    # gloo's ring sums three ranks in an order of its own (two addends sum alike in any order,
+    # three do not); a larger eps keeps Adam from amplifying that float32 rounding (see
+    # _reference) beyond the tolerance: an element whose gradients nearly cancel moves up to
+    # lr / eps times its rounding. At 1e-5, DS_TEST_SEED=25183408 gave 1.37e-6 at stage 2
+    # (head.weight); typical runs 1e-7.
+    eps = 1e-4
     results = pool3.run(train_job, _config(stage, "fp32", 2, 0.5, eps=eps), seed, 5)
     reference, _ = _reference(seed, 5, 2, 3, 0.5, stage=stage, eps=eps)
     assert _max_relative_difference(results[0]["snapshots"][-1]["params"], reference) <= 1e-6

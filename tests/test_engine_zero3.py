@@ -80,8 +80,9 @@ def test_matches_single_process_adamw_2_ranks(pool2, dtype, gas, clip, threshold
 def test_matches_single_process_adamw_3_ranks(pool3, gas, threshold):
     seed, steps = _seed(), 4
     # gloo's ring sums three ranks in an order of its own; a larger eps keeps Adam from
-    # amplifying that float32 rounding (see test_engine_zero._reference) beyond the tolerance.
-    eps = 1e-5
+    # amplifying that float32 rounding (see test_engine_zero._reference) beyond the tolerance
+    # (1e-5 let test_engine_zero's 3-rank case reach 1.37e-6 once; 1e-4 there too).
+    eps = 1e-4
     config = h.config("fp32", gas, 0.5, threshold)
     config["optimizer"]["params"]["eps"] = eps
     results = pool3.run(train_job, config, seed, steps, True, 1)
