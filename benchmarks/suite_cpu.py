@@ -97,25 +97,24 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
 
 
 def pytest_sessionfinish(session) -> None:
-    _write(*tree_cpu(os.getpid()), 0.0, "<session end: cumulative>")
     _out.close()
 
 
 # --- the summary ----------------------------------------------------------------------------------
 def summarise(path: Path, top: int, total: tuple[float, float, float] | None = None) -> None:
-    per_file: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
     tests, start = [], None
     for line in path.read_text().splitlines():
         user, system, wall, name = line.split("\t", 3)
         user, system, wall = float(user), float(system), float(wall)
         if name.startswith("<session start"):
             start = user + system
-            continue
-        if name.startswith("<session end"):
-            continue
-        tests.append((user + system, user, system, wall, name))
+        elif not name.startswith("<"):  # a test, not a marker row
+            tests.append((user + system, user, system, wall, name))
+    per_file: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
+    for _cpu, user, system, wall, name in tests:
         row = per_file[name.split("::")[0]]
-        row[0], row[1], row[2], row[3] = row[0] + user, row[1] + system, row[2] + wall, row[3] + 1
+        for index, value in enumerate((user, system, wall, 1)):
+            row[index] += value
     cpu = sum(test[0] for test in tests)
     user = sum(test[1] for test in tests)
     wall = sum(test[3] for test in tests)
