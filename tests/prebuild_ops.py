@@ -1,8 +1,8 @@
 """Compiles the CPU op libraries into the default JIT cache, in the order the suite first uses them.
 
 conftest.py starts this script as a low-priority background process when a test session starts
-(DS_TEST_PREBUILD=0 turns it off). A fresh checkout compiles every op (the cache key names the
-checkout's folder), and each first use used to compile in the foreground, one op after another,
+(DS_TEST_PREBUILD=0 turns it off). A machine whose cache does not hold these sources' builds
+compiles every op, and each first use used to compile in the foreground, one op after another,
 while most of the suite runs in one process on one core: here the builds run on the core the
 tests leave idle. Nothing changes for the tests: a build holds the op's lock in the cache, so a
 test that needs an op under construction waits for it (as a second process always did), and one

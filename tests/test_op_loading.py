@@ -141,6 +141,40 @@ def test_cache_key_follows_sources_flags_and_nothing_else(tmp_path, monkeypatch)
     assert op.source_digest() != after_source
 
 
+LOAD_REGISTRY = """
+import deepspeed_cpp
+from deepspeed_cpp.ops.op_builder import RegistryBuilder
+op = RegistryBuilder()
+op.load()
+print("PACKAGE", deepspeed_cpp.__file__)
+print("LOADED", op.loaded_library())
+"""
+
+
+def test_two_checkouts_of_the_same_sources_share_one_build(tmp_path):
+    """The cache key names no path: a second checkout (or venv) of the same sources loads the
+    first one's finished build without compiling, and the first then still loads it without
+    compiling (no turn-taking over one folder). Each process imports its own checkout; that an
+    edited source or header builds afresh is the test above."""
+    from session_builds import copy_tracked_tree
+
+    cache = tmp_path / "cache"
+    checkouts = [copy_tracked_tree(tmp_path / name) for name in ("a", "b")]
+
+    def load(checkout: Path) -> tuple[str, bool]:
+        env = {"DS_CPP_EXTENSIONS_DIR": str(cache), "PYTHONPATH": str(checkout)}
+        ran = _run(LOAD_REGISTRY, env, cwd=tmp_path)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        assert f"PACKAGE {checkout / 'deepspeed_cpp'}" in ran.stdout, ran.stdout
+        library = ran.stdout.split("LOADED ")[1].strip()
+        return library, "compiling op 'registry' just in time" in ran.stderr
+
+    first, compiled_first = load(checkouts[0])
+    assert compiled_first and first.startswith(str(cache))
+    assert load(checkouts[1]) == (first, False)
+    assert load(checkouts[0]) == (first, False)
+
+
 def _pip(*args, env_overrides, cwd=REPO_ROOT):
     env = dict(os.environ, **env_overrides)
     return subprocess.run([sys.executable, "-m", "pip", *args], env=env, cwd=cwd,

@@ -153,15 +153,16 @@ class OpBuilder:
         return [root / source for source in self.sources()]
 
     def source_digest(self) -> str:
-        """Digest of torch's version, the flags, this op's sources and every header in csrc/, and
-        where csrc/ is: a build's ninja file names its sources by absolute path, so two checkouts
-        of the same sources must not take turns rebuilding one cache folder."""
+        """Digest of torch's version, the flags, this op's sources and every header in csrc/ (by
+        their paths inside csrc/ and their contents), not of where csrc/ is: two checkouts, venvs
+        or CI jobs with the same sources share one build. A finished build is served without
+        torch's build step (``_finished_build``), whose ninja file names the sources of the
+        checkout that compiled it by absolute path, so they never take turns rebuilding it."""
         import torch
 
         root = csrc_dir()
         digest = hashlib.sha256()
         digest.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}".encode())
-        digest.update(str(root.resolve()).encode())
         flags = self.extra_cflags() + self.extra_ldflags() + self.extra_cuda_cflags()
         flags += self.include_dirs()
         digest.update("|".join(flags).encode())
