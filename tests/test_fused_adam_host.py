@@ -166,13 +166,17 @@ def test_every_dtype_combination_is_the_float32_update_rounded(param_dtype, grad
 
 @pytest.mark.parametrize("param_dtype", LOW_PRECISION)
 def test_low_precision_tracks_float64(param_dtype):
-    """bf16/fp16 parameters with float32 state over many steps stay within a few storage ulps of a
-    float64 run whose parameter is rounded to the same dtype after every step."""
+    """bf16/fp16 parameters with float32 state over many steps stay within two storage ulps of a
+    float64 run whose parameter is rounded to the same dtype after every step: ulps at the largest
+    magnitude the element has had, since a one-ulp difference in rounding made there is carried
+    as the value moves toward zero (DS_TEST_SEED=2248758347: 3.8e-6 apart, one ulp at 0.0039,
+    four at the 0.0018 the element had reached three steps later)."""
     n, steps, lr = 4097, 10, 1e-3
     param = torch.randn(n).to(param_dtype)
     exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
     ref_p, ref_m, ref_v = param.double(), torch.zeros(n, dtype=torch.float64), torch.zeros(
         n, dtype=torch.float64)  # fmt: skip
+    largest = ref_p.abs()
     for step in range(1, steps + 1):
         grad = torch.randn(n).to(param_dtype)
         run_ours([param], [grad], [exp_avg], [exp_avg_sq], step=step, lr=lr, weight_decay=0.01)
@@ -182,7 +186,8 @@ def test_low_precision_tracks_float64(param_dtype):
         ref_v = 0.999 * ref_v + 0.001 * g * g
         denom = (ref_v / (1 - 0.999**step)).sqrt() + 1e-8
         ref_p = (ref_p - lr / (1 - 0.9**step) * ref_m / denom).to(param_dtype).double()
-    ulp = torch.finfo(param_dtype).eps * ref_p.abs().clamp_min(torch.finfo(param_dtype).tiny)
+        largest = torch.maximum(largest, ref_p.abs())
+    ulp = torch.finfo(param_dtype).eps * largest.clamp_min(torch.finfo(param_dtype).tiny)
     assert ((param.double() - ref_p).abs() <= 2 * ulp).all()
     assert (param.double() == ref_p).float().mean() > 0.98
 
