@@ -41,3 +41,10 @@ def reference_adam_steps(param, grads, *, lr, betas, eps, weight_decay, adamw_mo
         p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
         path_max = torch.maximum(path_max, p.abs())
     return (p, path_max) if return_path_max else p
+
+
+def storage_ulp(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One step of ``dtype`` at ``magnitude`` (eps * |x|, per element), floored at the smallest
+    normal number: below it the steps stop shrinking (fp16's subnormals are 2**-24 apart)."""
+    finfo = torch.finfo(dtype)
+    return finfo.eps * magnitude.abs().clamp_min(finfo.tiny)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from adam_reference import storage_ulp
 
 from deepspeed_cpp.optim import DeepSpeedCPUAdam, FusedAdam
 
@@ -312,8 +313,5 @@ def test_low_precision_cpu_parameters_step_like_torch(dtype):
         reference_optimizer.step()
         assert optimizer.state[param]["exp_avg"].dtype == torch.float32
         expected = reference.detach().to(dtype)
-        # One step of ``dtype`` at the expected value; below the smallest normal number the
-        # steps stop shrinking (fp16's subnormals are 2**-24 apart), hence the floor at ``tiny``.
-        finfo = torch.finfo(dtype)
-        ulp = finfo.eps * expected.float().abs().clamp_min(finfo.tiny)
+        ulp = storage_ulp(expected.float(), dtype)  # one step of ``dtype`` there
         assert ((param.detach().float() - expected.float()).abs() <= ulp * 1.01).all()
