@@ -14,6 +14,9 @@ Every float32 operation is computed in float64 and rounded to float32 once: prod
 in float64, and a float64 square root or quotient rounded to float32 is the correctly rounded
 float32 one (53 >= 2 * 24 + 2 bits), as sqrtf and '/' are. torch's own float32 sqrt on the CPU is
 not always correctly rounded (a vectorised approximation: one ulp off for some inputs).
+
+``clip_as_the_engine`` clips the references' gradients with the engine's arithmetic, for the same
+reason.
 """
 
 from __future__ import annotations
@@ -108,3 +111,21 @@ class KernelOrderAdamW(torch.optim.Optimizer):
             (p.double() - s).abs().max().item() for p, s in zip(self._params(), self._shadow)
         )
         assert worst <= _FLOAT64_AGREEMENT * scale, f"not AdamW: {worst} of {scale} from float64"
+
+
+def clip_as_the_engine(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (no clipping for ``max_norm`` 0) with the ZeRO engine's
+    arithmetic, so that the references clip as it does: the norm summed in float64
+    (``shard_norms.global_norm``: the shards' float32 norms squared and summed in float64) and the
+    coefficient ``max_norm / (norm + 1e-6)`` a Python float, where torch's is a float32 tensor.
+    The two coefficients differ in their last float32 bits, and that alone put a reference 1.22e-6
+    from the engine after 3 steps (DS_TEST_SEED=650804520,
+    test_engine_zero.py::test_a_config_without_gradient_clipping_clips_at_deepspeeds_default;
+    4.8e-8 clipped this way). Returns the norm (float32, as torch's)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    if max_norm:
+        coefficient = max_norm / (norm + 1e-6)
+        if coefficient < 1.0:
+            torch._foreach_mul_(grads, coefficient)
+    return torch.tensor(norm, dtype=torch.float32)

@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from kernel_order_adamw import KernelOrderAdamW
+from kernel_order_adamw import KernelOrderAdamW, clip_as_the_engine
 
 MICRO_BATCH = 4
 VOCAB, HIDDEN = 23, 37
@@ -164,7 +164,7 @@ def reference(seed, steps, gas, world, clip, dtype=torch.float32, *, flip_every=
             delayed = delayed_after is not None and step > delayed_after
             if delayed and step > delayed_after + 1:
                 write_masters()  # the previous step's update, applied now
-            norm = torch.nn.utils.clip_grad_norm_(masters, clip if clip else float("inf"))
+            norm = clip_as_the_engine(masters, clip)
             model.last_grad_norm = float(norm)  # the engine's get_global_grad_norm()
             optimizer.step()
             if not delayed:
