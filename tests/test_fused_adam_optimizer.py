@@ -285,12 +285,19 @@ def test_config_adam_on_cuda_parameters_picks_fused_adam_when_the_op_can_run(
         assert type(optimizer) is FusedAdam and optimizer.adam_w_mode
     else:
         assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"]
-    reference = copy.deepcopy(model).double()
-    expected = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    batches = _batches(5)
-    _train(model, optimizer, batches)
-    _train(reference, expected, [(x.double(), y.double()) for x, y in batches])
-    for ours, ref in zip(model.parameters(), reference.parameters()):
+    # torch's AdamW in float64 on our gradients, step by step: a float64 model of its own would
+    # compute other gradients, and an element whose gradient nearly cancels turns that into more
+    # than the tolerance (DS_TEST_SEED=1613760483: 1.4e-5 after 5 steps, both choices).
+    reference = [p.detach().double().clone() for p in model.parameters()]
+    expected = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1)
+    for batch in _batches(5):
+        optimizer.zero_grad()
+        _backward(model, batch)
+        for ref, param in zip(reference, model.parameters()):
+            ref.grad = param.grad.double()
+        optimizer.step()
+        expected.step()
+    for ours, ref in zip(model.parameters(), reference):
         torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-6)
 
 
