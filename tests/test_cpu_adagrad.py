@@ -51,7 +51,15 @@ def test_matches_torch_adagrad_float64(size, mode):
     # + 4 float32 ulps of that scale: with a handful of elements torch's own error can be zero
     # by luck, which no other float32 implementation could be asked to match.
     assert error <= 1.5 * fp32_error.abs().max().item() + 4 * 2**-23 * scale
-    assert error <= 1e-5 * scale
+    # And within 1e-5 of the scale wherever float32 can be: an element whose decayed gradient
+    # nearly cancels (grad ~ -weight_decay * param) keeps a few float32 bits, and with no initial
+    # accumulator its first step is lr times the sign of what is left, so torch's own float32
+    # Adagrad is off there by up to 2 lr too (DS_TEST_SEED=2931075563, 262147 elements: one
+    # element 6.6e-4 off in both).
+    conditioned = fp32_error.abs() <= 1e-6 * scale
+    assert int(conditioned.sum()) >= size - max(1, size // 1000)  # the bound still sees most
+    difference = torch.where(conditioned, (ours.double() - reference).abs(), 0.0)
+    assert difference.max().item() <= 1e-5 * scale
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
