@@ -90,3 +90,61 @@ def replicas_equal_reducer_and_torch(seed: int, steps: int) -> dict:
     in_place.destroy()
     reducer.destroy()
     return result
+
+
+class _SharedInTwoCheckpoints(nn.Module):
+    """One layer applied twice, each use in a reentrant checkpoint: its gradient is accumulated
+    twice in one backward, the second time after the layer in front of it is done."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.shared = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            h = checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=True)
+        return self.out(h)
+
+
+def shared_layer_in_reentrant_checkpoints(seed: int, bucket_elements: int) -> dict:
+    """Two replicas train a layer used twice in one backward: with one bucket the all-reduce
+    waits for every gradient (each parameter counted once) and training equals torch's on the
+    global batch; with a bucket per parameter, the shared one's all-reduce begins before its
+    second accumulation, which is refused with the parameter named (was: silently partial)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    model, reference = _SharedInTwoCheckpoints(), _SharedInTwoCheckpoints()
+    reference.load_state_dict(model.state_dict())
+    engine = _engine(model, bucket_elements)
+    in_place = engine.optimizer._in_place_grads is not None
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    try:
+        for _ in range(2):
+            for _ in range(3):
+                xs, ys = torch.randn(world, 2, 6), torch.randn(world, 2, 3)  # same on every rank
+                engine.backward(nn.functional.mse_loss(model(xs[rank]), ys[rank]))
+                engine.step()
+                for r in range(world):
+                    loss = nn.functional.mse_loss(reference(xs[r]), ys[r])
+                    (loss * (1.0 / (3 * world))).backward()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+    except RuntimeError as error:
+        result = {"in_place": in_place, "buckets": len(engine.optimizer.buckets)}
+        engine.destroy()
+        return {**result, "error": str(error)}
+    worst = max(
+        (a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters())
+    )
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    result = {"in_place": in_place, "buckets": len(engine.optimizer.buckets), "worst": worst,
+              "replicas_equal": all(torch.equal(g, gathered[0]) for g in gathered)}  # fmt: skip
+    engine.destroy()
+    return result

@@ -75,3 +75,24 @@ def test_two_replicas_all_reduce_in_place_like_the_reducer(pool2):
         assert result["views_in_flat"], result
         assert result["bitwise_vs_reducer"], result
         assert result["worst_vs_torch"] < 1e-6, result
+
+
+def test_a_layer_used_twice_in_one_backward_is_reduced_once_complete_or_refused(pool2):
+    """A layer applied in two reentrant checkpoints (its gradient accumulates twice, the second
+    time after the layer in front is done): one bucket waits for all, and training equals
+    torch's with the replicas equal; with a bucket per parameter the shared layer's bucket is
+    complete, and sent, before its second accumulation: refused, naming it, on every rank."""
+    import random
+
+    import in_place_grads_jobs as jobs
+
+    seed = random.randrange(2**31)
+    for result in pool2.run(jobs.shared_layer_in_reentrant_checkpoints, seed, 10**6):
+        assert result["in_place"] and result["buckets"] == 1, result
+        assert result["worst"] < 1e-6 and result["replicas_equal"], result
+    for result in pool2.run(jobs.shared_layer_in_reentrant_checkpoints, seed, 20):
+        assert result["in_place"] and result["buckets"] > 2, result
+        error = result.get("error", "")
+        assert "was accumulated again after gradient bucket" in error, result
+        assert "shape [16, 16]" in error or "shape [16]" in error, result
+        assert "use_reentrant=False" in error, result

@@ -243,7 +243,7 @@ def test_factory_errors_name_the_config_key(config, message):
         ),
         (lambda: StaticLossScaler(0), r"scale must be a positive finite number, got 0"),
         (
-            lambda: DynamicLossScaler().load_state_dict({"cur_scale": 2.0}),
+            lambda: DynamicLossScaler().load_state_dict({"cur_scale": 2.0, "cur_hysteresis": 1}),
             r"needs the key 'cur_iter'",
         ),
         (
@@ -257,6 +257,47 @@ def test_factory_errors_name_the_config_key(config, message):
 def test_bad_arguments_are_named(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_check_state_dict_refuses_as_loading_would_and_changes_nothing():
+    """What a checkpoint runs before it restores anything (runtime/checkpoint/loader.py)."""
+    scaler = DynamicLossScaler(init_scale=2.0**8, scale_window=3, delayed_shift=2)
+    for overflow in (True, False, True, True, False):
+        scaler.update_scale(overflow)
+    before = dict(vars(scaler))
+    good = {"cur_scale": 4.0, "cur_iter": 9, "last_overflow_iter": 3, "cur_hysteresis": 1}
+    scaler.check_state_dict(good)
+    scaler.check_state_dict({"cur_scale": 16.0})  # a static run's: loads too
+    for bad, message in [
+        ({**good, "cur_hysteresis": 0}, r"cur_hysteresis'\] must be an integer >= 1"),
+        ({**good, "cur_scale": float("nan")}, r"cur_scale'\] must be a positive finite"),
+        ({"cur_scale": 2.0, "cur_iter": 1}, r"needs the key 'last_overflow_iter'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            scaler.check_state_dict(bad)
+    assert vars(scaler) == before
+    static = StaticLossScaler(128.0)
+    with pytest.raises(ValueError, match=r"cur_scale'\] must be a positive finite"):
+        static.check_state_dict({"cur_scale": 0.0})
+    static.check_state_dict({"cur_scale": 2.0})
+    assert static.cur_scale == 128.0
+
+
+def test_state_dicts_of_the_other_kind():
+    """The configured kind stays: a static run's scale starts a fresh dynamic trajectory (not
+    below min_scale); a dynamic run's scale does not replace a static one."""
+    dynamic = DynamicLossScaler(init_scale=2.0**10, min_scale=8.0, delayed_shift=3)
+    dynamic.update_scale(True)
+    dynamic.load_state_dict({"cur_scale": 64.0})
+    assert dynamic.state_dict() == {"cur_scale": 64.0, "cur_iter": 0, "last_overflow_iter": -1,
+                                    "cur_hysteresis": 3}  # fmt: skip
+    dynamic.load_state_dict({"cur_scale": 2.0})
+    assert dynamic.cur_scale == 8.0
+    static = StaticLossScaler(128.0)
+    static.load_state_dict(DynamicLossScaler(init_scale=2.0**12).state_dict())
+    assert static.cur_scale == 128.0
+    static.load_state_dict({"cur_scale": 32.0})  # the same kind: restored (DeepSpeed does)
+    assert static.cur_scale == 32.0
 
 
 # ---- has_inf_or_nan --------------------------------------------------------------------------

@@ -62,6 +62,28 @@ def test_state_dict_round_trip_continues_identically(name):
         assert resumed_optimizer.param_groups[1]["betas"] == optimizer.param_groups[1]["betas"]
 
 
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_check_state_dict_refuses_as_loading_would_and_changes_nothing(name):
+    """What a checkpoint runs before it restores anything (runtime/checkpoint/loader.py)."""
+    optimizer = make_optimizer(2)
+    scheduler = SCHEDULES[name](optimizer)
+    for _ in range(random_int(2, 9)):
+        scheduler.step()
+    before = (copy.deepcopy(scheduler.state_dict()), scheduler.get_last_lr(), dict(vars(scheduler)))
+    other = SCHEDULES[name](make_optimizer(2))
+    for _ in range(random_int(10, 20)):
+        other.step()
+    scheduler.check_state_dict(other.state_dict())  # would load: nothing raised
+    with pytest.raises(ValueError, match="needs the key 'last_batch_iteration'"):
+        scheduler.check_state_dict({"step_size": 3})
+    with pytest.raises(ValueError, match="last_batch_iteration"):
+        scheduler.check_state_dict({**other.state_dict(), "last_batch_iteration": -2})
+    after = (scheduler.state_dict(), scheduler.get_last_lr(), dict(vars(scheduler)))
+    assert after[:2] == before[:2]
+    assert after[2].keys() == before[2].keys()
+    assert all(after[2][k] is before[2][k] or after[2][k] == before[2][k] for k in before[2])
+
+
 def test_bases_read_from_the_optimizer_survive_a_scheduler_built_after_loading():
     optimizer = make_optimizer(1, lr=0.3)
     scheduler = WarmupCosineLR(optimizer, 30, 0.0, 5, 0.0, "linear")

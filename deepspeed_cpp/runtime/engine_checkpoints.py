@@ -32,6 +32,30 @@ class EngineCheckpoints:
             loss_scaler=scaler.state_dict() if scaler is not None else None,
         )
 
+    def check_train_state(
+        self, state: TrainState, *, scheduler: bool = True, scheduler_type: str | None = None
+    ) -> None:
+        """Raises (ValueError) where ``restore_train_state(state, scheduler=scheduler)`` would,
+        changing nothing, so that a refused checkpoint leaves the engine as it was.
+        ``scheduler_type``: the class name of the schedule that saved ``state`` (None: unknown,
+        as for a checkpoint DeepSpeed wrote); a torch schedule loads any dict without a word,
+        so another class is refused here."""
+        if self.loss_scaler is not None and state.loss_scaler is not None:
+            self.loss_scaler.check_state_dict(state.loss_scaler)
+        schedule = self.lr_scheduler
+        if not scheduler or schedule is None or state.lr_scheduler is None:
+            return
+        ours = type(schedule).__name__
+        if scheduler_type is not None and scheduler_type != ours:
+            raise ValueError(
+                f"the checkpoint's lr scheduler state is a {scheduler_type}'s, this engine's "
+                f"scheduler is a {ours}; pass load_lr_scheduler_states=False to keep this "
+                "engine's schedule"
+            )
+        check = getattr(schedule, "check_state_dict", None)
+        if check is not None:
+            check(state.lr_scheduler)
+
     def restore_train_state(
         self, state: TrainState, *, scheduler: bool = True, lrs_from_scheduler: bool = False
     ) -> None:
@@ -42,11 +66,23 @@ class EngineCheckpoints:
             self.optimizer.skipped_steps = state.optimizer_skipped_steps
         self.global_steps = state.global_steps
         self.global_samples = state.global_samples
+        gas = self.gradient_accumulation_steps()
         self.micro_steps = state.micro_steps
-        if state.gradient_accumulation_steps != self.gradient_accumulation_steps():
+        if state.gradient_accumulation_steps != gas:
             # Another world size keeps the global batch with another accumulation count: restart
             # the count at the boundary of the step the checkpoint completed.
-            self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+            self.micro_steps = self.global_steps * gas
+        elif state.micro_steps % gas:
+            # Saved between two steps: the gradients accumulated since the last one are not in
+            # a checkpoint, so the next step takes a whole batch of micro-steps, not the rest of
+            # one (which would apply a partial sum divided by the whole count).
+            self.micro_steps = state.micro_steps - state.micro_steps % gas
+            logger.warning(
+                "deepspeed_cpp: the checkpoint was saved after micro-step %d of %d of a step; "
+                "its gradients were not saved, so the step restarts at its first micro-step",
+                state.micro_steps % gas,
+                gas,
+            )
         self.skipped_steps = state.skipped_steps
         if self.loss_scaler is not None and state.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state.loss_scaler)
@@ -86,6 +122,7 @@ class EngineCheckpoints:
                 rank0_only=rank0_only
             ),
             load_full_module_state=self.load_full_module_state,
+            check_train_state=self.check_train_state,
             restore_train_state=self.restore_train_state,
             tag_validation=self.config.checkpoint.tag_validation,
         )

@@ -11,11 +11,14 @@ for; ``has_inf_or_nan(tensors)`` is the overflow check.
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from collections.abc import Iterable, Mapping
 
 import torch
+
+from ..utils.logging import logger
 
 # DeepSpeed's fp16 section defaults (its precision config).
 FP16_DEFAULTS = {
@@ -154,6 +157,11 @@ class LossScalerBase:
     def update_scale(self, overflow: bool) -> None:
         """Records one optimizer step's outcome (True: its gradients held inf/nan)."""
 
+    def check_state_dict(self, state_dict: Mapping) -> None:
+        """Raises what ``load_state_dict(state_dict)`` would, changing nothing: a checkpoint
+        checks every state before it restores any."""
+        copy.copy(self).load_state_dict(state_dict)
+
     has_inf_or_nan = staticmethod(has_inf_or_nan)
     found_inf_or_nan = staticmethod(found_inf_or_nan)
 
@@ -170,9 +178,19 @@ class StaticLossScaler(LossScalerBase):
         return {"cur_scale": self.cur_scale}
 
     def load_state_dict(self, state_dict: Mapping) -> None:
-        """Restores the scale."""
+        """Restores the scale; a dynamic scaler's state (a run saved with ``loss_scale: 0``) is
+        a point on its trajectory, not a chosen constant, so this scaler keeps its own."""
         scale = _required(state_dict, "cur_scale", type(self).__name__)
-        self.cur_scale = _positive_finite("state_dict['cur_scale']", scale)
+        scale = _positive_finite("state_dict['cur_scale']", scale)
+        if "cur_iter" in state_dict:
+            logger.info(
+                "deepspeed_cpp: the checkpoint's loss scale was dynamic (%s); keeping the static "
+                "fp16.loss_scale %s",
+                scale,
+                self.cur_scale,
+            )
+            return
+        self.cur_scale = scale
 
 
 class DynamicLossScaler(LossScalerBase):
@@ -273,8 +291,21 @@ class DynamicLossScaler(LossScalerBase):
         }
 
     def load_state_dict(self, state_dict: Mapping) -> None:
-        """Restores the running state; the next ``update_scale`` continues the trajectory."""
+        """Restores the running state; the next ``update_scale`` continues the trajectory. A
+        static scaler's state (a run saved with ``loss_scale > 0``, its only key ``cur_scale``)
+        starts a fresh trajectory at that scale (not below ``min_scale``)."""
         owner = type(self).__name__
+        if set(state_dict) == {"cur_scale"}:
+            scale = _positive_finite("state_dict['cur_scale']", state_dict["cur_scale"])
+            self.cur_scale = max(scale, self.min_scale)
+            self.cur_iter, self.last_overflow_iter = 0, -1
+            self.cur_hysteresis = self.delayed_shift
+            logger.info(
+                "deepspeed_cpp: the checkpoint's loss scale was static; dynamic scaling starts "
+                "at it (%s)",
+                self.cur_scale,
+            )
+            return
         scale = _required(state_dict, "cur_scale", owner)
         cur_iter = _required(state_dict, "cur_iter", owner)
         last_overflow = _required(state_dict, "last_overflow_iter", owner)

@@ -4,6 +4,7 @@ writes; and ``_BatchSchedule``, the iteration bookkeeping, optimizer writes and 
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 
@@ -158,6 +159,11 @@ class _BatchSchedule:
         The schedule's other parameters come from the config, so a resumed run may change them.
         """
         return {"last_batch_iteration": self.last_batch_iteration, **self._captured_state()}
+
+    def check_state_dict(self, state_dict: dict) -> None:
+        """Raises what ``load_state_dict(state_dict)`` would, changing nothing: a checkpoint
+        checks every state before it restores any (``load_state_dict`` sets attributes only)."""
+        copy.copy(self).load_state_dict(state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores the batch index; the next ``step()`` continues from it.

@@ -180,6 +180,14 @@ def write_weights_directory(
     directory.mkdir(parents=True, exist_ok=True)
     plan = plan_shards(state_dict, limit, safe_serialization)
     write = write_safetensors if safe_serialization else write_torch
+    # An earlier conversion's single file and index go first: a run stopped part-way must not
+    # leave the old index naming a mix of new and old shards (loaders read through it); without
+    # them a reader finds no weights and says so.
+    cleared = []
+    for entry_point in (weights_name(safe_serialization), index_name(safe_serialization)):
+        if (directory / entry_point).is_file():
+            (directory / entry_point).unlink()
+            cleared.append(entry_point)
     sizes = {}
     for file_name, names in plan.files.items():
         sizes[file_name] = write({name: state_dict[name] for name in names}, directory / file_name)
@@ -189,5 +197,6 @@ def write_weights_directory(
         text = json.dumps(index, indent=2, sort_keys=True) + "\n"
         file_name = index_name(safe_serialization)
         sizes[file_name] = write_text_atomically(directory / file_name, text)
-    removed = _remove_stale(directory, safe_serialization, set(sizes))
+    removed = [name for name in cleared if name not in sizes]
+    removed += _remove_stale(directory, safe_serialization, set(sizes))
     return WrittenWeights(sizes, removed, plan)

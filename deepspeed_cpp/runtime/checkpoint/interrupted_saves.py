@@ -26,15 +26,39 @@ from .layout import (
     CLIENT_STATE_FILE,
     DISPLACED_SUFFIX,
     METADATA_FILE,
-    MODULE_FILE,
     STAGING_SUFFIX,
 )
 
 
-def discard_staging(staging: Path) -> None:
-    """Removes a failed save's staging directory; a failure to do so is logged, not raised (the
-    save's own error is the one to report, and the next save retries the removal)."""
+def create_staging(save_dir: Path, staging: Path, lock) -> None:
+    """Rank 0 of a save (the ZeRO saver's and the pipeline's): takes the folder's save ``lock``,
+    clears what killed saves left, then creates ``staging``. A ``<tag>.partial`` still there
+    holds files no save writes: it is refused, naming them, and left untouched."""
+    save_dir.mkdir(parents=True, exist_ok=True)
+    lock.acquire()  # before touching any <tag>.partial: it may be another training's save
+    clear_interrupted_saves(save_dir)
     try:
+        staging.mkdir()
+    except FileExistsError:
+        others = sorted(p.name for p in staging.iterdir() if not _SAVED_FILE.fullmatch(p.name))
+        shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        raise FileExistsError(
+            f"{staging} exists and holds what no save writes ({shown or 'non-file entries'}); "
+            "it was left as it is: move it away, or save under another tag"
+        ) from None
+    fsync_directory(save_dir)
+
+
+def discard_staging(staging: Path) -> None:
+    """Removes a failed save's staging directory (only when it holds nothing but what a save
+    writes, as for a killed save's); a failure to do so is logged, not raised (the save's own
+    error is the one to report, and the next save retries the removal)."""
+    try:
+        if staging.is_dir() and not _holds_only_checkpoint_files(staging):
+            logger.warning(
+                "deepspeed_cpp: %s holds files a save does not write; left as it is", staging
+            )
+            return
         remove_tree(staging)
     except OSError as error:
         logger.warning(
@@ -47,9 +71,12 @@ def discard_staging(staging: Path) -> None:
 
 
 # What a save writes into its staging directory: the files below, each first under a temporary
-# name (``.<name>.tmp-<pid>``, see atomic_files.py).
+# name (``.<name>.tmp-<pid>``, see atomic_files.py). Its module states (``mp_rank_00_...``, and a
+# pipeline's per stage), shards (``zero_pp_rank_<r>_mp_rank_<s>_...``), a MoE model's expert
+# files (expert_files.py), a pipeline's layer files (pipe/checkpoint.py), client state, metadata.
 _SAVED_FILE = re.compile(
-    rf"\.?(zero_pp_rank_\d+_mp_rank_00_optim_states\.pt|{re.escape(MODULE_FILE)}|"
+    r"\.?(zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt|(layer_\d+_expert_\d+_)?"
+    r"mp_rank_\d+_model_states\.pt|layer_\d+-model_states\.pt|"
     rf"{re.escape(CLIENT_STATE_FILE)}|{re.escape(METADATA_FILE)})(\.tmp-\d+)?"
 )
 

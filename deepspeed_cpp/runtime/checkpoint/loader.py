@@ -184,10 +184,17 @@ class _Plan:
     states: list | None = None
     rng: dict | None = None
     reader: ShardReader | None = None  # closed once the plan is applied (or refused)
+    scheduler_type: str | None = None  # the saving schedule's class (None: not recorded)
 
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
+
+
+def _scheduler_type(metadata: dict) -> str | None:
+    """The class name of the schedule that saved the checkpoint (None: not recorded, as in one
+    converted from DeepSpeed's, which does not name it)."""
+    return None if metadata.get(CONVERTED_FROM_KEY) else metadata.get("lr_scheduler")
 
 
 def _rng_states(subject, directory: Path, metadata: dict, reader: ShardReader) -> dict | None:
@@ -230,6 +237,14 @@ def _read_and_check(subject, directory: Path, options: dict, plan: _Plan) -> Non
         }
     check_module_matches(
         subject.module, to_local(plan.module_state, layers), options["strict"], allow_missing
+    )
+    plan.scheduler_type = _scheduler_type(metadata)
+    # Returned by a module-only load too (DeepSpeed does).
+    plan.client_state = load_client_state(
+        listed_file(directory, CLIENT_STATE_FILE, digests, "client state"),
+        digests.get(CLIENT_STATE_FILE),
+        bool(metadata.get(NEEDS_PICKLE_KEY, False)),
+        options["allow_pickle"],
     )
     zero = subject.zero
     if options["module_only"]:
@@ -278,12 +293,6 @@ def _read_and_check(subject, directory: Path, options: dict, plan: _Plan) -> Non
                 )
     else:
         plan.rng = _rng_states(subject, directory, metadata, ShardReader(directory, None, digests))
-    plan.client_state = load_client_state(
-        listed_file(directory, CLIENT_STATE_FILE, digests, "client state"),
-        digests.get(CLIENT_STATE_FILE),
-        bool(metadata.get(NEEDS_PICKLE_KEY, False)),
-        options["allow_pickle"],
-    )
 
 
 def _read_deepspeed(subject, directory: Path, options: dict, plan: _Plan) -> None:
@@ -354,6 +363,7 @@ def _read_tensor_parallel(subject, directories, options: dict, plan: _Plan) -> N
     recut = tp_reshard.Recut(parts, subject.module, subject.mp_rank, subject.mp_world_size)
     first = parts[0]
     plan.module_payload = first.payload
+    plan.scheduler_type = _scheduler_type(first.metadata)
     plan.module_state = tp_reshard.module_state(parts, subject.module, recut)
     allow_missing = ()
     if first.payload.get("frozen_parameters_excluded"):
@@ -388,6 +398,21 @@ def _read_tensor_parallel(subject, directories, options: dict, plan: _Plan) -> N
             len(parts),
             subject.mp_world_size,
         )
+
+
+def _check_train_state(subject, plan: _Plan, options: dict, directory: Path) -> None:
+    """Refuses a loss scaler or schedule state the engine would fail to take while the plan
+    is applied, when the weights would already be written."""
+    if options["module_only"]:
+        return
+    try:
+        subject.check_train_state(
+            TrainState.from_payload(plan.module_payload),
+            scheduler=options["scheduler"],
+            scheduler_type=plan.scheduler_type,
+        )
+    except ValueError as error:
+        raise CheckpointMismatchError(f"{directory}: {error}") from error
 
 
 def _apply(subject, plan: _Plan, options: dict) -> None:
@@ -494,6 +519,7 @@ def load_checkpoint(
             _read_deepspeed(subject, directory, options, plans[0])
         else:
             _read_and_check(subject, directory, options, plans[0])
+        _check_train_state(subject, plans[0], options, directory)
 
     try:
         agree_on(

@@ -29,7 +29,6 @@ from ...module_inject import tensor_parallel_info, tensor_parallel_slices
 from ...moe.expert_names import expert_layers, to_global
 from ...utils.logging import logger
 from .atomic_files import (
-    fsync_directory,
     publish_directory,
     save_torch_atomically,
     write_text_atomically,
@@ -45,7 +44,7 @@ from .expert_layout import (
     trainable_ids,
 )
 from .finite_parameters import NonFiniteParametersError, refuse_nonfinite_parameters
-from .interrupted_saves import clear_interrupted_saves, discard_staging
+from .interrupted_saves import create_staging, discard_staging
 from .layout import (
     CLIENT_STATE_FILE,
     DISPLACED_SUFFIX,
@@ -262,11 +261,7 @@ def _prepare(save_dir: Path, staging: Path, client_state, allow_pickle: bool, lo
     takes the folder's save lock and creates the staging directory. Returns whether the client
     state needs full unpickling."""
     pickled = check_client_state({} if client_state is None else client_state, allow_pickle)
-    save_dir.mkdir(parents=True, exist_ok=True)
-    lock.acquire()  # before touching any <tag>.partial: it may be another training's save
-    clear_interrupted_saves(save_dir)
-    staging.mkdir()
-    fsync_directory(save_dir)
+    create_staging(save_dir, staging, lock)
     return pickled
 
 
@@ -341,6 +336,16 @@ def save_checkpoint(
         )
     rank, group = subject.dp_rank, subject.group
     tag = check_tag(f"global_step{subject.train_state.global_steps}" if tag is None else tag)
+    state = subject.train_state
+    if rank == 0 and state.micro_steps % state.gradient_accumulation_steps:
+        logger.warning(
+            "deepspeed_cpp: saving '%s' after micro-step %d of %d of a step: the gradients "
+            "accumulated since the last step are not saved (a run resumed from it restarts the "
+            "step at its first micro-step); save after engine.step() at a boundary to avoid it",
+            tag,
+            state.micro_steps % state.gradient_accumulation_steps,
+            state.gradient_accumulation_steps,
+        )
     # Over the whole world: every model-parallel part is saved under the same tag.
     tag = agree_on_tag(tag, subject.tag_validation)
     save_dir = model_parallel_dir(save_dir, subject.mp_rank, subject.mp_world_size, loading=False)

@@ -34,7 +34,8 @@ class CheckpointSubject:
     ``save_16bit_model`` writes; ``gathers_16bit_weights_on_save``: ZeRO-3 may gather it);
     ``restore_train_state(state, scheduler=, lrs_from_scheduler=)``: takes the counters, the
     loss scaler's state and (``scheduler``) the schedule's, with ``lrs_from_scheduler`` also
-    writing the schedule's learning rates into the param groups."""
+    writing the schedule's learning rates into the param groups; ``check_train_state(state,
+    scheduler=, scheduler_type=)``: raises (ValueError) where that would, changing nothing."""
 
     module: torch.nn.Module
     zero: ZeroStage | None
@@ -53,6 +54,7 @@ class CheckpointSubject:
     full_module_state_dict: Callable[[bool], dict]
     whole_model_state_dict: Callable[[bool], dict]
     load_full_module_state: Callable[[dict], None]
+    check_train_state: Callable[..., None]
     restore_train_state: Callable[..., None]
     tag_validation: str = "WARN"
     """``checkpoint.tag_validation`` (``tag_agreement.py``): what differing tags do."""

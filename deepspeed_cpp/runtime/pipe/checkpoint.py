@@ -38,9 +38,7 @@ from torch import nn
 from ...comm.collective_errors import named_collective
 from ...utils.logging import logger
 from ..checkpoint.atomic_files import (
-    fsync_directory,
     publish_directory,
-    remove_tree,
     save_torch_atomically,
     write_text_atomically,
 )
@@ -51,6 +49,7 @@ from ..checkpoint.errors import (
     CheckpointSaveError,
     IncompleteCheckpointError,
 )
+from ..checkpoint.interrupted_saves import create_staging, discard_staging
 from ..checkpoint.layout import (
     DISPLACED_SUFFIX,
     FORMAT_NAME,
@@ -64,9 +63,11 @@ from ..checkpoint.layout import (
     read_metadata,
     resolve_checkpoint_dir,
 )
+from ..checkpoint.loader import check_module_matches
 from ..checkpoint.metadata import ZeroLayout, names_by_parameter, plain, to_json_text
 from ..checkpoint.rank_agreement import agree_on
 from ..checkpoint.rng_state import capture_rng_states, restore_rng_states
+from ..checkpoint.save_lock import SaveLock
 from ..checkpoint.saver import write_recovery_script_or_warn
 from ..checkpoint.shard_reader import load_mapped
 from ..checkpoint.subject import CheckpointSubject
@@ -195,13 +196,11 @@ def save_pipeline_checkpoint(
     save_dir = Path(save_dir)
     staging = save_dir / f"{tag}{STAGING_SUFFIX}"
     rank = dist.get_rank()
+    lock = SaveLock(save_dir)  # as the ZeRO saver's: one save per folder, killed saves cleared
 
     def prepare() -> None:
         if rank == 0:
-            save_dir.mkdir(parents=True, exist_ok=True)
-            remove_tree(staging)
-            staging.mkdir()
-            fsync_directory(save_dir)
+            create_staging(save_dir, staging, lock)
 
     published = False
     try:
@@ -249,8 +248,9 @@ def save_pipeline_checkpoint(
                         save_dir / tag, len(files) + 1)  # fmt: skip
         return True
     finally:
-        if not published and rank == 0:
-            remove_tree(staging)
+        if lock.held and not published:
+            discard_staging(staging)  # still under the lock: no other save can own it
+        lock.release()
 
 
 def load_pipeline_checkpoint(
@@ -308,6 +308,20 @@ def load_pipeline_checkpoint(
             shard = resharded_optimizer_state(optimizer, module, directory, stage_records, digests)
         states = read(stage_file(subject.stage_id if same_layout else 0), "stage states")
         client = read(stage_file(0), "stage states")["client_state"]
+        # What loading would refuse, refused before anything is written (on every rank).
+        for index, layer in _saved_layers(module):
+            try:
+                check_module_matches(layer, layers[index], load_module_strict)
+            except CheckpointMismatchError as error:
+                raise CheckpointMismatchError(f"{directory}, layer {index}: {error}") from None
+        if not load_module_only:
+            try:
+                base.check_train_state(
+                    _saved_train_state(states, base, wants_optimizer),
+                    scheduler=load_lr_scheduler_states and bool(states["lr_scheduler"]),
+                )
+            except ValueError as error:
+                raise CheckpointMismatchError(f"{directory}: {error}") from error
         return {"layers": layers, "shard": shard, "states": states, "client": client}
 
     loaded: dict = {}

@@ -97,6 +97,7 @@ class InPlaceGradients:
         self._reducing = self.reduces
         self._waiting = list(self._sizes)
         self._launched: list[dist.Work] = []
+        self._seen: set[int] = set()
 
     def grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
         """A gradient hook: parameter ``index``'s gradient is final for this backward."""
@@ -105,7 +106,23 @@ class InPlaceGradients:
         b = self._bucket_of.get(index)
         if b is None:
             return
+        if b < len(self._launched):
+            # The sum is on its way to the other ranks while autograd adds to it: the ranks
+            # would step with different, partial gradients. Nothing to mend, so stop loudly.
+            raise RuntimeError(
+                f"the gradient of parameter {index} (shape {list(param.shape)}) was accumulated "
+                f"again after gradient bucket {b}, which holds it, began its all-reduce: the "
+                "parameter is used twice in one backward and its bucket's other gradients were "
+                "final first (reentrant activation checkpointing runs such a second use late); "
+                "use torch.utils.checkpoint(..., use_reentrant=False) or deepspeed_cpp's "
+                "activation checkpointing"
+            )
         _adopt_one(param, self._view_of[index])  # autograd replaced it (create_graph=True)
+        if index in self._seen:
+            # Used twice (a shared layer in two reentrant checkpoints): counted once, the
+            # bucket waits for its other parameters, and a later firing is checked above.
+            return
+        self._seen.add(index)
         self._waiting[b] -= 1
         self._launch_ready()
 
