@@ -3,7 +3,8 @@
 exactly as ``engine.backward(loss); engine.step()`` does, pairwise over stage x precision x
 accumulation steps:
 
-- through the engine's output: the hooks divide by the accumulation steps; under fp16 the
+- through the engine's output: the hooks divide by the accumulation steps (also the gradients
+  of a reentrant checkpoint's segment, back-propagated in a nested graph task); under fp16 the
   loss comes through ``engine.scale(loss)`` (a loss scale of 256, so nothing rounds);
 - two engines in one process trained by one shared loss (DeepSpeed's multiple-model test):
   through ``engine.module`` plus ``_backward_epilogue()`` (gradients taken as they are: the
@@ -26,20 +27,26 @@ class LossAndOutput(torch.nn.Module):
     """Returns (loss, output) as a Hugging Face model does (its loss and the logits it came
     from): a backward through the loss reaches the output from inside the model."""
 
-    def __init__(self):
+    def __init__(self, reentrant: bool = False):
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
         )
+        self.reentrant = reentrant
 
     def forward(self, x, y=None):
-        out = self.net(x)
+        if self.reentrant:  # its backward runs as a graph task nested in the outer one
+            from torch.utils.checkpoint import checkpoint
+
+            out = checkpoint(self.net[1:], self.net[0](x), use_reentrant=True)
+        else:
+            out = self.net(x)
         return out if y is None else (_loss(out, y), out)
 
 
-def _model(seed: int) -> torch.nn.Module:
+def _model(seed: int, reentrant: bool = False) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return LossAndOutput()
+    return LossAndOutput(reentrant)
 
 
 def _config(stage: int, precision: str, gas: int) -> dict:
@@ -63,11 +70,13 @@ def _loss(output, target):
     return torch.nn.functional.mse_loss(output.float(), target)
 
 
-def _engines(count: int, seed: int, stage: int, precision: str, gas: int) -> list:
+def _engines(count: int, case: dict) -> list:
     import deepspeed_cpp
 
+    config = _config(case["stage"], case["precision"], case["gas"])
+    reentrant = case.get("reentrant", False)
     return [
-        deepspeed_cpp.initialize(model=_model(seed + i), config=_config(stage, precision, gas))[0]
+        deepspeed_cpp.initialize(model=_model(case["seed"] + i, reentrant), config=config)[0]
         for i in range(count)
     ]
 
@@ -89,10 +98,10 @@ def _half(x, engine):
 
 def _train(case: dict, batches) -> dict:
     """Trains ``case["engines"]`` engines two ways, side by side; returns both parameter lists."""
-    stage, precision, gas, style = case["stage"], case["precision"], case["gas"], case["style"]
+    gas, style = case["gas"], case["style"]
     count = case["engines"]
-    reference = _engines(count, case["seed"], stage, precision, gas)
-    ours = _engines(count, case["seed"], stage, precision, gas)
+    reference = _engines(count, case)
+    ours = _engines(count, case)
     for x, y in batches[: STEPS * gas]:
         # Reference: engine.backward of each engine's share of the shared loss.
         for i, engine in enumerate(reference):
@@ -136,24 +145,28 @@ def _train(case: dict, batches) -> dict:
     return result
 
 
+def _case(seed: int, stage: int, precision: str) -> dict:
+    return dict(seed=seed, stage=stage, precision=precision, gas=1)
+
+
 def _refusals(seed: int, x, y) -> dict:
     from deepspeed_cpp.runtime.call_order import StepWithoutBackwardError
     from deepspeed_cpp.runtime.torch_backward import TorchBackwardError
 
     out = {}
-    (stage0,) = _engines(1, seed, 0, "fp32", 1)
+    (stage0,) = _engines(1, _case(seed, 0, "fp32"))
     try:
         _loss(stage0(x), y).backward()
     except TorchBackwardError as error:
         out["stage0"] = str(error)
     stage0.destroy()
-    (fp16,) = _engines(1, seed, 1, "fp16", 1)
+    (fp16,) = _engines(1, _case(seed, 1, "fp16"))
     try:
         _loss(fp16(x.half()), y).backward()
     except TorchBackwardError as error:
         out["fp16"] = str(error)
     fp16.destroy()
-    (engine,) = _engines(1, seed, 2, "fp32", 1)
+    (engine,) = _engines(1, _case(seed, 2, "fp32"))
     for name in ("no_backward", "epilogue_only"):
         engine(x)
         if name == "epilogue_only":
@@ -194,6 +207,9 @@ CASES = [
     dict(stage=3, precision="fp16", gas=1, style="module", engines=2),
     dict(stage=1, precision="bf16", gas=1, style="module", engines=2),
     dict(stage=0, precision="fp32", gas=1, style="module", engines=1),
+    # A reentrant checkpoint in the model: its parameters' gradients are divided too.
+    dict(stage=1, precision="fp32", gas=2, style="engine", engines=1, reentrant=True),
+    dict(stage=3, precision="bf16", gas=4, style="loss_output", engines=1, reentrant=True),
 ]
 
 

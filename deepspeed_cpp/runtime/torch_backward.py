@@ -10,7 +10,8 @@ The contract, as DeepSpeed 0.19.8 defines it and this engine follows it:
   starts its reduction exactly as in ``engine.backward``), has each parameter's gradient divided
   by the gradient-accumulation steps (``engine.backward`` divides the loss; DeepSpeed divides at
   the outputs, which divides twice where one output is computed from another, as a model's loss
-  from its logits: this engine divides at the parameters, once), and queues the epilogue
+  from its logits: this engine divides at the parameters, once, also those of a reentrant
+  checkpoint, whose backward runs as a graph task nested in the outer one), and queues the epilogue
   on autograd's engine, so it runs when the backward finishes (the last reductions, the backward
   counted for ``step()``'s call-order check). Nothing else needs calling; a ``_backward_epilogue()``
   after it does nothing.
@@ -117,7 +118,11 @@ class TorchBackward:
         from) would divide the gradient flowing through both twice."""
 
         def divide(grad: torch.Tensor) -> torch.Tensor:
-            if self._dividing_task is None or self._dividing_task != _current_graph_task():
+            # Any graph task while the dividing backward is open: a reentrant checkpoint runs
+            # its segment's backward as a task nested in it, whose gradients are this
+            # backward's all the same (only one backward runs at a time; engine.backward, which
+            # divides its loss itself, never opens one).
+            if self._dividing_task is None or self.inside_engine_backward:
                 return grad
             return grad / self._engine.gradient_accumulation_steps()
 
@@ -153,6 +158,7 @@ class TorchBackward:
         ``_backward_epilogue()`` after it reduces again, and the next loss must be scaled again."""
         self.epilogue_ran = False
         self.scaled_by_engine = False
+        self._dividing_task = None  # a backward that raised part-way never ran its epilogue
 
     def script_epilogue(self) -> None:
         """``engine._backward_epilogue()`` called by the script: void after a backward whose

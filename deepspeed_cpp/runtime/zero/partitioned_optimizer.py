@@ -207,6 +207,12 @@ class ZeroPartitionedOptimizer:
             if boundary:
                 self._in_place_grads.begin_reduction()
             return
+        if self.stage < 2 and self.fragments.gradients_ready:
+            # Another backward after the boundary's, before step(): the shard gradients hold
+            # the kept .grad already reduced; handed over again with the new gradients added
+            # to it, it would count twice. Stages 2/3 (and the fp32 accumulators) keep none.
+            for param in self.params:
+                param.grad = None
         self._reduce_during_backward = self.stage >= 2 or boundary
         self._boundary_backward = boundary
         self.fragments.gradients_ready = False
