@@ -60,6 +60,17 @@ from deepspeed_cpp.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
             with_batch(fp16={"enabled": True, "Loss_Scale": 0}),
             "did you mean 'fp16.loss_scale'?",
         ),
+        (  # both names of one setting (DeepSpeed's alias): not "unknown", not "did you mean"
+            with_batch(
+                zero_optimization={
+                    "stage": 3,
+                    "gather_16bit_weights_on_model_save": True,
+                    "stage3_gather_16bit_weights_on_model_save": True,
+                }
+            ),
+            "gather_16bit_weights_on_model_save' (value true) is given twice: this setting is "
+            "also set under its other name (DeepSpeed's alias) in the same section",
+        ),  # fmt: skip
     ],
 )
 def test_unknown_key_is_named_with_the_nearest_valid_key(config, expected):

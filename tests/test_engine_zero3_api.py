@@ -373,3 +373,36 @@ def test_a_second_engine_does_not_inherit_the_first_ones_hooks(pool2, stage, exp
         # their scale).
         assert result["grad_norm"] == pytest.approx(reference.last_grad_norm, rel=1e-5)
         assert h.max_relative_difference(result["params"], h.named_state(reference)) <= 1e-6
+
+
+def buffer_dtypes_job(directory: str, seed: int, precision: str):
+    from checkpoint_training import build_engine, global_batches, make_model, train
+
+    from deepspeed_cpp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    expected = make_model(seed).offset
+    seen = {}
+    for stage in (0, 1, 2, 3):
+        engine = build_engine(seed, 1, stage, precision)
+        train(engine, global_batches(seed, 1))
+        engine.save_checkpoint(directory, tag=f"stage{stage}")
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(directory, tag=f"stage{stage}")
+        seen[stage] = (
+            engine.module.offset.dtype,
+            engine.module.mid.weight.dtype,
+            torch.equal(engine.module.offset, expected),
+            consolidated["offset"].dtype,
+            torch.equal(consolidated["offset"], expected),
+        )
+        engine.destroy()
+    return seen
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_low_precision_keeps_fp32_buffers_at_every_stage(pools, tmp_path, precision):
+    """The engine casts parameters only (DeepSpeed 0.19.8 does, so that e.g. a rotary
+    embedding's inv_freq stays fp32); ZeRO-3 used to cast the buffers too."""
+    low = torch.float16 if precision == "fp16" else torch.bfloat16
+    (seen,) = pools(1).run(buffer_dtypes_job, str(tmp_path), _seed(), precision)
+    for stage, facts in seen.items():
+        assert facts == (torch.float32, low, True, torch.float32, True), (stage, facts)

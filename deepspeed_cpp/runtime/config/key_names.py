@@ -79,6 +79,13 @@ def unknown_key_problem(
     """Words an unknown key: its path, its value, the nearest valid name, where it belongs."""
     candidates = set(candidates)
     key, parent = loc[-1], loc[:-1]
+    if key in candidates:
+        # A valid name refused all the same: its setting was given under its other name too
+        # (DeepSpeed's alias, e.g. the stage3_ spelling), and a field takes one.
+        return (
+            f"'{join_path(loc)}' (value {show(value)}) is given twice: this setting is also set "
+            "under its other name (DeepSpeed's alias) in the same section; give only one"
+        )
     message = f"unknown key '{join_path(loc)}' (value {show(value)})"
     hints = []
     close = nearest_key(key, candidates)

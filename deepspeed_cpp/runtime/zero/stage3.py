@@ -208,7 +208,9 @@ def partition_module(
     model_threshold: int,
 ) -> None:
     """Partitions every parameter of ``module`` not yet partitioned (rank 0's values), makes
-    the small ones persistent, and moves and casts buffers and shards to ``device``/``dtype``."""
+    the small ones persistent, casts the shards to ``dtype`` and moves shards and buffers to
+    ``device``. Buffers keep their dtype, as at stages 0-2 and in DeepSpeed 0.19.8 (its engine
+    casts parameters only: a rotary embedding's fp32 ``inv_freq`` stays fp32)."""
     persistent_total = 0
     seen = set()
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -240,8 +242,6 @@ def partition_module(
     for buffer_owner in module.modules():
         for name, buffer in buffer_owner.named_buffers(recurse=False):
             moved = buffer.to(device)
-            if dtype is not None and buffer.is_floating_point():
-                moved = moved.to(dtype)
             if dist.get_world_size(group) > 1:
                 with named_collective(
                     lambda name=name, owner=buffer_owner: (
