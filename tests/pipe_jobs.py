@@ -119,22 +119,37 @@ def _schedule(optimizer):
 
 
 def train_equals_one_process(
-    seed: int, steps: int, micro_batches: int, tied: bool, clip: float, zero_stage: int, stages=2
+    seed: int,
+    steps: int,
+    micro_batches: int,
+    tied: bool,
+    clip: float,
+    zero_stage: int,
+    stages=2,
+    slices=1,
 ) -> dict:
-    """Trains 2 stages x (world / 2) replicas and the reference on the same batches; returns
-    the largest differences (losses, parameters, eval loss and logits)."""
+    """Trains ``stages`` stages x (world / stages / slices) replicas and the reference on the
+    same batches; returns the largest differences (losses, parameters, eval loss and logits).
+    ``slices`` > 1: a tensor-parallel axis (PipeModelDataParallelTopology) whose ranks all hold
+    the same unsplit layers and see the same batches, as replicated parameters of a
+    tensor-parallel stage do."""
     import torch.distributed as dist
 
     import deepspeed_cpp as deepspeed
     from deepspeed_cpp.pipe import PipelineModule
+    from deepspeed_cpp.runtime.pipe.topology import PipeModelDataParallelTopology
 
     torch.set_default_dtype(torch.float32)
-    replicas = dist.get_world_size() // stages
+    replicas = dist.get_world_size() // (stages * slices)
     base_seed = seed % 10_000
     specs = layer_specs(tied)
+    layout = {"num_stages": stages}
+    if slices > 1:
+        topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=slices, num_dp=replicas)
+        layout = {"topology": topology}
     pipe = PipelineModule(
         specs,
-        num_stages=stages,
+        **layout,
         loss_fn=loss_fn,
         partition_method="uniform",
         seed_layers=True,

@@ -134,6 +134,19 @@ def test_two_stages_two_replicas_zero1_train_like_one_process(pool4):
     assert [r["stage"] for r in results] == [0, 0, 1, 1]  # data is the fastest axis
 
 
+def test_two_stages_two_tensor_slices_clip_on_the_whole_models_norm(pool4):
+    """Two stages x two tensor-parallel slices whose layers are not split (replicated, as a
+    TP stage's layer norms are): each replicated parameter counts once in the clipping norm,
+    on slice 0 (it counted on every slice, clipping harder than the reference)."""
+    seed = random.randrange(2**31)
+    results = pool4.run(jobs.train_equals_one_process, seed, 3, 2, True, 0.05, 0, 2, 2)
+    for result in results:
+        assert result["start"] == 0.0 and result["moved"] > 1e-3, result
+        for key in ("loss", "params", "eval", "logits"):
+            assert result[key] < 1e-6, (key, result)
+    assert [r["stage"] for r in results] == [0, 0, 1, 1]  # the slice is the fastest axis
+
+
 def test_checkpoint_resumes_bitwise_and_loads_at_one_stage(pool2, tmp_path):
     from pathlib import Path
 

@@ -94,6 +94,7 @@ class ModelParallelGroups:
     mp_group: dist.ProcessGroup | None
     mp_rank: int
     mp_world_size: int
+    tensor_rank: int = 0  # the tensor-parallel rank (a pipeline's slice; else mp_rank)
 
     @classmethod
     def from_mpu(cls, mpu) -> ModelParallelGroups:
@@ -110,6 +111,7 @@ class ModelParallelGroups:
             mp_group=mpu.get_model_parallel_group() if mp_world_size > 1 else None,
             mp_rank=mpu.get_model_parallel_rank(),
             mp_world_size=mp_world_size,
+            tensor_rank=_tensor_rank(mpu),
         )
 
     @property
@@ -123,9 +125,21 @@ class ModelParallelGroups:
         pipe_replicated = getattr(param, "ds_pipe_replicated", None)
         if pipe_replicated is not None:
             # A pipeline stage's parameter (runtime/pipe/module.py): every stage holds other
-            # layers; a tied weight's copies after its first stage are marked replicated.
-            return not pipe_replicated
+            # layers; a tied weight's copies after its first stage are marked replicated, and
+            # within a stage an unsplit parameter is held by every tensor-parallel slice.
+            if pipe_replicated:
+                return False
+            return self.tensor_rank == 0 or is_model_parallel_parameter(param)
         return self.mp_rank == 0 or is_model_parallel_parameter(param)
+
+
+def _tensor_rank(mpu) -> int:
+    """The tensor-parallel rank, by the first of DeepSpeed's names ``mpu`` has (a pipeline
+    grid's "model" rank spans its stages too: its slice rank is the tensor one)."""
+    for name in ("get_tensor_model_parallel_rank", "get_slice_parallel_rank"):
+        if hasattr(mpu, name):
+            return getattr(mpu, name)()
+    return mpu.get_model_parallel_rank()
 
 
 def register(mpu) -> None:
