@@ -67,8 +67,10 @@ class GatheredParameters:
     With ``modifier_rank`` set, the values that rank holds at the end of the block are broadcast
     and written back into every rank's shard (to initialise weights, resize an embedding, load
     values); without it, changes are discarded. Parameters that are not ZeRO-3 ones are left
-    alone, so the same code runs at any stage. Every rank must enter the block. Changing values
-    after ``initialize`` does not change the fp32 master weights (as in DeepSpeed): do it before.
+    alone, so the same code runs at any stage. Every rank must enter the block. After
+    ``initialize`` a change is trained on in fp32 (the shards are the fp32 masters), while in
+    bf16/fp16 the next step writes the unchanged masters back over it (DeepSpeed does that at
+    every precision): change values before ``initialize`` to get the same result everywhere.
     """
 
     def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled=True):
