@@ -157,10 +157,17 @@ class LossScalerBase:
     def update_scale(self, overflow: bool) -> None:
         """Records one optimizer step's outcome (True: its gradients held inf/nan)."""
 
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        """Restores a saved ``state_dict()`` (see ``_load``)."""
+        self._load(state_dict, announce=True)
+
     def check_state_dict(self, state_dict: Mapping) -> None:
-        """Raises what ``load_state_dict(state_dict)`` would, changing nothing: a checkpoint
-        checks every state before it restores any."""
-        copy.copy(self).load_state_dict(state_dict)
+        """Raises what ``load_state_dict(state_dict)`` would, changing nothing (and saying
+        nothing): a checkpoint checks every state before it restores any."""
+        copy.copy(self)._load(state_dict, announce=False)
+
+    def _load(self, state_dict: Mapping, announce: bool) -> None:
+        raise NotImplementedError
 
     has_inf_or_nan = staticmethod(has_inf_or_nan)
     found_inf_or_nan = staticmethod(found_inf_or_nan)
@@ -177,18 +184,19 @@ class StaticLossScaler(LossScalerBase):
         """The scale."""
         return {"cur_scale": self.cur_scale}
 
-    def load_state_dict(self, state_dict: Mapping) -> None:
+    def _load(self, state_dict: Mapping, announce: bool) -> None:
         """Restores the scale; a dynamic scaler's state (a run saved with ``loss_scale: 0``) is
         a point on its trajectory, not a chosen constant, so this scaler keeps its own."""
         scale = _required(state_dict, "cur_scale", type(self).__name__)
         scale = _positive_finite("state_dict['cur_scale']", scale)
         if "cur_iter" in state_dict:
-            logger.info(
-                "deepspeed_cpp: the checkpoint's loss scale was dynamic (%s); keeping the static "
-                "fp16.loss_scale %s",
-                scale,
-                self.cur_scale,
-            )
+            if announce:
+                logger.info(
+                    "deepspeed_cpp: the checkpoint's loss scale was dynamic (%s); keeping the "
+                    "static fp16.loss_scale %s",
+                    scale,
+                    self.cur_scale,
+                )
             return
         self.cur_scale = scale
 
@@ -290,7 +298,7 @@ class DynamicLossScaler(LossScalerBase):
             "cur_hysteresis": self.cur_hysteresis,
         }
 
-    def load_state_dict(self, state_dict: Mapping) -> None:
+    def _load(self, state_dict: Mapping, announce: bool) -> None:
         """Restores the running state; the next ``update_scale`` continues the trajectory. A
         static scaler's state (a run saved with ``loss_scale > 0``, its only key ``cur_scale``)
         starts a fresh trajectory at that scale (not below ``min_scale``)."""
@@ -300,11 +308,12 @@ class DynamicLossScaler(LossScalerBase):
             self.cur_scale = max(scale, self.min_scale)
             self.cur_iter, self.last_overflow_iter = 0, -1
             self.cur_hysteresis = self.delayed_shift
-            logger.info(
-                "deepspeed_cpp: the checkpoint's loss scale was static; dynamic scaling starts "
-                "at it (%s)",
-                self.cur_scale,
-            )
+            if announce:
+                logger.info(
+                    "deepspeed_cpp: the checkpoint's loss scale was static; dynamic scaling "
+                    "starts at it (%s)",
+                    self.cur_scale,
+                )
             return
         scale = _required(state_dict, "cur_scale", owner)
         cur_iter = _required(state_dict, "cur_iter", owner)
