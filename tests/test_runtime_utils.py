@@ -1,15 +1,19 @@
 """``deepspeed.runtime.utils``' helpers (one process): clip_grad_norm_ against torch's own,
 get_weight_norm / get_global_norm / CheckOverflow against plain arithmetic, the layer
-partitioners against brute force, move_to_device, call_to_str, count_used_parameters_in_backward.
-Their two-rank behaviour is in tests/test_deepspeed_names.py."""
+partitioners against DeepSpeed's own cuts and brute force, move_to_device, call_to_str,
+count_used_parameters_in_backward. Their two-rank behaviour is in tests/test_deepspeed_names.py."""
 
 import itertools
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from deepspeed_cpp.runtime import utils as ds_utils
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def _params(grads):
@@ -55,18 +59,34 @@ def _spread(weights, parts):
     return max(sums) - min(sums)
 
 
-@pytest.mark.parametrize("n, num_parts", [(7, 3), (9, 4), (6, 6), (3, 5), (8, 1)])
-def test_partition_balanced_is_as_even_as_any_split(n, num_parts):
+def test_partition_balanced_cuts_as_deepspeed_does():
+    """DeepSpeed's dynamic programme (one best split kept per prefix and part count, ties to
+    the latest cut) is not always the most even split of all (DS_TEST_SEED=1430471327: weights
+    [1, 4, 14, 7, 11, 13, ...] in 4 parts, spread 12 where 11 exists), but it is how DeepSpeed
+    cuts pipeline stages: ours must give its very cuts. The reference: DeepSpeed 0.19.8's own
+    function on 300 weight lists (fixtures/make_partition_balanced_fixture.py)."""
+    recorded = json.loads((FIXTURES / "partition_balanced_deepspeed.json").read_text())
+    assert recorded["deepspeed_version"] == "0.19.8" and len(recorded["cases"]) == 300
+    for case in recorded["cases"]:
+        parts = ds_utils.partition_balanced(case["weights"], case["num_parts"])
+        assert parts == case["parts"], case
+
+
+@pytest.mark.parametrize("n, num_parts", [(7, 3), (9, 4), (6, 6), (3, 5), (8, 1), (2, 2)])
+def test_partition_balanced_is_a_contiguous_split(n, num_parts):
     weights = torch.randint(1, 20, (n,)).tolist()
     parts = ds_utils.partition_balanced(weights, num_parts)
     assert len(parts) == num_parts + 1 and parts[0] == 0 and parts[-1] == n
     assert all(a <= b for a, b in zip(parts, parts[1:]))
     if n > num_parts:
+        assert all(a < b for a, b in zip(parts, parts[1:]))  # no empty part
         best = min(
             _spread(weights, [0, *cuts, n])
             for cuts in itertools.combinations(range(1, n), num_parts - 1)
         )
-        assert _spread(weights, parts) == best
+        # Within the largest weight of the most even split (the programme's one-split-per-prefix
+        # choice can miss it; checked over 300 DeepSpeed cases above).
+        assert best <= _spread(weights, parts) <= best + max(weights)
     else:
         assert parts == ds_utils.partition_uniform(n, num_parts)
 

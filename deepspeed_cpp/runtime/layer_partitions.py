@@ -32,10 +32,12 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 
 
 def partition_balanced(weights, num_parts: int) -> list[int]:
-    """Boundaries of ``num_parts`` contiguous parts of ``weights`` whose sums are as even as
-    possible: the split minimising (largest part sum - smallest part sum), by dynamic
-    programming over (items so far, parts so far); among equally good splits the one whose last
-    cut is latest. With no more items than parts: ``partition_uniform``."""
+    """Boundaries of ``num_parts`` non-empty contiguous parts of ``weights`` with even sums, cut
+    as DeepSpeed cuts them: dynamic programming over (items so far, parts so far) that keeps,
+    for each, the one split of least spread (largest part sum - smallest), ties to the latest
+    last cut, and extends it. Keeping one split per prefix can miss the most even split of all
+    (by a fraction of the largest weight); DeepSpeed's pipeline stages are cut this way, and so
+    are ours. With no more items than parts: ``partition_uniform``."""
     _check_parts(num_parts)
     n = len(weights)
     if n <= num_parts:
