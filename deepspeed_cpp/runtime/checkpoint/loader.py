@@ -400,19 +400,27 @@ def _read_tensor_parallel(subject, directories, options: dict, plan: _Plan) -> N
         )
 
 
-def _check_train_state(subject, plan: _Plan, options: dict, directory: Path) -> None:
-    """Refuses a loss scaler or schedule state the engine would fail to take while the plan
-    is applied, when the weights would already be written."""
-    if options["module_only"]:
-        return
+def refuse_untakeable_train_state(
+    subject, state: TrainState, directory, *, scheduler: bool, scheduler_type: str | None = None
+) -> None:
+    """Refuses (CheckpointMismatchError naming ``directory``) a loss scaler or schedule state
+    the engine would fail to take while a checkpoint is applied, when the weights would already
+    be written (``subject.check_train_state``); the pipeline's loader calls it too."""
     try:
-        subject.check_train_state(
+        subject.check_train_state(state, scheduler=scheduler, scheduler_type=scheduler_type)
+    except ValueError as error:
+        raise CheckpointMismatchError(f"{directory}: {error}") from error
+
+
+def _check_train_state(subject, plan: _Plan, options: dict, directory: Path) -> None:
+    if not options["module_only"]:
+        refuse_untakeable_train_state(
+            subject,
             TrainState.from_payload(plan.module_payload),
+            directory,
             scheduler=options["scheduler"],
             scheduler_type=plan.scheduler_type,
         )
-    except ValueError as error:
-        raise CheckpointMismatchError(f"{directory}: {error}") from error
 
 
 def _apply(subject, plan: _Plan, options: dict) -> None:

@@ -63,7 +63,7 @@ from ..checkpoint.layout import (
     read_metadata,
     resolve_checkpoint_dir,
 )
-from ..checkpoint.loader import check_module_matches
+from ..checkpoint.loader import check_module_matches, refuse_untakeable_train_state
 from ..checkpoint.metadata import ZeroLayout, names_by_parameter, plain, to_json_text
 from ..checkpoint.rank_agreement import agree_on
 from ..checkpoint.rng_state import capture_rng_states, restore_rng_states
@@ -315,13 +315,12 @@ def load_pipeline_checkpoint(
             except CheckpointMismatchError as error:
                 raise CheckpointMismatchError(f"{directory}, layer {index}: {error}") from None
         if not load_module_only:
-            try:
-                base.check_train_state(
-                    _saved_train_state(states, base, wants_optimizer),
-                    scheduler=load_lr_scheduler_states and bool(states["lr_scheduler"]),
-                )
-            except ValueError as error:
-                raise CheckpointMismatchError(f"{directory}: {error}") from error
+            refuse_untakeable_train_state(
+                base,
+                _saved_train_state(states, base, wants_optimizer),
+                directory,
+                scheduler=load_lr_scheduler_states and bool(states["lr_scheduler"]),
+            )
         return {"layers": layers, "shard": shard, "states": states, "client": client}
 
     loaded: dict = {}
